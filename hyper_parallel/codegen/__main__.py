@@ -1,0 +1,5 @@
+import sys
+
+from hyper_parallel.codegen.cli import main
+
+sys.exit(main())

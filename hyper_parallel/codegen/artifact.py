@@ -1,0 +1,109 @@
+"""Installing a bundle atomically (DESIGN §4).
+
+All files are written into a hidden sibling temp directory, ``codegen_meta.json``
+last, then the directory is swapped in. With an existing bundle the swap is one
+``renameat2(RENAME_EXCHANGE)`` call, so a reader sees the old complete bundle or the
+new complete one — even if this process is killed at any instant. Leftover temp
+directories from a killed run are removed by the next install.
+"""
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+META_FILE = "codegen_meta.json"
+_TEMP_PREFIX = ".hp-bundle-"  # only dirs named <prefix><bundle>-<dead pid>-* are ever removed
+_RENAME_EXCHANGE = 2
+
+
+class ArtifactError(OSError):
+    """The bundle directory cannot be written."""
+
+
+def write_bundle_atomic(artifact_dir: str | os.PathLike, files: dict[str, bytes], meta: bytes) -> Path:
+    """Install ``files`` plus ``codegen_meta.json`` as the bundle at ``artifact_dir``."""
+    target = Path(artifact_dir)
+    parent = target.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging_dirs(target)
+        staging = parent / f"{_TEMP_PREFIX}{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+    except PermissionError as exc:
+        raise ArtifactError(errno.EACCES, f"cannot write the bundle: {parent} is not writable "
+                                          f"({exc.strerror}); fix its permissions or set "
+                                          f"model.codegen_artifact_dir in the recipe") from None
+    try:
+        for name in sorted(files):
+            _write_synced(staging / name, files[name])
+        _write_synced(staging / META_FILE, meta)
+        _fsync_dir(staging)
+        _swap_in(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def remove_stale_staging_dirs(target: Path) -> list[Path]:
+    """Remove temp dirs a killed install left beside ``target``. A temp dir whose writer
+    is still alive is left alone, as is anything without our prefix."""
+    removed = []
+    prefix = f"{_TEMP_PREFIX}{target.name}-"
+    for entry in target.parent.glob(prefix + "*"):
+        pid_text = entry.name[len(prefix):].split("-", 1)[0]
+        if not entry.is_dir() or entry.is_symlink() or not pid_text.isdigit():
+            continue
+        if int(pid_text) != os.getpid() and _pid_alive(int(pid_text)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    try:
+        os.rename(staging, target)  # no bundle yet (or an empty dir): plain atomic rename
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR):
+            raise
+    _exchange(staging, target)  # staging now holds the old bundle; the caller removes it
+
+
+def _exchange(a: Path, b: Path) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    at_fdcwd = -100
+    rc = libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise ArtifactError(err, f"cannot swap the new bundle into {b}: {os.strerror(err)}")
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

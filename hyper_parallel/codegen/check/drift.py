@@ -1,0 +1,46 @@
+"""Drift: does the installed bundle still match the recipe and its own meta? Torch-free."""
+
+from pathlib import Path
+
+from hyper_parallel.codegen.hash import sha256_file
+from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
+from hyper_parallel.codegen.spec.project import signature_from_spec
+from hyper_parallel.codegen.spec.types import CodegenSpec
+
+
+def fix_command(spec: CodegenSpec) -> str:
+    return f"doit generate config={spec.recipe_path}"
+
+
+def bundle_file_problems(artifact_dir: Path, meta: dict) -> list[str]:
+    """Files listed in the meta that are missing or whose sha256 differs."""
+    problems = []
+    for name, expected in meta["outputs"].items():
+        path = artifact_dir / name
+        if not path.is_file():
+            problems.append(f"{path}: missing (listed in codegen_meta.json)")
+            continue
+        actual = sha256_file(path)
+        if actual != expected:
+            problems.append(f"{path}: sha256 mismatch: codegen_meta.json expects {expected}, "
+                            f"the file has {actual}")
+    return problems
+
+
+def installed_bundle_problems(spec: CodegenSpec) -> list[str]:
+    """Empty when the installed bundle is the one this recipe would generate."""
+    try:
+        meta = load_codegen_meta(spec.artifact_dir)
+    except MetaError as exc:
+        return [str(exc)]
+    problems = []
+    expected = signature_from_spec(spec)
+    if meta["signature"] != expected:
+        problems.append(
+            f"{spec.artifact_dir / 'codegen_meta.json'}: signature mismatch: the recipe "
+            f"{spec.recipe_path.name} now gives {expected}, the bundle was built for {meta['signature']} "
+            f"(a codegen input changed since generation)")
+    if meta.get("modeling_file") != spec.modeling_file:
+        problems.append(f"{spec.artifact_dir / 'codegen_meta.json'}: modeling_file: expected "
+                        f"{spec.modeling_file!r}, got {meta.get('modeling_file')!r}")
+    return problems + bundle_file_problems(spec.artifact_dir, meta)

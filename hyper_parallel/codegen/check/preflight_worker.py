@@ -1,0 +1,92 @@
+"""One rank of the torchrun preflight: integrity, import, apply the plan on the real
+mesh to a meta-device model, check local shard shapes, compare bundle digests.
+
+Run by ``run_torchrun_preflight``; not meant to be started by hand.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.codegen.check.preflight_worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--report", required=True)
+    args = parser.parse_args(argv)
+
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    dist.init_process_group("gloo")
+    try:
+        report = _check_rank(args.config, rank, dist)
+        error = None
+    except Exception as exc:  # every rank reports; rank 0 writes what failed where
+        report, error = None, f"rank {rank}: {type(exc).__name__}: {exc}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    failures = [e for e in errors if e]
+    if not failures:
+        digests = {r["digest"] for r in reports}
+        if len(digests) != 1:
+            failures = [f"rank {i}: bundle digest {r['digest']} differs from rank 0's {reports[0]['digest']}"
+                        for i, r in enumerate(reports) if r["digest"] != reports[0]["digest"]]
+    if rank == 0:
+        out = {"ok": not failures, "error": "\n".join(failures) or None, "world_size": dist.get_world_size()}
+        if not failures:
+            out.update(digest=reports[0]["digest"], params_checked=reports[0]["params_checked"],
+                       plan_entries=reports[0]["plan_entries"])
+        Path(args.report).write_text(json.dumps(out, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if not failures else 1
+
+
+def _check_rank(config_path: str, rank: int, dist) -> dict:
+    from hyper_parallel.codegen.check.preflight import PreflightError, plan_entry_for, preflight_integrity_check
+    from hyper_parallel.codegen.loader import load_generated_module
+    from hyper_parallel.codegen.meta import load_codegen_meta
+    from hyper_parallel.codegen.plan.derive import build_meta_model
+    from hyper_parallel.codegen.spec.project import check_launch_world_size, project_codegen_spec, signature_from_spec
+    from hyper_parallel.config import load_training_config
+    from hyper_parallel.distributed.placement_text import local_shard_shape
+    from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+
+    config = load_training_config(config_path)
+    check_launch_world_size(config)
+    spec = project_codegen_spec(config, workspace_root=os.environ.get("HYPER_PARALLEL_WORKSPACE"))
+    fix = f"doit generate config={config_path}"
+    report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec), fix=fix)
+    module = load_generated_module(spec.artifact_dir)
+    meta = load_codegen_meta(spec.artifact_dir)
+    model, _ = build_meta_model(spec, getattr(module, meta["model"]["model_class"]))
+    preflight_integrity_check(spec.artifact_dir, model=model, fix=fix)
+    p = spec.parallel
+    dims = ParallelDims(dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, pp=p.pp)
+    mesh = build_device_mesh(dims, "cpu")  # preflight checks layout, not kernels: gloo everywhere
+    global_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    module.hyper_parallelize(model, MeshContext(device_mesh=mesh, dims=dims))
+    plan = module.HYPER_PARALLEL_PLAN
+    coords = list(mesh.get_coordinate())
+    checked = 0
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        key, entry = plan_entry_for(owner, plan["modules"])
+        expected = local_shard_shape(global_shapes[name], entry["state_shardings"][leaf],
+                                     list(mesh.mesh_dim_names), list(mesh.mesh.shape), coords)
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if tuple(local.shape) != tuple(expected):
+            raise PreflightError(f"{name}: local shard shape {tuple(local.shape)} on rank {rank}, "
+                                 f"plan entry {key!r} expects {tuple(expected)}")
+        checked += 1
+    report["params_checked"] = checked
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``python -m hyper_parallel.codegen``: generate, check or clean a recipe's bundle.
+
+The same stages as ``doit generate`` / ``doit check`` / ``doit clean`` (DESIGN §1).
+"""
+
+import argparse
+import os
+import sys
+import traceback
+
+from hyper_parallel.codegen.check.drift import installed_bundle_problems
+from hyper_parallel.codegen.manager import clean_recipe, ensure_codegen_artifact, load_spec, run_pipeline
+from hyper_parallel.codegen.spec.project import check_launch_world_size
+from hyper_parallel.codegen.spec.types import STAGES
+
+EPILOG = """examples:
+  python -m hyper_parallel.codegen generate --config recipes/qwen3_moe.yaml
+  python -m hyper_parallel.codegen --verbose check --config recipes/qwen3_moe.yaml
+  python -m hyper_parallel.codegen clean --config recipes/qwen3_moe.yaml
+
+generate runs the stale stages (resolve, derive, freeze, emit, diff, install, preflight)
+and installs the bundle into <recipe folder>/generated/. check verifies the installed
+bundle against the recipe and runs the torchrun preflight. clean removes the bundle and
+the recipe's workspace under ./generated/. Under torchrun, rank 0 generates and the
+other ranks wait for it; every rank then runs the integrity preflight."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.codegen", epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="Generate a parallelized modeling file from a training recipe.")
+    parser.add_argument("--verbose", action="store_true", help="print per-stage progress and tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("generate", "build the bundle (only stale stages run)"),
+                       ("check", "verify the installed bundle and run the torchrun preflight"),
+                       ("clean", "remove the installed bundle and the workspace")):
+        cmd = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("--config", required=True, help="the training recipe (YAML)")
+        cmd.add_argument("--workspace", default=None,
+                         help="pipeline workspace root (default: ./generated)")
+        if name == "generate":
+            cmd.add_argument("--force", action="store_true", help="rerun every stage")
+            cmd.add_argument("--skip-preflight", action="store_true", help="stop after install")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = print if args.verbose else (lambda msg: None)
+    try:
+        return _dispatch(args, log)
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args: argparse.Namespace, log) -> int:
+    spec = load_spec(args.config, args.workspace)
+    if args.command == "clean":
+        clean_recipe(spec, log=print)
+        return 0
+    if "WORLD_SIZE" in os.environ:
+        return _under_torchrun(args, log)
+    if args.command == "generate":
+        stages = STAGES[:-1] if args.skip_preflight else STAGES
+        ran = run_pipeline(spec, stages, force=args.force, log=log)
+        print(f"{spec.artifact_dir}: {'stages run: ' + ', '.join(ran) if ran else 'up to date'}")
+        return 0
+    problems = installed_bundle_problems(spec)
+    if problems:
+        print("\n".join(problems) + f"\n  fix: doit generate config={args.config}", file=sys.stderr)
+        return 1
+    run_pipeline(spec, ["preflight"], force=True, log=log)
+    print(f"{spec.artifact_dir}: check passed")
+    return 0
+
+
+def _under_torchrun(args: argparse.Namespace, log) -> int:
+    from hyper_parallel.codegen.check.preflight import preflight_integrity_check
+    from hyper_parallel.codegen.spec.project import signature_from_spec
+    from hyper_parallel.config import load_training_config
+
+    config = load_training_config(args.config)
+    check_launch_world_size(config)
+    spec = ensure_codegen_artifact(config, workspace_root=args.workspace, log=log) \
+        if args.command == "generate" else load_spec(args.config, args.workspace)
+    report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
+                                       fix=f"doit generate config={args.config}")
+    print(f"rank {os.environ.get('RANK', '0')}: {spec.artifact_dir} ok (digest {report['digest'][:12]})")
+    return 0

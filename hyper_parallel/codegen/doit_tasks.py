@@ -1,0 +1,157 @@
+"""doit task definitions (dodo.py re-exports them). Import-light: no torch here.
+
+Each stage is one task per recipe. A task is up to date when its recorded signature
+equals the one computed now (``stage_is_current``); ``file_dep`` on the previous
+stage's output gives early cutoff, ``task_dep`` gives order (and lets ``doit clean``
+walk the chain). Recipes come from ``config=PATH`` or, without it, every YAML under
+``recipes/``.
+"""
+
+import os
+import traceback
+from functools import lru_cache
+from pathlib import Path
+
+from doit import get_var
+from doit.exceptions import TaskFailed
+
+from hyper_parallel.codegen.spec.project import recipe_id
+from hyper_parallel.codegen.spec.types import STAGES
+
+RECIPES_DIR = "recipes"
+WORKSPACE = "generated"
+
+DOIT_CONFIG = {
+    "default_tasks": ["generate"],
+    "backend": "json",
+    "dep_file": os.path.join(WORKSPACE, ".doit-db.json"),
+    "verbosity": 2,
+    "action_string_formatting": "new",
+}
+
+_DOC = {
+    "resolve": "find the HF modeling source, its sha256 and the transformers version",
+    "derive": "plan every module on a meta-device model over an offline mesh",
+    "freeze": "validate, normalize and pattern-compress the plan",
+    "emit": "write the generated modeling file and __init__.py (staged)",
+    "diff": "diff the generated file against the HF source (staged)",
+    "install": "swap the staged bundle into <recipe dir>/generated/ atomically",
+    "preflight": "torchrun across the recipe's world size: apply the plan, check shards and digests",
+}
+
+
+def selected_recipes() -> list[str]:
+    config = get_var("config")
+    if config:
+        return [config]
+    found = []
+    for path in sorted(Path(RECIPES_DIR).rglob("*.y*ml")):
+        if "generated" not in path.parts and "models" not in path.parts:
+            found.append(path.as_posix())
+    return found
+
+
+def _rid(path: str) -> str:
+    return recipe_id(Path(path).resolve(), Path.cwd())
+
+
+@lru_cache(maxsize=None)
+def _spec(path: str, mtime_ns: int):
+    from hyper_parallel.codegen.manager import load_spec
+    return load_spec(path, Path.cwd() / WORKSPACE)
+
+
+def spec_for(path: str):
+    return _spec(path, os.stat(path).st_mtime_ns)
+
+
+def stage_uptodate(stage: str, path: str) -> bool:
+    from hyper_parallel.codegen.stages import stage_is_current
+    try:
+        return stage_is_current(spec_for(path), stage)
+    except Exception:
+        return False  # the action runs and reports the problem
+
+
+def run_stage_action(stage: str, path: str):
+    from hyper_parallel.codegen.stages import run_stage
+    try:
+        run_stage(spec_for(path), stage, log=lambda msg: print(f"   {msg}", flush=True))
+    except Exception as exc:
+        return _failure(exc, path)
+    return None
+
+
+def check_action(path: str):
+    from hyper_parallel.codegen.check.drift import fix_command, installed_bundle_problems
+    from hyper_parallel.codegen.stages import run_stage
+    try:
+        spec = spec_for(path)
+        problems = installed_bundle_problems(spec)
+        if problems:
+            return TaskFailed("\n".join(problems) + f"\n  fix: {fix_command(spec)}")
+        run_stage(spec, "preflight", log=lambda msg: print(f"   {msg}", flush=True))
+    except Exception as exc:
+        return _failure(exc, path)
+    return None
+
+
+def clean_action(path: str, what: str) -> None:
+    import shutil
+    try:
+        spec = spec_for(path)
+    except Exception as exc:
+        print(f"   cannot clean {path}: {exc}")
+        return
+    target = spec.artifact_dir if what == "bundle" else spec.workspace
+    if target.is_dir():
+        shutil.rmtree(target)
+        print(f"   removed {target}")
+
+
+def _failure(exc: Exception, path: str) -> TaskFailed:
+    detail = traceback.format_exc() if os.environ.get("HYPER_PARALLEL_TRACEBACK") else ""
+    return TaskFailed(f"{path}: {type(exc).__name__}: {exc}\n{detail}".rstrip())
+
+
+def _workspace_file(path: str, name: str) -> str:
+    return os.path.join(WORKSPACE, _rid(path), name)
+
+
+_OUTPUTS = {"resolve": "source.json", "derive": "plan.json", "freeze": "frozen.json",
+            "emit": "emit.json", "diff": "diff.json"}
+_FILE_DEP = {"derive": ["resolve"], "freeze": ["derive"], "emit": ["freeze", "resolve"],
+             "diff": ["emit", "resolve"], "install": ["emit", "diff"]}
+
+
+def stage_tasks(stage: str):
+    """One doit subtask of ``stage`` per selected recipe."""
+    previous = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
+    for path in selected_recipes():
+        rid = _rid(path)
+        task = {
+            "name": rid,
+            "doc": _DOC[stage],
+            "actions": [(run_stage_action, [stage, path])],
+            "uptodate": [(stage_uptodate, [stage, path])],
+            "file_dep": [_workspace_file(path, _OUTPUTS[s]) for s in _FILE_DEP.get(stage, [])],
+            "task_dep": [f"{previous}:{rid}"] if previous else [],
+            "targets": [_workspace_file(path, _OUTPUTS[stage])] if stage in _OUTPUTS else [],
+        }
+        if stage == "resolve":
+            task["clean"] = [(clean_action, [path, "workspace"])]
+        if stage == "install":
+            task["clean"] = [(clean_action, [path, "bundle"])]
+        yield task
+
+
+def generate_tasks():
+    for path in selected_recipes():
+        yield {"name": _rid(path), "doc": "build the bundle through the torchrun preflight",
+               "actions": None, "task_dep": [f"preflight:{_rid(path)}"]}
+
+
+def check_tasks():
+    for path in selected_recipes():
+        yield {"name": _rid(path), "doc": "installed bundle matches the recipe; torchrun preflight",
+               "actions": [(check_action, [path])], "uptodate": [False], "verbosity": 2}

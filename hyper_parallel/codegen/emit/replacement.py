@@ -1,0 +1,83 @@
+"""Lower the recipe's ``replace_module`` entries into the generated model.
+
+The entries become a literal ``HYPER_REPLACEMENTS`` list, and every model class whose
+``__init__`` calls ``self.post_init()`` gets one line before that call::
+
+    hyper_apply_replacements(self, HYPER_REPLACEMENTS)
+
+Replacing before ``post_init`` lets HF initialize (and later load) the weights of the
+new modules like any other. Both the base model (``Qwen3MoeModel``) and the head
+(``Qwen3MoeForCausalLM``) carry the line: the base model's call replaces the layers as
+soon as they exist, the head's call skips modules that are already replaced, so each
+module is replaced exactly once whichever class is built (see
+``hyper_parallel.codegen.runtime.hyper_apply_replacements``).
+"""
+
+from typing import Any
+
+from hyper_parallel.codegen.astkit import (
+    SourceModule,
+    TextEdit,
+    find_method,
+    self_method_call_statements,
+    top_level_classes,
+)
+from hyper_parallel.codegen.emit.literal import render_literal
+
+APPLY_CALL = "hyper_apply_replacements(self, HYPER_REPLACEMENTS)"
+_REQUIRED = ("match", "target")
+_OPTIONAL = ("module_type", "exact_type", "kwargs", "origin")
+
+
+def normalize_replacements(replacements: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validated entries with keys in one fixed order (deterministic output)."""
+    out = []
+    for index, entry in enumerate(replacements):
+        where = f"replacements[{index}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected a mapping, got {type(entry).__name__}")
+        unknown = sorted(set(entry) - set(_REQUIRED) - set(_OPTIONAL))
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; expected {list(_REQUIRED + _OPTIONAL)}")
+        for key in ("match", "target"):
+            if not isinstance(entry.get(key), str) or not entry[key]:
+                raise ValueError(f"{where}.{key}: expected a non-empty string, got {entry.get(key)!r}")
+        module_type = entry.get("module_type")
+        if module_type is not None and not isinstance(module_type, str):
+            raise ValueError(f"{where}.module_type: expected a dotted class path or None, got {module_type!r}")
+        kwargs = entry.get("kwargs") or {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError(f"{where}.kwargs: expected a mapping of argument name to value, got {kwargs!r}")
+        normalized = {"match": entry["match"], "module_type": module_type,
+                      "exact_type": bool(entry.get("exact_type", False)),
+                      "target": entry["target"], "kwargs": dict(kwargs)}
+        if entry.get("origin"):
+            normalized["origin"] = str(entry["origin"])
+        out.append(normalized)
+    return out
+
+
+def render_replacements(replacements: list[dict[str, Any]]) -> str:
+    return ("# The recipe's replace_module entries; every model __init__ applies them before\n"
+            "# self.post_init(), so training sees the structure the plan was derived on.\n"
+            f"HYPER_REPLACEMENTS = {render_literal(replacements)}\n")
+
+
+def replacement_call_edits(source: SourceModule) -> list[TextEdit]:
+    """Insert :data:`APPLY_CALL` before each ``self.post_init()`` in a class ``__init__``."""
+    edits = []
+    for cls in top_level_classes(source.tree):
+        init = find_method(cls, "__init__")
+        if init is None:
+            continue
+        for stmt in self_method_call_statements(init, "post_init"):
+            try:
+                indent = source.lines.indent_of(stmt)
+            except ValueError as exc:
+                raise ValueError(f"{source.name}: class {cls.name}: {exc}") from None
+            at = source.lines.line_start(stmt.lineno)
+            edits.append(TextEdit(at, at, f"{indent}{APPLY_CALL}\n", why=f"{cls.name}.__init__ replacements"))
+    if not edits:
+        raise ValueError(f"{source.name}: no class __init__ calls self.post_init(); "
+                         f"cannot apply the recipe's replace_module entries in the generated model")
+    return edits

@@ -1,0 +1,65 @@
+"""codegen_meta.json: what a bundle is, what it was built from, and what it covers."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.codegen.artifact import META_FILE
+from hyper_parallel.codegen.hash import sha256_bytes
+from hyper_parallel.codegen.spec.types import CodegenSpec
+
+META_SCHEMA_VERSION = 1
+REQUIRED_META_FIELDS = ("schema_version", "signature", "recipe", "source", "model", "parallel",
+                        "modeling_file", "outputs", "plan", "covered", "not_covered")
+NOT_COVERED = (
+    "checkpoint_transforms: weight mapping and checkpoint conversion stay with the runtime (TODO)",
+    "pipeline_parallel: pp_size is recorded; PP splitting is done by the trainer",
+    "data_parallel: FSDP2 fully_shard over dp is applied by the trainer",
+    "activation_checkpointing, torch.compile and DeviceMesh construction are owned by the runtime",
+)
+
+
+class MetaError(ValueError):
+    """A codegen_meta.json that is missing, unreadable or incomplete."""
+
+
+def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, bytes],
+                       frozen: dict[str, Any], model_class: str) -> bytes:
+    meta = {
+        "schema_version": META_SCHEMA_VERSION,
+        "signature": signature,
+        "generator": "hyper-parallel codegen",
+        "recipe": spec.recipe_rel,
+        "source": spec.source.identity(),
+        "model": {"dir": spec.model_dir_rel, "config_sha256": spec.model_config_sha256,
+                  "config_overrides": spec.config_overrides, "model_class": model_class,
+                  "model_type": spec.source.model_type},
+        "parallel": spec.parallel.as_dict(),
+        "modeling_file": spec.modeling_file,
+        "outputs": {name: sha256_bytes(data) for name, data in sorted(files.items())},
+        "plan": {"entries": len(frozen["modules"]), "applied_axes": frozen["applied_axes"],
+                 "recorded_axes": frozen["recorded_axes"],
+                 "sha256": sha256_bytes(json.dumps(frozen, sort_keys=True).encode())},
+        "covered": {"sharding_plan": bool(frozen["modules"]),
+                    "module_overrides": bool(spec.replacements)},
+        "not_covered": list(NOT_COVERED),
+    }
+    return (json.dumps(meta, indent=2, sort_keys=False) + "\n").encode()
+
+
+def load_codegen_meta(artifact_dir: str | Path) -> dict[str, Any]:
+    path = Path(artifact_dir) / META_FILE
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MetaError(f"{path}: no bundle here (codegen_meta.json missing); run `doit generate`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MetaError(f"{path}: unreadable ({exc}); the bundle is damaged, run `doit generate`") from None
+    if not isinstance(meta, dict):
+        raise MetaError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    missing = [f for f in REQUIRED_META_FIELDS if f not in meta]
+    if missing:
+        raise MetaError(f"{path}: required field(s) missing: {', '.join(missing)}; run `doit generate`")
+    if meta["schema_version"] != META_SCHEMA_VERSION:
+        raise MetaError(f"{path}: schema_version: expected {META_SCHEMA_VERSION}, got {meta['schema_version']!r}")
+    return meta

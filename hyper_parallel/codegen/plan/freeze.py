@@ -1,0 +1,72 @@
+"""Freeze a derived plan: validate, normalize, compress by pattern. Torch-free.
+
+``model.layers.0.self_attn.q_proj`` … ``model.layers.47.self_attn.q_proj`` with equal
+entries become one ``model.layers.*.self_attn.q_proj`` entry, so the frozen plan has
+as many entries for 94 layers as for 48. Entries that differ between layers (dense
+vs MoE layers, say) keep their exact names.
+"""
+
+import re
+from typing import Any
+
+from hyper_parallel.distributed.placement_text import PlacementTextError, normalize_named_placement
+
+FROZEN_FORMAT = 1
+_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
+
+
+class FreezeError(ValueError):
+    """A derived plan that cannot be frozen; names the module and field."""
+
+
+def freeze_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    modules = {fqn: _normalize_entry(fqn, entry) for fqn, entry in plan["modules"].items()}
+    if not modules:
+        raise FreezeError("the derived plan has no module entries; nothing would be parallelized")
+    return {
+        "format": FROZEN_FORMAT,
+        "mesh": plan["mesh"],
+        "applied_axes": list(plan["applied_axes"]),
+        "recorded_axes": dict(sorted(plan["recorded_axes"].items())),
+        "modules": compress_by_pattern(modules),
+    }
+
+
+def compress_by_pattern(modules: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    groups: dict[str, list[str]] = {}
+    for fqn in modules:
+        groups.setdefault(_LAYER_INDEX.sub(".*", fqn), []).append(fqn)
+    out: dict[str, dict[str, Any]] = {}
+    for pattern, members in groups.items():
+        first = modules[members[0]]
+        if all(modules[m] == first for m in members[1:]):
+            out[pattern] = first
+        else:
+            out.update((m, modules[m]) for m in members)
+    return out
+
+
+def _normalize_entry(fqn: str, entry: dict[str, Any]) -> dict[str, Any]:
+    try:
+        out = {
+            "role": str(entry.get("role", "")),
+            "state_shardings": {
+                name: normalize_named_placement(named, where=f"{fqn}.{name}")
+                for name, named in sorted(entry.get("state_shardings", {}).items())},
+        }
+        for key in _IO_KEYS:
+            out[key] = _normalize_io(entry.get(key), f"{fqn}: {key}")
+    except PlacementTextError as exc:
+        raise FreezeError(str(exc)) from None
+    out["local_map"] = bool(entry.get("local_map", False))
+    return out
+
+
+def _normalize_io(value: Any, where: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = [value]
+    return [None if v is None else normalize_named_placement(v, where=f"{where}[{i}]")
+            for i, v in enumerate(value)]

@@ -1,0 +1,160 @@
+"""What generated modeling files call at run time.
+
+- ``hyper_apply_replacements(root, replacements)``: the recipe's ``replace_module``
+  entries, applied in the model's ``__init__`` before ``post_init()``.
+- ``hyper_parallelize(model, mesh_context, plan)``: hand the frozen plan to the one
+  applier (``hyper_parallel.distributed.applier``).
+
+Generated files import this module at import time, so it imports nothing beyond the
+standard library and torch; the applier is imported when it is first needed.
+"""
+
+import fnmatch
+import importlib
+import json
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+# Set on every module a replacement produced: the keys of the entries applied to it.
+# A later call (the head model's __init__ after the base model's) skips those modules.
+REPLACED_MARK = "_hyper_replaced_by"
+# Set on the root of each call: {fqn relative to the root: target} of what it replaced.
+REPLACED_RECORD = "_hyper_replaced"
+
+
+class ReplacementError(ValueError):
+    """A replace_module entry that cannot be applied; names the entry and the module."""
+
+
+def hyper_apply_replacements(root: nn.Module, replacements: Sequence[Mapping[str, Any]]) -> int:
+    """Replace every module of ``root`` that an entry's ``match`` glob hits with
+    ``target(module, **kwargs)``; return how many modules this call replaced.
+
+    FQNs are those of the top model the planner sees (``model.layers.0.self_attn`` for
+    ``Qwen3MoeForCausalLM``). An HF *base* model (``Qwen3MoeModel``, which lacks its
+    ``base_model_prefix`` attribute) sits under that prefix in the head, so its modules
+    are matched both as ``model.layers.0.self_attn`` and as ``layers.0.self_attn``.
+    Modules an entry already replaced are skipped but still count as hits, so the
+    head's call after the base model's replaces nothing twice. An entry that hits
+    nothing is an error, except in a base model for a pattern that may name a module
+    outside it (``lm_head``, ``*.self_attn``): the enclosing model's call checks it.
+    """
+    prefix = _base_model_prefix(root)
+    record = root.__dict__.setdefault(REPLACED_RECORD, {})
+    replaced = 0
+    for index, entry in enumerate(replacements):
+        origin = _origin(entry, index)
+        factory = _import_target(entry["target"], origin)
+        key = _entry_key(entry)
+        hits = 0
+        for fqn, name, module in list(_matches(root, entry["match"], prefix)):
+            hits += 1
+            if key in getattr(module, REPLACED_MARK, ()):
+                continue
+            _check_module_type(module, name, entry, origin)
+            new = factory(module, **dict(entry.get("kwargs") or {}))
+            if not isinstance(new, nn.Module):
+                raise ReplacementError(f"{origin}: {entry['target']} returned {type(new).__name__} for "
+                                       f"{name}, expected an nn.Module")
+            setattr(new, REPLACED_MARK, (*getattr(module, REPLACED_MARK, ()), key))
+            root.set_submodule(fqn, new)
+            record[fqn] = entry["target"]
+            replaced += 1
+        if hits == 0 and _must_hit_here(entry["match"], prefix):
+            raise ReplacementError(
+                f"{origin}: match {entry['match']!r} hits no module of {type(root).__name__} "
+                f"(an entry that matches nothing is an error, not a no-op); "
+                f"module names look like {_sample_names(root, prefix)}")
+    return replaced
+
+
+def hyper_parallelize(model: nn.Module, mesh_context: Any, plan: Mapping[str, Any]) -> nn.Module:
+    """Shard ``model`` in place on ``mesh_context`` with a frozen plan; return it."""
+    from hyper_parallel.distributed.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan_format import sharding_config_from_json
+
+    if plan.get("format") != 1:
+        raise ValueError(f"HYPER_PARALLEL_PLAN.format: expected 1, got {plan.get('format')!r}")
+    modules = {pattern: sharding_config_from_json(entry, where=f"HYPER_PARALLEL_PLAN.modules[{pattern!r}]")
+               for pattern, entry in plan["modules"].items()}
+    apply_sharding_plan(model, modules, mesh_context)
+    return model
+
+
+def _base_model_prefix(root: nn.Module) -> str:
+    """``"model"`` when ``root`` is an HF base model that heads nest under that name."""
+    prefix = getattr(type(root), "base_model_prefix", "")
+    if isinstance(prefix, str) and prefix and prefix not in root._modules:
+        return prefix
+    return ""
+
+
+def _matches(root: nn.Module, pattern: str, prefix: str) -> Iterator[tuple[str, str, nn.Module]]:
+    """(fqn in ``root``, name as reported, module) for each module ``pattern`` hits."""
+    for fqn, module in root.named_modules():
+        if not fqn:
+            continue
+        qualified = f"{prefix}.{fqn}" if prefix else fqn
+        if fnmatch.fnmatchcase(qualified, pattern) or (prefix and fnmatch.fnmatchcase(fqn, pattern)):
+            yield fqn, qualified, module
+
+
+def _must_hit_here(pattern: str, prefix: str) -> bool:
+    return not prefix or pattern.startswith(prefix + ".")
+
+
+def _import_target(target: str, origin: str):
+    module_name, _, attr = target.rpartition(".")
+    try:
+        if not module_name:
+            raise ImportError(f"{target!r} is not a dotted path (package.module.factory)")
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ReplacementError(f"{origin}: cannot import replacement target {target!r}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+    if not callable(factory):
+        raise ReplacementError(f"{origin}: replacement target {target!r} is {type(factory).__name__}, "
+                               f"expected a callable factory(module, **kwargs)")
+    return factory
+
+
+def _check_module_type(module: nn.Module, name: str, entry: Mapping[str, Any], origin: str) -> None:
+    expected = entry.get("module_type")
+    if not expected:
+        return
+    classes = [type(module)] if entry.get("exact_type") else type(module).__mro__
+    if any(expected in _class_paths(cls) for cls in classes):
+        return
+    actual = _class_paths(type(module))[0]
+    raise ReplacementError(f"{origin}: module {name} is {actual}, expected "
+                           f"{'exactly ' if entry.get('exact_type') else ''}{expected} "
+                           f"(match {entry['match']!r})")
+
+
+def _class_paths(cls: type) -> list[str]:
+    """The dotted names ``cls`` answers to: its own, and for a class defined in a
+    generated modeling file, the same class in the HF module it was generated from."""
+    paths = [f"{cls.__module__}.{cls.__qualname__}"]
+    source = getattr(sys.modules.get(cls.__module__), "HYPER_SOURCE_MODULE", None)
+    if isinstance(source, str):
+        paths.append(f"{source}.{cls.__qualname__}")
+    return paths
+
+
+def _origin(entry: Mapping[str, Any], index: int) -> str:
+    if entry.get("origin"):
+        return str(entry["origin"])
+    return f"plan_overrides entry with match {entry.get('match')!r} (replacement {index}): replace_module._target_"
+
+
+def _entry_key(entry: Mapping[str, Any]) -> str:
+    fields = {k: entry.get(k) for k in ("match", "module_type", "target", "kwargs")}
+    return json.dumps(fields, sort_keys=True, default=repr)
+
+
+def _sample_names(root: nn.Module, prefix: str, limit: int = 4) -> str:
+    names = [f"{prefix}.{fqn}" if prefix else fqn for fqn, _ in root.named_modules() if fqn]
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "") if names else "(no submodules)"

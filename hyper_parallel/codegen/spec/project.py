@@ -1,0 +1,163 @@
+"""project_codegen_spec(config) and the signatures computed from it (DESIGN §4).
+
+Nothing here imports torch or transformers: every doit up-to-date check runs it.
+"""
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.codegen.hash import implementation_sha256, sha256_bytes, sha256_file, sha256_json
+from hyper_parallel.codegen.source.resolver import read_model_config, resolve_model_source
+from hyper_parallel.codegen.spec.types import (
+    BUNDLE_IMPLEMENTATION,
+    STAGE_IMPLEMENTATION,
+    CodegenSpec,
+    ParallelSpec,
+)
+from hyper_parallel.config.loading import RecipeError
+from hyper_parallel.config.schema import PlanOverride, TrainerConfig
+from hyper_parallel.distributed.placement_text import PlacementTextError, normalize_named_placement
+
+SPEC_SCHEMA = 1
+DEFAULT_WORKSPACE = "generated"
+
+
+def model_token(model_type: str) -> str:
+    """``qwen3_moe`` → ``Qwen3_Moe`` (the seed's naming rule)."""
+    return "_".join(part[:1].upper() + part[1:] for part in re.split(r"[_\-]", model_type) if part)
+
+
+def modeling_file_name(model_type: str, device_type: str) -> str:
+    return f"modeling_{model_token(model_type)}_gen_{device_type}.py"
+
+
+def recipe_id(recipe_path: Path, root: Path) -> str:
+    rel = os.path.relpath(recipe_path, root)
+    stem = rel[:-5] if rel.endswith(".yaml") else rel[:-4] if rel.endswith(".yml") else rel
+    return re.sub(r"[^A-Za-z0-9_.-]+", "__", stem.replace(os.sep, "__").replace("..", "up"))
+
+
+def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | None = None) -> CodegenSpec:
+    """Project the recipe onto what codegen consumes. Reads config.json; writes nothing."""
+    if not config._yaml_path:
+        raise RecipeError("project_codegen_spec needs a config read by load_training_config (no _yaml_path)")
+    recipe_path = Path(config._yaml_path)
+    yaml_dir = recipe_path.parent
+    where = str(recipe_path)
+    model_dir = (yaml_dir / config.model.pretrained_model_name_or_path).resolve()
+    model_config = read_model_config(model_dir, recipe=where, key="model.pretrained_model_name_or_path")
+    acc = config.accelerator
+    parallel = ParallelSpec(dp=acc.dp_size, cp=acc.cp_size, tp=acc.tp_size, ep=acc.ep_size, pp=acc.pp_size,
+                            sequence_parallel=acc.sequence_parallel, loss_parallel=acc.loss_parallel,
+                            device_type=acc.device_type)
+    artifact_dir = (yaml_dir / (config.model.codegen_artifact_dir or "generated")).resolve()
+    root = Path(workspace_root) if workspace_root else Path.cwd() / DEFAULT_WORKSPACE
+    rid = recipe_id(recipe_path, root.parent)
+    return CodegenSpec(
+        recipe_path=recipe_path,
+        recipe_rel=os.path.relpath(recipe_path, artifact_dir).replace(os.sep, "/"),
+        model_dir=model_dir,
+        model_dir_rel=os.path.relpath(model_dir, yaml_dir).replace(os.sep, "/"),
+        model_config=model_config,
+        model_config_sha256=sha256_file(model_dir / "config.json"),
+        config_overrides=dict(config.model.config_overrides),
+        torch_dtype=config.model.torch_dtype,
+        attn_implementation=config.model.attn_implementation,
+        source=resolve_model_source(model_config["model_type"]),
+        parallel=parallel,
+        plan_overrides=tuple(_normalize_override(o, i, where) for i, o in enumerate(config.plan_overrides)),
+        artifact_dir=artifact_dir,
+        artifact_dir_rel=os.path.relpath(artifact_dir, yaml_dir).replace(os.sep, "/"),
+        modeling_file=modeling_file_name(model_config["model_type"], acc.device_type),
+        workspace=root / rid,
+        recipe_id=rid,
+    )
+
+
+def check_launch_world_size(config: TrainerConfig) -> None:
+    """Under torchrun, WORLD_SIZE must be the recipe's world size."""
+    launched = os.environ.get("WORLD_SIZE")
+    expected = config.accelerator.world_size
+    if launched is not None and int(launched) != expected:
+        raise RecipeError(
+            f"{config._yaml_path}: accelerator: the recipe needs world size dp*cp*tp*pp = {expected}, "
+            f"but torchrun started WORLD_SIZE={launched}; launch with --nproc_per_node={expected} "
+            f"(times nnodes) or change the recipe")
+
+
+def _normalize_override(entry: PlanOverride, index: int, where: str) -> dict[str, Any]:
+    key = f"plan_overrides[{index}]"
+    try:
+        out: dict[str, Any] = {
+            "match": entry.match,
+            "module_type": entry.module_type,
+            "exact_type": entry.exact_type,
+            "when": entry.when,
+            "replace_module": None if entry.replace_module is None else {
+                "target": entry.replace_module.target, "kwargs": dict(entry.replace_module.kwargs)},
+            "params": None if entry.params is None else {
+                name: normalize_named_placement(p, where=f"{key}.params.{name}")
+                for name, p in sorted(entry.params.items())},
+        }
+        for io in ("in_src", "in_dst", "out_src", "out_dst"):
+            out[io] = _normalize_io(getattr(entry, io), f"{key}.{io}")
+    except PlacementTextError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+    return out
+
+
+def _normalize_io(value: Any, where: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return [normalize_named_placement(value, where=where)]
+    if isinstance(value, list):
+        return [None if v is None else normalize_named_placement(v, where=f"{where}[{i}]")
+                for i, v in enumerate(value)]
+    raise PlacementTextError(f"{where}: expected a mapping or a list of mappings, got {value!r}")
+
+
+# --- signatures ---------------------------------------------------------------------------
+
+def bundle_signature_inputs(spec: CodegenSpec) -> dict[str, Any]:
+    """Exactly the inputs that can change a bundle's bytes (DESIGN §4)."""
+    return {
+        "schema": SPEC_SCHEMA,
+        "source": spec.source.identity(),
+        "model": {"dir": spec.model_dir_rel, "config_sha256": spec.model_config_sha256,
+                  "config_overrides": spec.config_overrides},
+        "parallel": spec.parallel.as_dict(),
+        "plan_overrides": list(spec.plan_overrides),
+        "artifact": {"dir": spec.artifact_dir_rel, "modeling_file": spec.modeling_file,
+                     "device_type": spec.parallel.device_type, "recipe": spec.recipe_rel},
+        "implementation_sha256": implementation_sha256(BUNDLE_IMPLEMENTATION),
+    }
+
+
+def signature_from_spec(spec: CodegenSpec) -> str:
+    """The bundle signature recorded in codegen_meta.json."""
+    return sha256_json(bundle_signature_inputs(spec))
+
+
+def stage_signature(spec: CodegenSpec, stage: str, upstream: dict[str, str]) -> str:
+    """Signature of one stage: its own recipe inputs, the sha256 of the upstream files
+    it reads (``upstream``: name → sha256) and the code it runs."""
+    own: dict[str, Any] = {
+        "resolve": lambda: {"source": spec.source.identity(), "model_dir": spec.model_dir_rel,
+                            "config_sha256": spec.model_config_sha256},
+        "derive": lambda: {"parallel": spec.parallel.as_dict(), "plan_overrides": list(spec.plan_overrides),
+                           "config_overrides": spec.config_overrides},
+        "freeze": lambda: {},
+        "emit": lambda: {"bundle_signature": signature_from_spec(spec), "modeling_file": spec.modeling_file},
+        "diff": lambda: {"modeling_file": spec.modeling_file},
+        "install": lambda: {"artifact_dir": spec.artifact_dir_rel},
+        "preflight": lambda: {"world_size": spec.parallel.world_size},
+    }[stage]()
+    return sha256_json({"stage": stage, "inputs": own, "upstream": upstream,
+                        "implementation_sha256": implementation_sha256(STAGE_IMPLEMENTATION[stage])})
+
+
+def text_sha256(text: str) -> str:
+    return sha256_bytes(text.encode("utf-8"))

@@ -1,0 +1,80 @@
+"""CodegenSpec: the part of a recipe that can change a generated bundle."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.codegen.source.resolver import ModelSource
+
+STAGES = ("resolve", "derive", "freeze", "emit", "diff", "install", "preflight")
+
+# Which parts of the package each stage's output depends on (relative to hyper_parallel/).
+# A change to one of these files reruns that stage; nothing else does.
+STAGE_IMPLEMENTATION = {
+    "resolve": ("codegen/source", "codegen/spec", "codegen/hash.py"),
+    "derive": ("codegen/plan", "codegen/runtime.py", "distributed", "protocols", "models", "components"),
+    "freeze": ("codegen/plan/freeze.py", "distributed/placement_text.py"),
+    "emit": ("codegen/emit", "codegen/astkit", "codegen/meta.py"),
+    "diff": ("codegen/emit/diff.py",),
+    "install": ("codegen/artifact.py",),
+    "preflight": ("codegen/check", "codegen/loader.py", "codegen/runtime.py", "distributed"),
+}
+BUNDLE_IMPLEMENTATION = tuple(sorted({p for parts in STAGE_IMPLEMENTATION.values() for p in parts}))
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    dp: int
+    cp: int
+    tp: int
+    ep: int
+    pp: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    device_type: str
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "pp": self.pp,
+                "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel,
+                "device_type": self.device_type, "world_size": self.world_size}
+
+
+@dataclass(frozen=True)
+class CodegenSpec:
+    """Everything codegen needs from a recipe. Absolute paths are for I/O only;
+    signatures use the ``*_rel`` fields, so moving the checkout keeps bundles valid."""
+
+    recipe_path: Path
+    recipe_rel: str  # the recipe as seen from the bundle directory, e.g. "../qwen3_moe.yaml"
+    model_dir: Path
+    model_dir_rel: str  # relative to the recipe's folder
+    model_config: dict[str, Any] = field(repr=False, hash=False, compare=False)
+    model_config_sha256: str = ""
+    config_overrides: dict[str, Any] = field(default_factory=dict, hash=False)
+    torch_dtype: str = "float32"
+    attn_implementation: str = "eager"
+    source: ModelSource | None = None
+    parallel: ParallelSpec | None = None
+    plan_overrides: tuple[dict[str, Any], ...] = ()
+    artifact_dir: Path = Path()
+    artifact_dir_rel: str = "generated"
+    modeling_file: str = ""
+    workspace: Path = Path()
+    recipe_id: str = ""
+
+    @property
+    def replacements(self) -> list[dict[str, Any]]:
+        """The ``replace_module`` entries, in the form the emitter and runtime take."""
+        return [
+            {"match": o["match"], "module_type": o["module_type"], "exact_type": o["exact_type"],
+             "target": o["replace_module"]["target"], "kwargs": o["replace_module"]["kwargs"]}
+            for o in self.plan_overrides if o.get("replace_module")
+        ]
+
+    @property
+    def diff_file(self) -> str:
+        return self.modeling_file + ".diff"

@@ -1,0 +1,239 @@
+"""The pipeline stages as library functions (DESIGN §4).
+
+Each stage reads its inputs from the recipe's workspace, writes its output there with
+the signature it was built from, and is current when that recorded signature equals
+the one computed now. doit, the CLI and the training path all call these functions.
+Only ``derive`` and ``preflight`` import torch, and only when they actually run.
+"""
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.codegen.artifact import META_FILE, write_bundle_atomic
+from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
+from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
+from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class StageFiles:
+    """Where a recipe's stage outputs live in its workspace."""
+
+    spec: CodegenSpec
+
+    @property
+    def source(self) -> Path:
+        return self.spec.workspace / "source.json"
+
+    @property
+    def plan(self) -> Path:
+        return self.spec.workspace / "plan.json"
+
+    @property
+    def frozen(self) -> Path:
+        return self.spec.workspace / "frozen.json"
+
+    @property
+    def staged(self) -> Path:
+        return self.spec.workspace / "staged"
+
+    @property
+    def emit_stamp(self) -> Path:
+        return self.spec.workspace / "emit.json"
+
+    @property
+    def diff_stamp(self) -> Path:
+        return self.spec.workspace / "diff.json"
+
+    @property
+    def preflight_stamp(self) -> Path:
+        return self.spec.workspace / "preflight.json"
+
+    def output(self, stage: str) -> Path:
+        return {"resolve": self.source, "derive": self.plan, "freeze": self.frozen,
+                "emit": self.emit_stamp, "diff": self.diff_stamp,
+                "install": self.spec.artifact_dir / META_FILE,
+                "preflight": self.preflight_stamp}[stage]
+
+    def upstream(self, stage: str) -> list[Path]:
+        return {"resolve": [], "derive": [self.source], "freeze": [self.plan],
+                "emit": [self.frozen, self.source], "diff": [self.emit_stamp, self.source],
+                "install": [self.emit_stamp, self.diff_stamp],
+                "preflight": [self.spec.artifact_dir / META_FILE]}[stage]
+
+
+def expected_signature(spec: CodegenSpec, stage: str) -> str | None:
+    """The signature ``stage`` would record now, or None when an input is missing."""
+    if stage == "install":
+        return signature_from_spec(spec)
+    upstream = {}
+    for path in StageFiles(spec).upstream(stage):
+        if not path.is_file():
+            return None
+        upstream[path.name] = sha256_file(path)
+    return stage_signature(spec, stage, upstream)
+
+
+def stage_is_current(spec: CodegenSpec, stage: str) -> bool:
+    expected = expected_signature(spec, stage)
+    if expected is None:
+        return False
+    if stage == "install":
+        from hyper_parallel.codegen.check.drift import installed_bundle_problems
+        return not installed_bundle_problems(spec)
+    record = read_json(StageFiles(spec).output(stage))
+    if record is None or record.get("signature") != expected:
+        return False
+    outputs = record.get("outputs", {})
+    staged = StageFiles(spec).staged
+    return all((staged / n).is_file() and sha256_file(staged / n) == h for n, h in outputs.items())
+
+
+# --- the stages ----------------------------------------------------------------------------
+
+def run_resolve(spec: CodegenSpec, log: Log) -> None:
+    architectures = spec.model_config.get("architectures") or [None]
+    write_json(StageFiles(spec).source, {
+        "signature": expected_signature(spec, "resolve"),
+        "source": spec.source.identity(),
+        "model_config_sha256": spec.model_config_sha256,
+        "architecture": architectures[0],
+    })
+    log(f"source {spec.source.module} sha256 {spec.source.sha256[:12]} "
+        f"(transformers {spec.source.transformers_version})")
+
+
+def run_derive(spec: CodegenSpec, log: Log) -> None:
+    from hyper_parallel.codegen.plan.derive import derive_plan
+
+    derived = derive_plan(spec)
+    plan = derived["plan"]
+    write_json(StageFiles(spec).plan, {"signature": expected_signature(spec, "derive"), **derived})
+    log(f"{len(plan['modules'])} module entries on mesh {dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))}; "
+        f"applied axes {plan['applied_axes'] or 'none'}")
+
+
+def run_freeze(spec: CodegenSpec, log: Log) -> None:
+    from hyper_parallel.codegen.plan.freeze import freeze_plan
+
+    derived = read_json(StageFiles(spec).plan)
+    frozen = freeze_plan(derived["plan"])
+    write_json(StageFiles(spec).frozen, {"signature": expected_signature(spec, "freeze"),
+                                         "model_class": derived["model_class"], "frozen": frozen})
+    log(f"{len(frozen['modules'])} frozen entries (from {len(derived['plan']['modules'])})")
+
+
+def run_emit(spec: CodegenSpec, log: Log) -> None:
+    from hyper_parallel.codegen.emit.bundle import render_bundle_init
+    from hyper_parallel.codegen.emit.modeling import emit_modeling_source
+    from hyper_parallel.codegen.source.resolver import source_text
+
+    files = StageFiles(spec)
+    frozen = read_json(files.frozen)
+    text = emit_modeling_source(
+        source_text=source_text(spec.source), source_module=spec.source.module,
+        banner=banner_fields(spec, frozen["frozen"]), frozen_plan=frozen["frozen"],
+        replacements=spec.replacements)
+    outputs = {spec.modeling_file: text.encode(), "__init__.py":
+               render_bundle_init(spec, frozen["model_class"]).encode()}
+    _write_staged(spec, "emit", outputs)
+    log(f"{spec.modeling_file}: {len(text.splitlines())} lines")
+
+
+def run_diff(spec: CodegenSpec, log: Log) -> None:
+    from hyper_parallel.codegen.emit.diff import unified_diff_text
+    from hyper_parallel.codegen.source.resolver import source_text
+
+    generated = (StageFiles(spec).staged / spec.modeling_file).read_text(encoding="utf-8")
+    diff = unified_diff_text(source_text(spec.source), f"transformers/{spec.source.file}",
+                             generated, spec.modeling_file)
+    _write_staged(spec, "diff", {spec.diff_file: diff.encode()})
+    log(f"{spec.diff_file}: {sum(1 for line in diff.splitlines() if line[:1] in '+-')} changed lines")
+
+
+def run_install(spec: CodegenSpec, log: Log) -> None:
+    from hyper_parallel.codegen.meta import build_codegen_meta
+
+    files = StageFiles(spec)
+    names = [*read_json(files.emit_stamp)["outputs"], *read_json(files.diff_stamp)["outputs"]]
+    payload = {name: (files.staged / name).read_bytes() for name in names}
+    frozen = read_json(files.frozen)
+    meta = build_codegen_meta(spec, signature=signature_from_spec(spec), files=payload,
+                              frozen=frozen["frozen"], model_class=frozen["model_class"])
+    write_bundle_atomic(spec.artifact_dir, payload, meta)
+    log(f"installed {spec.artifact_dir}")
+
+
+def run_preflight(spec: CodegenSpec, log: Log) -> None:
+    from hyper_parallel.codegen.check.preflight import run_torchrun_preflight
+
+    report = run_torchrun_preflight(spec, log)
+    write_json(StageFiles(spec).preflight_stamp,
+               {"signature": expected_signature(spec, "preflight"), "report": report})
+
+
+STAGE_RUNNERS: dict[str, Callable[[CodegenSpec, Log], None]] = {
+    "resolve": run_resolve, "derive": run_derive, "freeze": run_freeze, "emit": run_emit,
+    "diff": run_diff, "install": run_install, "preflight": run_preflight,
+}
+assert tuple(STAGE_RUNNERS) == STAGES
+
+
+def run_stage(spec: CodegenSpec, stage: str, log: Log = print) -> float:
+    """Run one stage (unconditionally) and return its wall time in seconds."""
+    start = time.perf_counter()
+    STAGE_RUNNERS[stage](spec, lambda msg: log(f"[{stage}] {msg}"))
+    return time.perf_counter() - start
+
+
+def banner_fields(spec: CodegenSpec, frozen: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "recipe": spec.recipe_rel,
+        "signature": signature_from_spec(spec),
+        "source_module": spec.source.module,
+        "source_sha256": spec.source.sha256,
+        "transformers_version": spec.source.transformers_version,
+        "parallel_dims": spec.parallel.as_dict(),
+        "applied_axes": frozen["applied_axes"],
+        "recorded_axes": frozen["recorded_axes"],
+        "regenerate": f"doit generate config=<path to {spec.recipe_path.name}>",
+    }
+
+
+# --- small file helpers ----------------------------------------------------------------------
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    write_if_changed(path, (json.dumps(value, indent=1, sort_keys=False) + "\n").encode())
+
+
+def write_if_changed(path: Path, data: bytes) -> None:
+    """Leave identical files untouched (mtime too): the early cutoff for later stages."""
+    if path.is_file() and path.read_bytes() == data:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _write_staged(spec: CodegenSpec, stage: str, outputs: dict[str, bytes]) -> None:
+    files = StageFiles(spec)
+    for name, data in outputs.items():
+        write_if_changed(files.staged / name, data)
+    stamp = files.emit_stamp if stage == "emit" else files.diff_stamp
+    write_json(stamp, {"signature": expected_signature(spec, stage),
+                       "outputs": {name: sha256_bytes(data) for name, data in outputs.items()}})

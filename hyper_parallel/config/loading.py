@@ -1,0 +1,143 @@
+"""Read a recipe YAML into a TrainerConfig: strict keys, typed values, no side effects."""
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hyper_parallel.config.schema import (
+    DEVICE_TYPES,
+    MODELING_BACKENDS,
+    OVERRIDE_AXES,
+    PlanOverride,
+    ReplaceModuleConfig,
+    TrainerConfig,
+)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the file and the key."""
+
+
+def load_training_config(path: str | os.PathLike) -> TrainerConfig:
+    """Parse and validate the recipe at ``path``. Never writes anything."""
+    yaml_path = Path(path).resolve()
+    try:
+        text = yaml_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: recipe file not found") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: malformed YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    config = _build(TrainerConfig, data, str(path), "")
+    config._yaml_path = str(yaml_path)
+    validate_training_config(config, str(path))
+    return config
+
+
+def validate_training_config(config: TrainerConfig, where: str) -> None:
+    acc = config.accelerator
+    if acc.device_type not in DEVICE_TYPES:
+        raise RecipeError(f"{where}: accelerator.device_type: expected one of "
+                          f"{', '.join(DEVICE_TYPES)}, got {acc.device_type!r}")
+    for key in ("dp_size", "tp_size", "cp_size", "ep_size", "pp_size", "nproc_per_node", "nnodes"):
+        if getattr(acc, key) < 1:
+            raise RecipeError(f"{where}: accelerator.{key}: expected an integer >= 1, got {getattr(acc, key)}")
+    launched = acc.nproc_per_node * acc.nnodes
+    if acc.world_size != launched:
+        raise RecipeError(
+            f"{where}: accelerator: dp_size*cp_size*tp_size*pp_size = {acc.world_size} must equal "
+            f"nproc_per_node*nnodes = {launched}")
+    if (acc.dp_size * acc.cp_size) % acc.ep_size:
+        raise RecipeError(f"{where}: accelerator.ep_size: expected a divisor of dp_size*cp_size = "
+                          f"{acc.dp_size * acc.cp_size}, got {acc.ep_size}")
+    if config.modeling_backend is not None and config.modeling_backend not in MODELING_BACKENDS:
+        raise RecipeError(f"{where}: modeling_backend: expected one of {', '.join(MODELING_BACKENDS)}, "
+                          f"got {config.modeling_backend!r}")
+    for i, entry in enumerate(config.plan_overrides):
+        if entry.when is not None and entry.when not in OVERRIDE_AXES:
+            raise RecipeError(f"{where}: plan_overrides[{i}].when: expected one of "
+                              f"{', '.join(OVERRIDE_AXES)}, got {entry.when!r}")
+
+
+def _build(cls: type, data: Any, where: str, key: str) -> Any:
+    if cls is ReplaceModuleConfig:
+        return _build_replace_module(data, where, key)
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: {key or 'top level'}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    unknown = sorted(k for k in data if k not in fields)
+    if unknown:
+        full = f"{key}.{unknown[0]}" if key else unknown[0]
+        raise RecipeError(f"{where}: unknown key {full!r}; expected one of {', '.join(sorted(fields))}")
+    values = {}
+    for name, fld in fields.items():
+        sub = f"{key}.{name}" if key else name
+        if name in data:
+            values[name] = _convert(hints[name], data[name], where, sub)
+        elif fld.default is dataclasses.MISSING and fld.default_factory is dataclasses.MISSING:
+            raise RecipeError(f"{where}: missing required key {sub!r}")
+    return cls(**values)
+
+
+def _build_replace_module(data: Any, where: str, key: str) -> ReplaceModuleConfig:
+    if not isinstance(data, dict) or not isinstance(data.get("_target_"), str):
+        raise RecipeError(f"{where}: {key}: expected a mapping with a string '_target_' "
+                          f"(a dotted factory path), got {data!r}")
+    kwargs = {k: v for k, v in data.items() if k != "_target_"}
+    return ReplaceModuleConfig(target=data["_target_"], kwargs=kwargs)
+
+
+def _convert(hint: Any, value: Any, where: str, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _convert(option, value, where, key)
+            except RecipeError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(f"{where}: {key}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_convert(item, v, where, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{where}: {key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    return _convert_scalar(hint, value, where, key)
+
+
+def _convert_scalar(hint: type, value: Any, where: str, key: str) -> Any:
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        raise RecipeError(f"{where}: {key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+__all__ = ["RecipeError", "load_training_config", "validate_training_config", "PlanOverride"]

@@ -1,0 +1,100 @@
+"""The training recipe as dataclasses (DESIGN §3).
+
+The recipe YAML is the only input of codegen; these classes mirror its top-level
+layout. Field defaults are the values a key takes when the recipe leaves it out.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEVICE_TYPES = ("npu", "cuda", "cpu")
+MODELING_BACKENDS = ("hf", "custom", "gen")
+OVERRIDE_AXES = ("tp", "cp", "ep", "sp", "dp", "pp")
+
+
+@dataclass
+class ModelConfig:
+    pretrained_model_name_or_path: str
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    torch_dtype: str = "float32"
+    attn_implementation: str = "eager"
+    force_hf: bool = False
+    codegen_artifact_dir: str | None = None
+
+
+@dataclass
+class AcceleratorConfig:
+    device_type: str = "cpu"
+    dp_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    pp_size: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    nproc_per_node: int = 1
+    nnodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.cp_size * self.tp_size * self.pp_size
+
+
+@dataclass
+class ReplaceModuleConfig:
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PlanOverride:
+    match: str
+    module_type: str | None = None
+    exact_type: bool = False
+    when: str | None = None
+    replace_module: ReplaceModuleConfig | None = None
+    params: dict[str, dict[str, str]] | None = None
+    in_src: Any = None
+    in_dst: Any = None
+    out_src: Any = None
+    out_dst: Any = None
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 10
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    seq_len: int = 128
+    seed: int = 0
+    log_every: int = 1
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 1.0e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+
+
+@dataclass
+class DatasetConfig:
+    kind: str = "synthetic"
+    path: str | None = None
+
+
+@dataclass
+class TrainerConfig:
+    model: ModelConfig
+    accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)
+    plan_overrides: list[PlanOverride] = field(default_factory=list)
+    codegen: bool = False
+    modeling_backend: str | None = None
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    # Absolute path of the YAML this config was read from; set by load_training_config.
+    _yaml_path: str | None = field(default=None, repr=False, compare=False)

@@ -1,0 +1,315 @@
+"""The one applier: a plan (``{FQN or glob: ShardingConfig}``) -> DTensors and hooks.
+
+For each planned module:
+
+- its parameters become DTensors on the sub-mesh of the axes the entry names. Every
+  rank holds the full tensor (or a meta tensor), so the local shard is sliced locally
+  and wrapped with ``DTensor.from_local``; nothing is scattered.
+- a forward pre-hook turns the positional inputs (plain local tensors between
+  modules) into DTensors laid out as ``in_src`` and redistributes them to ``in_dst``;
+  a forward hook redistributes outputs to ``out_dst`` and hands back local tensors.
+- ``local_map`` modules compute on plain local tensors: inputs are unwrapped after
+  redistribution and parameters are swapped for their local shards while the module
+  runs. Where the module's work is split across an axis (some input or parameter is
+  sharded on it), what is replicated on that axis gets a ``Partial`` gradient, so
+  DTensor sums it across ranks.
+- a parameter whose gradient arrives ``Partial`` (replicated weight, split work) is
+  reduced after accumulation, so ``param.grad`` always has the parameter's placements.
+"""
+
+import fnmatch
+import inspect
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hyper_parallel.distributed.mesh import MeshContext
+from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa: F401  (re-exported)
+from hyper_parallel.distributed.placements import as_placement
+from hyper_parallel.protocols.sharding import ShardingConfig
+
+_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
+
+
+class PlanApplyError(ValueError):
+    """A plan that does not fit the model or the mesh it is applied to."""
+
+
+def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig | Mapping], mesh) -> nn.Module:
+    device_mesh = mesh.device_mesh if isinstance(mesh, MeshContext) else mesh
+    mesh_axes = tuple(device_mesh.mesh_dim_names or ())
+    if not mesh_axes:
+        raise PlanApplyError("apply_sharding_plan needs a DeviceMesh with mesh_dim_names")
+    sub_meshes: dict[tuple[str, ...], object] = {}
+    sharded: dict[int, nn.Parameter] = {}  # id(original parameter) -> DTensor parameter (tied weights)
+    for fqn, config in _resolve_targets(model, modules).items():
+        axes = _axes_of(config, mesh_axes, fqn)
+        if not axes:
+            continue
+        if axes not in sub_meshes:
+            sub_meshes[axes] = device_mesh[axes[0]] if len(axes) == 1 else device_mesh[axes]
+        module = model.get_submodule(fqn)
+        _shard_states(module, fqn, config, sub_meshes[axes], axes, sharded)
+        _install_hooks(module, config, sub_meshes[axes], axes)
+    return model
+
+
+# --- which modules ---------------------------------------------------------------------------
+
+
+def _resolve_targets(model: nn.Module, modules: Mapping) -> dict[str, ShardingConfig]:
+    """Expand globs to exact FQNs; a later exact key wins over a glob for the same module."""
+    names = [name for name, _ in model.named_modules()]
+    known = set(names)
+    resolved: dict[str, ShardingConfig] = {}
+    exact: dict[str, ShardingConfig] = {}
+    for key, config in modules.items():
+        config = _as_config(config, key)
+        if key in known:
+            exact[key] = config
+            continue
+        hits = [name for name in names if fnmatch.fnmatchcase(name, key)] if _is_glob(key) else []
+        if not hits:
+            raise PlanApplyError(f"plan key {key!r} matches no module of {type(model).__name__}")
+        for name in hits:
+            resolved[name] = config
+    resolved.update(exact)
+    return resolved
+
+
+def _is_glob(key: str) -> bool:
+    return any(ch in key for ch in "*?[")
+
+
+def _as_config(config, key: str) -> ShardingConfig:
+    if isinstance(config, ShardingConfig):
+        return config
+    if isinstance(config, Mapping):
+        from hyper_parallel.distributed.plan_format import sharding_config_from_json
+
+        return sharding_config_from_json({k: v for k, v in config.items()}, where=f"plan[{key!r}]")
+    raise PlanApplyError(f"plan[{key!r}]: expected a ShardingConfig or a mapping, got {type(config).__name__}")
+
+
+def _named_entries(config: ShardingConfig):
+    yield from config.state_shardings.values()
+    for key in _IO_KEYS:
+        for named in _io_list(getattr(config, key)):
+            if named is not None:
+                yield named
+
+
+def _io_list(value) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        return (value,)
+    return tuple(value)
+
+
+def _axes_of(config: ShardingConfig, mesh_axes: tuple[str, ...], fqn: str) -> tuple[str, ...]:
+    named_axes = {str(axis) for named in _named_entries(config) for axis in named}
+    unknown = sorted(named_axes - set(mesh_axes))
+    if unknown:
+        raise PlanApplyError(f"plan entry {fqn!r} names mesh axes {unknown}; the mesh has {list(mesh_axes)}")
+    return tuple(axis for axis in mesh_axes if axis in named_axes)
+
+
+def _placements(named, axes: tuple[str, ...], ndim: int | None = None) -> tuple:
+    """Named placement -> one torch placement per axis; negative shard dims resolved on ``ndim``."""
+    by_axis = {str(axis): as_placement(p) for axis, p in named.items()}
+    out = []
+    for axis in axes:
+        placement = by_axis.get(axis, Replicate())
+        if ndim is not None and isinstance(placement, (Shard, _StridedShard)) and placement.dim < 0:
+            placement = (_StridedShard(placement.dim + ndim, split_factor=placement.split_factor)
+                         if isinstance(placement, _StridedShard) else Shard(placement.dim + ndim))
+        out.append(placement)
+    return tuple(out)
+
+
+# --- parameters ------------------------------------------------------------------------------
+
+
+def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes, sharded) -> None:
+    for name, named in config.state_shardings.items():
+        param = module._parameters.get(name)
+        if param is None:
+            if name in module._buffers:
+                raise PlanApplyError(f"plan entry {fqn!r}: buffer {name!r} sharding is not supported yet")
+            raise PlanApplyError(
+                f"plan entry {fqn!r} shards {name!r}, which is not a direct parameter of "
+                f"{type(module).__name__} (has {sorted(module._parameters)})")
+        if id(param) not in sharded:
+            if isinstance(param, DTensor):
+                raise PlanApplyError(f"parameter {fqn}.{name} is already a DTensor; was the plan applied twice?")
+            sharded[id(param)] = _to_dtensor_parameter(param, _placements(named, axes, param.dim()), sub_mesh)
+        module._parameters[name] = sharded[id(param)]
+
+
+def _to_dtensor_parameter(param: nn.Parameter, placements, sub_mesh) -> nn.Parameter:
+    coords = sub_mesh.get_coordinate()
+    local = param.detach()
+    for placement, coord, mesh_dim in zip(placements, coords, range(sub_mesh.ndim)):
+        local = _local_piece(local, placement, sub_mesh.size(mesh_dim), coord)
+    local = local.clone()  # own the shard's memory rather than view the full tensor
+    dtensor = DTensor.from_local(local, sub_mesh, placements, run_check=False,
+                                 shape=param.shape, stride=param.stride())
+    new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    if new_param.requires_grad:
+        new_param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+    return new_param
+
+
+def _local_piece(tensor: torch.Tensor, placement, pieces: int, index: int) -> torch.Tensor:
+    if isinstance(placement, _StridedShard):
+        blocks = tensor.chunk(placement.split_factor, dim=placement.dim)
+        return torch.cat([_chunk(block, placement.dim, pieces, index) for block in blocks], dim=placement.dim)
+    if isinstance(placement, Shard):
+        return _chunk(tensor, placement.dim, pieces, index)
+    if isinstance(placement, Partial):
+        raise PlanApplyError("a parameter cannot be placed Partial")
+    return tensor
+
+
+def _chunk(tensor: torch.Tensor, dim: int, pieces: int, index: int) -> torch.Tensor:
+    chunks = tensor.chunk(pieces, dim=dim)
+    if index < len(chunks):
+        return chunks[index]
+    return tensor.narrow(dim, 0, 0)  # torch.chunk gave fewer pieces: this rank's shard is empty
+
+
+def _reduce_partial_grad(param: torch.Tensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+# --- forward hooks ---------------------------------------------------------------------------
+
+
+def _install_hooks(module: nn.Module, config: ShardingConfig, sub_mesh, axes) -> None:
+    in_pairs = _pairs(config.in_src, config.in_dst)
+    out_pairs = _pairs(config.out_src, config.out_dst)
+    arg_names = _positional_names(module)
+    split_axes = _split_axes(config, axes) if config.local_map else frozenset()
+
+    def pre_hook(mod, args, kwargs):
+        args, kwargs = list(args), dict(kwargs)
+        for index, (src, dst) in enumerate(in_pairs):
+            if src is None and dst is None:
+                continue
+            where, key = _locate_input(index, args, kwargs, arg_names)
+            if where is None:
+                continue
+            value = where[key]
+            if isinstance(value, torch.Tensor):
+                where[key] = _convert_input(value, src, dst, sub_mesh, axes, config.local_map, split_axes)
+        return tuple(args), kwargs
+
+    def post_hook(mod, args, kwargs, output):
+        return _convert_outputs(output, out_pairs, sub_mesh, axes)
+
+    if config.local_map:
+        _install_local_parameter_swap(module, config, axes, split_axes)
+    if any(src is not None or dst is not None for src, dst in in_pairs):
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    if any(src is not None or dst is not None for src, dst in out_pairs):
+        module.register_forward_hook(post_hook, with_kwargs=True)
+
+
+def _pairs(src, dst) -> list[tuple]:
+    src, dst = _io_list(src), _io_list(dst)
+    length = max(len(src), len(dst))
+    src = src + (None,) * (length - len(src))
+    dst = dst + (None,) * (length - len(dst))
+    return list(zip(src, dst))
+
+
+def _positional_names(module: nn.Module) -> list[str]:
+    """Forward parameter names in order, so a planned positional input passed by keyword is found."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds]
+
+
+def _locate_input(index: int, args: list, kwargs: dict, names: list[str]):
+    if index < len(args):
+        return args, index
+    if index < len(names) and names[index] in kwargs:
+        return kwargs, names[index]
+    return None, None
+
+
+def _split_axes(config: ShardingConfig, axes) -> frozenset[str]:
+    """Axes along which a local_map module's work is split (something it sees is sharded)."""
+    named = list(config.state_shardings.values()) + [n for n in _io_list(config.in_dst) if n is not None]
+    return frozenset(str(axis) for entry in named for axis, p in entry.items()
+                     if isinstance(as_placement(p), (Shard, _StridedShard)))
+
+
+def _grad_placements(placements, axes, split_axes) -> tuple:
+    """What is replicated along a split axis only sees part of the work: its gradient is Partial."""
+    return tuple(Partial() if isinstance(p, Replicate) and axis in split_axes else p
+                 for p, axis in zip(placements, axes))
+
+
+def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes):
+    ndim = value.dim()
+    if not isinstance(value, DTensor):
+        if src is None:
+            raise PlanApplyError("an input with in_dst but no in_src arrived as a plain tensor")
+        value = DTensor.from_local(value, sub_mesh, _placements(src, axes, ndim), run_check=False)
+    if dst is not None:
+        value = value.redistribute(sub_mesh, _placements(dst, axes, ndim))
+    if local_map:
+        return value.to_local(grad_placements=_grad_placements(value.placements, axes, split_axes))
+    return value
+
+
+def _convert_outputs(output, out_pairs, sub_mesh, axes):
+    if isinstance(output, (tuple, list)):
+        pairs = out_pairs + [(None, None)] * (len(output) - len(out_pairs))
+        converted = [_convert_output(item, src, dst, sub_mesh, axes) for item, (src, dst) in zip(output, pairs)]
+        return converted if isinstance(output, list) else tuple(converted)
+    src, dst = out_pairs[0]
+    return _convert_output(output, src, dst, sub_mesh, axes)
+
+
+def _convert_output(value, src, dst, sub_mesh, axes):
+    if not isinstance(value, torch.Tensor) or (src is None and dst is None):
+        return value
+    ndim = value.dim()
+    if not isinstance(value, DTensor):
+        if src is None:
+            return value
+        value = DTensor.from_local(value, sub_mesh, _placements(src, axes, ndim), run_check=False)
+    if dst is not None:
+        value = value.redistribute(sub_mesh, _placements(dst, axes, ndim))
+    return value.to_local()
+
+
+def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axes, split_axes) -> None:
+    """While a local_map module runs, its parameters are their local shards (differentiably)."""
+    names = [name for name in config.state_shardings if isinstance(module._parameters.get(name), DTensor)]
+    saved: list[dict] = []
+
+    def swap_in(mod, args):
+        originals = {name: mod._parameters[name] for name in names}
+        saved.append(originals)
+        for name, param in originals.items():
+            grads = _grad_placements(param.placements, axes, split_axes)
+            mod._parameters[name] = param.to_local(grad_placements=grads)
+
+    def swap_out(mod, args, output):
+        if saved:
+            mod._parameters.update(saved.pop())
+
+    module.register_forward_pre_hook(swap_in)
+    module.register_forward_hook(swap_out, always_call=True)

@@ -1,0 +1,130 @@
+"""Parallel sizes and the device mesh they describe.
+
+``mesh_layout`` is the one place that decides the mesh axis names, their order and
+their sizes; the offline mesh (planning, codegen) and the real ``DeviceMesh``
+(training, preflight) are both built from it, so they cannot disagree.
+
+World size is ``pp * dp * cp * tp``. Expert parallelism does not get its own mesh
+axis: its ranks are borrowed from ``dp * cp``, so ``ep`` must divide ``dp * cp``.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# Mesh axis order, outermost first. TP is innermost so that its ranks are neighbours
+# (fastest links); PP is outermost because it communicates least.
+MESH_AXIS_ORDER = ("pp", "dp", "cp", "tp")
+
+# torch.distributed backend per accelerator kind.
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def validate(self) -> "ParallelDims":
+        for name in ("dp", "cp", "tp", "ep", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"parallel size {name}_size must be an integer >= 1, got {value!r}")
+        borrowed = self.dp * self.cp
+        if borrowed % self.ep != 0:
+            raise ValueError(
+                f"ep_size={self.ep} must divide dp_size*cp_size={self.dp}*{self.cp}={borrowed} "
+                "(expert parallel ranks are borrowed from the data and context parallel ranks)")
+        return self
+
+    def active_axes(self, *, sequence_parallel: bool = False) -> frozenset[str]:
+        """Names of the parallel forms in use, as ``when:`` in plan overrides spells them."""
+        active = {name for name in ("dp", "cp", "tp", "ep", "pp") if getattr(self, name) > 1}
+        if sequence_parallel:
+            active.add("sp")
+        return frozenset(active)
+
+
+def mesh_layout(dims: ParallelDims) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Mesh axis names and sizes, outermost first; every axis is present, even of size 1."""
+    dims.validate()
+    return MESH_AXIS_ORDER, tuple(getattr(dims, axis) for axis in MESH_AXIS_ORDER)
+
+
+@dataclass(frozen=True)
+class OfflineMesh:
+    """The mesh's shape without any process group: what planning and codegen need."""
+
+    axis_names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def size(self, axis: str) -> int:
+        if axis not in self.axis_names:
+            raise KeyError(f"mesh has no axis {axis!r}; axes are {list(self.axis_names)}")
+        return self.sizes[self.axis_names.index(axis)]
+
+    @property
+    def world_size(self) -> int:
+        total = 1
+        for size in self.sizes:
+            total *= size
+        return total
+
+    def coordinates(self, rank: int) -> tuple[int, ...]:
+        """Row-major coordinates of ``rank`` (the layout init_device_mesh uses)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a mesh of world size {self.world_size}")
+        coords = []
+        for size in reversed(self.sizes):
+            coords.append(rank % size)
+            rank //= size
+        return tuple(reversed(coords))
+
+
+def build_offline_mesh(dims: ParallelDims) -> OfflineMesh:
+    names, sizes = mesh_layout(dims)
+    return OfflineMesh(names, sizes)
+
+
+def build_device_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
+    """A real ``DeviceMesh`` over all ranks, initialising the process group if needed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device_type not in _BACKENDS:
+        raise ValueError(f"device_type must be one of {sorted(_BACKENDS)}, got {device_type!r}")
+    if device_type == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device and the hccl backend)
+    names, sizes = mesh_layout(dims)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=_BACKENDS[device_type])
+    world = dist.get_world_size()
+    if world != dims.world_size:
+        raise ValueError(
+            f"WORLD_SIZE is {world} but the parallel sizes give pp*dp*cp*tp="
+            f"{dims.pp}*{dims.dp}*{dims.cp}*{dims.tp}={dims.world_size}")
+    if device_type != "cpu":
+        _select_local_device(device_type)
+    return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+
+def _select_local_device(device_type: str) -> None:
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    getattr(torch, device_type).set_device(local_rank)
+
+
+@dataclass
+class MeshContext:
+    """What a generated ``hyper_parallelize(model, mesh_context)`` receives."""
+
+    device_mesh: Any
+    dims: ParallelDims

@@ -1,0 +1,76 @@
+"""Placement text (``placement_text``) <-> ``torch.distributed.tensor`` placements.
+
+``packed_shard(N,K)`` maps to ``_StridedShard(N, split_factor=K)``: DTensor's own
+description of "K equal blocks along N, each chunked over the mesh axis".
+"""
+
+from collections.abc import Mapping, Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from hyper_parallel.distributed.placement_text import (
+    PlacementTextError,
+    normalize_named_placement,
+    parse_placement_text,
+)
+
+
+def placement_from_text(text: str) -> Placement:
+    spec = parse_placement_text(text)
+    if spec.kind == "replicate":
+        return Replicate()
+    if spec.kind == "partial":
+        return Partial()
+    if spec.kind == "shard":
+        return Shard(spec.dim)
+    return _StridedShard(spec.dim, split_factor=spec.packs)
+
+
+def placement_to_text(placement: Placement | str) -> str:
+    """Canonical text of a torch placement (text passes through, normalised)."""
+    if isinstance(placement, str):
+        return parse_placement_text(placement).text()
+    if isinstance(placement, _StridedShard):  # before Shard: it may subclass Shard
+        return f"packed_shard({placement.dim},{placement.split_factor})"
+    if isinstance(placement, Shard):
+        return f"shard({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "replicate"
+    if isinstance(placement, Partial):
+        if placement.reduce_op != "sum":
+            raise PlacementTextError(
+                f"only sum-partial placements have a text form, got Partial({placement.reduce_op!r})")
+        return "partial"
+    raise PlacementTextError(f"no text form for placement {placement!r}")
+
+
+def as_placement(value: Placement | str) -> Placement:
+    return placement_from_text(value) if isinstance(value, str) else value
+
+
+def named_placement_to_text(named: Mapping) -> dict[str, str]:
+    """``{axis: Placement | text}`` -> canonical ``{axis: text}`` in mesh axis order."""
+    return normalize_named_placement({str(axis): placement_to_text(p) for axis, p in named.items()})
+
+
+def named_placement_from_text(named: Mapping) -> dict[str, Placement]:
+    return {axis: placement_from_text(text) for axis, text in named_placement_to_text(named).items()}
+
+
+def placements_from_named(named: Mapping, mesh_axes: Sequence[str]) -> tuple[Placement, ...]:
+    """One placement per mesh axis, ``Replicate`` for axes the mapping does not name."""
+    by_axis = {str(axis): as_placement(p) for axis, p in named.items()}
+    unknown = sorted(set(by_axis) - set(mesh_axes))
+    if unknown:
+        raise PlacementTextError(
+            f"placement names mesh axes {unknown} that are not in the mesh {list(mesh_axes)}")
+    return tuple(by_axis.get(axis, Replicate()) for axis in mesh_axes)
+
+
+def named_from_placements(placements: Sequence[Placement], mesh_axes: Sequence[str]) -> dict[str, str]:
+    """The inverse of ``placements_from_named``: every axis is written out, as text."""
+    if len(placements) != len(mesh_axes):
+        raise PlacementTextError(
+            f"{len(placements)} placements for {len(mesh_axes)} mesh axes {list(mesh_axes)}")
+    return {axis: placement_to_text(p) for axis, p in zip(mesh_axes, placements)}

@@ -1,0 +1,163 @@
+"""The JSON form of a sharding plan (``plan.json`` / ``frozen.json`` / the generated literal).
+
+A plan document::
+
+    {"format": 1,
+     "mesh": {"axes": [...], "sizes": [...]},
+     "applied_axes": ["tp"],
+     "recorded_axes": {"cp": "<why not applied yet>", ...},
+     "modules": {FQN_or_glob: ENTRY}}
+
+and ENTRY (keys always present, always in this order, so ``json.dumps`` without
+``sort_keys`` is deterministic)::
+
+    {"role": str,
+     "state_shardings": {param: {axis: text}},
+     "in_src": [named | null, ...] | null, "in_dst": ..., "out_src": ..., "out_dst": ...,
+     "local_map": bool}
+
+Everything here is torch-free: placements are text. ``ShardingConfig`` values that
+hold torch placements are converted through ``placements`` (imported only then).
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hyper_parallel.distributed.placement_text import (
+    PlacementTextError,
+    normalize_named_placement,
+    parse_placement_text,
+)
+from hyper_parallel.protocols.sharding import ShardingConfig
+
+PLAN_FORMAT_VERSION = 1
+_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
+_ENTRY_KEYS = ("role", "state_shardings", *_IO_KEYS, "local_map")
+_DOC_KEYS = ("format", "mesh", "applied_axes", "recorded_axes", "modules")
+
+
+class PlanFormatError(ValueError):
+    """A plan document or entry that does not have the expected shape."""
+
+
+@dataclass
+class PlanDocument:
+    mesh_axes: tuple[str, ...]
+    mesh_sizes: tuple[int, ...]
+    applied_axes: list[str]
+    recorded_axes: dict[str, str]
+    modules: dict[str, ShardingConfig]
+    roles: dict[str, str] = field(default_factory=dict)
+
+
+def _text(placement) -> str:
+    if isinstance(placement, str):
+        return parse_placement_text(placement).text()
+    from hyper_parallel.distributed.placements import placement_to_text  # torch only when needed
+
+    return placement_to_text(placement)
+
+
+def _named_to_json(named, where: str) -> dict[str, str]:
+    if not isinstance(named, Mapping):
+        raise PlanFormatError(f"{where}: expected a mapping of mesh axis to placement, got {named!r}")
+    try:
+        return normalize_named_placement({str(axis): _text(p) for axis, p in named.items()}, where=where)
+    except PlacementTextError as err:
+        raise PlanFormatError(str(err)) from err
+
+
+def _io_to_json(value, where: str):
+    if value is None:
+        return None
+    if isinstance(value, Mapping):  # a single named placement means "the first input/output"
+        return [_named_to_json(value, f"{where}[0]")]
+    if isinstance(value, (list, tuple)):
+        return [None if item is None else _named_to_json(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    raise PlanFormatError(f"{where}: expected null, a named placement or a list of them, got {value!r}")
+
+
+def sharding_config_to_json(config: ShardingConfig, role: str = "custom", *, where: str = "entry") -> dict:
+    states = {name: _named_to_json(named, f"{where}.state_shardings.{name}")
+              for name, named in sorted(config.state_shardings.items())}
+    entry = {"role": role, "state_shardings": states}
+    for key in _IO_KEYS:
+        entry[key] = _io_to_json(getattr(config, key), f"{where}.{key}")
+    entry["local_map"] = bool(config.local_map)
+    return entry
+
+
+def sharding_config_from_json(entry: Mapping, *, where: str = "entry") -> ShardingConfig:
+    """An entry -> ``ShardingConfig`` holding placement *text* (the applier accepts both)."""
+    if not isinstance(entry, Mapping):
+        raise PlanFormatError(f"{where}: expected an object, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - set(_ENTRY_KEYS))
+    if unknown:
+        raise PlanFormatError(f"{where}: unknown keys {unknown}; expected {list(_ENTRY_KEYS)}")
+    states = entry.get("state_shardings") or {}
+    if not isinstance(states, Mapping):
+        raise PlanFormatError(f"{where}.state_shardings: expected an object, got {states!r}")
+    config = ShardingConfig(
+        state_shardings={name: _named_to_json(named, f"{where}.state_shardings.{name}")
+                         for name, named in states.items()},
+        local_map=_bool(entry.get("local_map", False), f"{where}.local_map"),
+    )
+    for key in _IO_KEYS:
+        io = _io_to_json(entry.get(key), f"{where}.{key}")
+        setattr(config, key, None if io is None else tuple(io))
+    return config
+
+
+def _bool(value, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise PlanFormatError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def plan_modules_to_json(modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None) -> dict:
+    roles = roles or {}
+    return {fqn: sharding_config_to_json(config, roles.get(fqn, "custom"), where=f"modules[{fqn!r}]")
+            for fqn, config in modules.items()}
+
+
+def plan_modules_from_json(modules: Mapping) -> dict[str, ShardingConfig]:
+    if not isinstance(modules, Mapping):
+        raise PlanFormatError(f"modules: expected an object keyed by module FQN, got {type(modules).__name__}")
+    return {fqn: sharding_config_from_json(entry, where=f"modules[{fqn!r}]") for fqn, entry in modules.items()}
+
+
+def plan_roles_from_json(modules: Mapping) -> dict[str, str]:
+    return {fqn: str(entry.get("role", "custom")) for fqn, entry in modules.items()}
+
+
+def plan_to_json(*, mesh_axes, mesh_sizes, applied_axes, recorded_axes: Mapping[str, str],
+                 modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None) -> dict:
+    return {
+        "format": PLAN_FORMAT_VERSION,
+        "mesh": {"axes": list(mesh_axes), "sizes": [int(s) for s in mesh_sizes]},
+        "applied_axes": list(applied_axes),
+        "recorded_axes": {str(k): str(v) for k, v in sorted(recorded_axes.items())},
+        "modules": plan_modules_to_json(modules, roles),
+    }
+
+
+def plan_from_json(document: Mapping, *, where: str = "plan") -> PlanDocument:
+    if not isinstance(document, Mapping):
+        raise PlanFormatError(f"{where}: expected an object, got {type(document).__name__}")
+    missing = [key for key in _DOC_KEYS if key not in document]
+    if missing:
+        raise PlanFormatError(f"{where}: missing keys {missing}")
+    if document["format"] != PLAN_FORMAT_VERSION:
+        raise PlanFormatError(f"{where}.format: expected {PLAN_FORMAT_VERSION}, got {document['format']!r}")
+    mesh = document["mesh"]
+    axes, sizes = tuple(mesh.get("axes", ())), tuple(mesh.get("sizes", ()))
+    if len(axes) != len(sizes) or not all(isinstance(s, int) and s >= 1 for s in sizes):
+        raise PlanFormatError(f"{where}.mesh: axes {list(axes)} and sizes {list(sizes)} do not pair up")
+    return PlanDocument(
+        mesh_axes=axes,
+        mesh_sizes=sizes,
+        applied_axes=list(document["applied_axes"]),
+        recorded_axes=dict(document["recorded_axes"]),
+        modules=plan_modules_from_json(document["modules"]),
+        roles=plan_roles_from_json(document["modules"]),
+    )

@@ -1,0 +1,125 @@
+"""Checks a plan must pass before it is frozen. Every message names the module or
+parameter (or config key), the dimension and the sizes involved."""
+
+import fnmatch
+from collections.abc import Mapping
+
+from torch import nn
+
+from hyper_parallel.distributed.placement_text import parse_placement_text
+from hyper_parallel.distributed.placements import placement_to_text
+
+# config key -> what tp splits; each must be divisible by tp_size
+_TP_SPLIT_KEYS = (
+    ("num_attention_heads", "attention heads are split across tp ranks"),
+    ("num_key_value_heads", "key/value heads are split across tp ranks"),
+    ("intermediate_size", "the MLP intermediate dim is split across tp ranks"),
+    ("moe_intermediate_size", "each expert's intermediate dim is split across tp ranks"),
+    ("vocab_size", "embedding and lm_head rows (vocab) are split across tp ranks"),
+)
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+class PlanError(ValueError):
+    """A plan (derived or overridden) that cannot be applied as written."""
+
+
+def lint_config_divisibility(config, dims) -> None:
+    problems = []
+    for key, why in _TP_SPLIT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value % dims.tp:
+            problems.append(f"tp_size={dims.tp} does not divide config {key}={value} ({why})")
+    if dims.ep > 1:
+        experts = next((getattr(config, k) for k in _EXPERT_COUNT_KEYS if isinstance(getattr(config, k, None), int)),
+                       None)
+        if experts is None:
+            problems.append(f"ep_size={dims.ep} but the model config has no expert count "
+                            f"({' / '.join(_EXPERT_COUNT_KEYS)})")
+        elif experts % dims.ep:
+            key = next(k for k in _EXPERT_COUNT_KEYS if getattr(config, k, None) == experts)
+            problems.append(f"ep_size={dims.ep} does not divide config {key}={experts} "
+                            "(experts are split across ep ranks)")
+    if problems:
+        raise PlanError("parallel sizes do not fit the model:\n  " + "\n  ".join(problems))
+
+
+def expand_plan_keys(model: nn.Module, modules: Mapping) -> dict[str, str]:
+    """Module FQN -> the plan key that targets it; a key matching nothing, or a module
+    targeted by two keys, is an error."""
+    names = [name for name, _ in model.named_modules()]
+    known = set(names)
+    owner: dict[str, str] = {}
+    for key in modules:
+        hits = [key] if key in known else [n for n in names if fnmatch.fnmatchcase(n, key)]
+        if not hits:
+            raise PlanError(f"plan key {key!r} matches no module of {type(model).__name__}")
+        for name in hits:
+            if name in owner:
+                raise PlanError(f"module {name!r} is covered by two plan entries: {owner[name]!r} and {key!r}")
+            owner[name] = key
+    return owner
+
+
+def lint_plan(model: nn.Module, modules: Mapping, mesh) -> None:
+    """Shards divide their dims; every trainable parameter is covered; tied ones agree."""
+    owner = expand_plan_keys(model, modules)
+    placed: dict[str, dict[str, str]] = {}  # parameter FQN -> {axis: text}
+    for fqn, key in owner.items():
+        module = model.get_submodule(fqn)
+        for name, named in modules[key].state_shardings.items():
+            tensor = module._parameters.get(name)
+            if tensor is None:
+                tensor = module._buffers.get(name)
+            if tensor is None:
+                raise PlanError(f"plan entry {key!r} shards {name!r}, which is not a direct parameter or buffer "
+                                f"of {fqn or '<root>'} ({type(module).__name__}); it has {sorted(module._parameters)}")
+            full_name = f"{fqn}.{name}" if fqn else name
+            text = {str(axis): placement_to_text(p) for axis, p in named.items()}
+            _lint_divides(full_name, tuple(tensor.shape), text, mesh)
+            placed[full_name] = text
+    _lint_coverage(model, placed)
+
+
+def _lint_divides(param: str, shape: tuple[int, ...], named: dict[str, str], mesh) -> None:
+    for axis, text in named.items():
+        if axis not in mesh.axis_names:
+            raise PlanError(f"parameter {param}: placement {text} names axis {axis!r}, "
+                            f"not in mesh {list(mesh.axis_names)}")
+        spec = parse_placement_text(text)
+        if spec.kind == "partial":
+            raise PlanError(f"parameter {param}: a parameter cannot be placed partial on {axis!r}")
+        if spec.kind not in ("shard", "packed_shard"):
+            continue
+        dim = spec.dim + len(shape) if spec.dim < 0 else spec.dim
+        if not 0 <= dim < len(shape):
+            raise PlanError(f"parameter {param}: {text} on {axis!r} names dim {spec.dim}, "
+                            f"but the parameter has shape {list(shape)}")
+        parts = mesh.size(axis) * (spec.packs or 1)
+        if shape[dim] % parts:
+            packs = f" x {spec.packs} packed blocks" if spec.packs else ""
+            raise PlanError(f"parameter {param}: {text} over {axis}={mesh.size(axis)}{packs} needs dim {dim} "
+                            f"(size {shape[dim]}) divisible by {parts}")
+
+
+def _lint_coverage(model: nn.Module, placed: dict[str, dict[str, str]]) -> None:
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            continue
+        if name not in placed:
+            module_name = name.rpartition(".")[0]
+            kind = type(model.get_submodule(module_name)).__name__
+            raise PlanError(f"trainable parameter {name} ({kind}, shape {list(param.shape)}) "
+                            "is not covered by any plan entry")
+        by_tensor.setdefault(id(param), []).append(name)
+    for names in by_tensor.values():
+        first = placed[names[0]]
+        for other in names[1:]:
+            if _with_replicate_dropped(placed[other]) != _with_replicate_dropped(first):
+                raise PlanError(f"tied parameters {names[0]} and {other} have different placements: "
+                                f"{first} vs {placed[other]}")
+
+
+def _with_replicate_dropped(named: dict[str, str]) -> dict[str, str]:
+    return {axis: text for axis, text in named.items() if text != "replicate"}

@@ -1,0 +1,167 @@
+"""The sharding planner: an HF model's structure (on the meta device) -> per-module plan.
+
+Roles come from the model's own TP plan (``base_model_tp_plan`` / ``_tp_plan``, used
+as hints) and, where the hints say nothing, from structure: linears named like
+attention / MLP projections, the input and output embeddings, packed expert weights.
+Each role maps to one ``ShardingConfig`` over the ``tp`` axis (``roles.py``).
+
+Only tensor parallel is applied today. Other requested forms (cp, ep, sp,
+loss_parallel, pp, dp) are listed in ``recorded_axes`` with the reason, so a recipe
+asking for them still generates; their divisibility is still checked where it is cheap
+(ep must divide the number of experts).
+"""
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
+from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility, lint_plan
+from hyper_parallel.distributed.plan_overrides import merge_plan_overrides
+from hyper_parallel.distributed.roles import (
+    COLWISE_NAMES,
+    HEAD_NORM_NAMES,
+    ROLE_BUILDERS,
+    ROWWISE_NAMES,
+    is_packed_experts,
+)
+from hyper_parallel.protocols.sharding import ShardingConfig
+
+__all__ = ["PlanError", "PlanResult", "ShardingPlanner", "merge_plan_overrides"]
+
+# HF tensor-parallel styles -> our roles. Styles not listed fall back to structure.
+_LINEAR_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "lm_head",
+                  "packed_colwise": "colwise"}
+_EMBEDDING_STYLES = {"embedding_rowwise": "vocab_embedding", "rowwise": "vocab_embedding"}
+_ANY_STYLES = {"replicated_with_grad_allreduce": "head_norm", "moe_tp_experts": "packed_experts"}
+
+_NOT_APPLIED = {
+    "cp": "context parallel is recorded, not applied: the planner applies tensor parallel only for now",
+    "ep": "expert parallel is recorded, not applied: experts stay tensor-parallel (packed_shard) for now",
+    "sp": "sequence parallel is recorded, not applied: norms and the residual stream stay replicated",
+    "loss_parallel": "loss parallel is recorded, not applied: lm_head gathers full logits before the loss",
+    "pp": "pipeline parallel is owned by the runtime (stage splitting), not by the plan",
+    "dp": "data parallel is applied by the trainer (FSDP2 fully_shard), not by the plan",
+}
+
+
+@dataclass
+class PlanResult:
+    modules: dict[str, ShardingConfig]
+    applied_axes: list[str]
+    recorded_axes: dict[str, str]
+    roles: dict[str, str] = field(default_factory=dict)
+
+
+class ShardingPlanner:
+    def __init__(self, model: nn.Module, *, dims: ParallelDims, mesh: OfflineMesh,
+                 sequence_parallel: bool = False, loss_parallel: bool = False, hints: dict | None = None):
+        self.model = model
+        self.dims = dims
+        self.mesh = mesh
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
+        self.hints = {**_model_tp_hints(model), **(hints or {})}
+
+    def plan(self) -> PlanResult:
+        self.dims.validate()
+        if "tp" not in self.mesh.axis_names or self.mesh.size("tp") != self.dims.tp:
+            raise PlanError(f"offline mesh {dict(zip(self.mesh.axis_names, self.mesh.sizes))} does not match "
+                            f"tp_size={self.dims.tp}")
+        config = getattr(self.model, "config", None)
+        lint_config_divisibility(config, self.dims)
+        modules: dict[str, ShardingConfig] = {}
+        roles: dict[str, str] = {}
+        for fqn, module in self.model.named_modules():
+            if not any(True for _ in module.parameters(recurse=False)):
+                continue
+            role = self._role(fqn, module)
+            roles[fqn] = role
+            modules[fqn] = ROLE_BUILDERS[role](module, self._param_hints(fqn, module))
+        lint_plan(self.model, modules, self.mesh)
+        return PlanResult(modules=modules, applied_axes=["tp"], recorded_axes=self._recorded_axes(), roles=roles)
+
+    def _recorded_axes(self) -> dict[str, str]:
+        requested = {name for name in ("cp", "ep", "pp", "dp") if getattr(self.dims, name) > 1}
+        if self.sequence_parallel:
+            requested.add("sp")
+        if self.loss_parallel:
+            requested.add("loss_parallel")
+        return {name: _NOT_APPLIED[name] for name in sorted(requested)}
+
+    def _role(self, fqn: str, module: nn.Module) -> str:
+        style = self._module_hint(fqn)
+        if isinstance(module, nn.Linear) and style in _LINEAR_STYLES:
+            return _LINEAR_STYLES[style]
+        if isinstance(module, nn.Embedding) and style in _EMBEDDING_STYLES:
+            return _EMBEDDING_STYLES[style]
+        if style in _ANY_STYLES:
+            return _ANY_STYLES[style]
+        return self._structural_role(fqn, module)
+
+    def _structural_role(self, fqn: str, module: nn.Module) -> str:
+        name = fqn.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and module is _input_embeddings(self.model):
+            return "vocab_embedding"
+        if isinstance(module, nn.Linear):
+            if module is _output_embeddings(self.model):
+                return "lm_head"
+            if name in COLWISE_NAMES:
+                return "colwise"
+            if name in ROWWISE_NAMES:
+                return "rowwise"
+        if is_packed_experts(module):
+            return "packed_experts"
+        if name in HEAD_NORM_NAMES:
+            return "head_norm"
+        return "replicate"
+
+    def _module_hint(self, fqn: str) -> str | None:
+        return _lookup(self.hints, fqn)
+
+    def _param_hints(self, fqn: str, module: nn.Module) -> dict[str, str]:
+        found = {}
+        for name, _ in module.named_parameters(recurse=False):
+            style = _lookup(self.hints, f"{fqn}.{name}" if fqn else name)
+            if style is not None:
+                found[name] = style
+        return found
+
+
+def _lookup(hints: dict[str, str], name: str) -> str | None:
+    if name in hints:
+        return hints[name]
+    for pattern, style in hints.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return style
+    return None
+
+
+def _model_tp_hints(model: nn.Module) -> dict[str, str]:
+    """The model's own TP plan with FQNs from the top model (HF keeps it per base model)."""
+    merged = getattr(model, "_tp_plan", None)
+    if merged:
+        return dict(merged)
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        base = {f"{prefix}.{key}": style for key, style in base.items()}
+    return {**base, **dict(getattr(type(model), "_tp_plan", None) or {})}
+
+
+def _input_embeddings(model: nn.Module):
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        return getter() if getter else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def _output_embeddings(model: nn.Module):
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        return getter() if getter else None
+    except (NotImplementedError, AttributeError):
+        return None

@@ -1,0 +1,51 @@
+"""ShardingConfig: how one module is laid out across the device mesh.
+
+This is the single plan format of the project (DESIGN §5). The HF planner and the
+``models/common`` sharding helpers both produce it; one applier
+(``hyper_parallel.distributed.applier``) consumes it.
+
+Every placement here is a *named placement*: ``{mesh axis name: Placement}`` with
+``torch.distributed.tensor`` placements (``Replicate``, ``Shard``, ``Partial``);
+an axis not named is ``Replicate``.
+
+- ``state_shardings``: parameter/buffer name (relative to the module, no dots) →
+  named placement.
+- ``in_src`` / ``in_dst``: for the module's positional inputs, how each tensor is laid
+  out as it arrives (``src``) and how the module needs it (``dst``). A single named
+  placement means "the first input"; a tuple gives one entry per positional input,
+  ``None`` meaning "leave this input alone".
+- ``out_src`` / ``out_dst``: the same for outputs (a tuple output is expanded
+  explicitly, entry by entry).
+- ``local_map``: the module computes on local shards (plain tensors) rather than on
+  DTensors; inputs are converted to local tensors after redistribution and the
+  outputs are re-wrapped with ``out_src``.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Union
+
+
+class MeshAxisName(str, Enum):
+    PP = "pp"
+    DP = "dp"
+    CP = "cp"
+    TP = "tp"
+    EP = "ep"
+
+    def __str__(self) -> str:  # so f-strings and dict keys read "tp", not "MeshAxisName.TP"
+        return self.value
+
+
+NamedPlacement = dict[Union[MeshAxisName, str], Any]
+IOPlacement = Union[NamedPlacement, tuple[Union[NamedPlacement, None], ...], None]
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardingConfig:
+    state_shardings: dict[str, NamedPlacement] = field(default_factory=dict)
+    in_src: IOPlacement = None
+    in_dst: IOPlacement = None
+    out_src: IOPlacement = None
+    out_dst: IOPlacement = None
+    local_map: bool = False
