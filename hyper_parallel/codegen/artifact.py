@@ -23,6 +23,9 @@ _RENAME_EXCHANGE = 2
 class ArtifactError(OSError):
     """The bundle directory cannot be written."""
 
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()  # the message, without an "[Errno N]" prefix
+
 
 def write_bundle_atomic(artifact_dir: str | os.PathLike, files: dict[str, bytes], meta: bytes) -> Path:
     """Install ``files`` plus ``codegen_meta.json`` as the bundle at ``artifact_dir``."""
@@ -33,10 +36,8 @@ def write_bundle_atomic(artifact_dir: str | os.PathLike, files: dict[str, bytes]
         remove_stale_staging_dirs(target)
         staging = parent / f"{_TEMP_PREFIX}{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         staging.mkdir()
-    except PermissionError as exc:
-        raise ArtifactError(errno.EACCES, f"cannot write the bundle: {parent} is not writable "
-                                          f"({exc.strerror}); fix its permissions or set "
-                                          f"model.codegen_artifact_dir in the recipe") from None
+    except OSError as exc:
+        raise _cannot_write(target, exc) from None
     try:
         for name in sorted(files):
             _write_synced(staging / name, files[name])
@@ -65,11 +66,28 @@ def remove_stale_staging_dirs(target: Path) -> list[Path]:
     return removed
 
 
+def _cannot_write(target: Path, exc: OSError) -> ArtifactError:
+    """A one-line reason for an OSError met while creating ``target``'s staging dir."""
+    where = exc.filename or target.parent
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        reason = f"{where} is not writable ({exc.strerror})"
+    elif exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        reason = f"{where} exists and is not a directory"
+    else:
+        reason = f"{where}: {exc.strerror}"
+    return ArtifactError(exc.errno, f"cannot write the bundle {target}: {reason}; fix the path or set "
+                                    f"model.codegen_artifact_dir in the recipe")
+
+
 def _swap_in(staging: Path, target: Path) -> None:
     try:
         os.rename(staging, target)  # no bundle yet (or an empty dir): plain atomic rename
         return
     except OSError as exc:
+        if exc.errno == errno.ENOTDIR:  # target is a file: never replace something not a bundle
+            raise ArtifactError(exc.errno, f"cannot install the bundle at {target}: it exists and is "
+                                           f"not a directory; remove it or set "
+                                           f"model.codegen_artifact_dir in the recipe") from None
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR):
             raise
     _exchange(staging, target)  # staging now holds the old bundle; the caller removes it

@@ -52,8 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.verbose:
             traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_naming_recipe(str(exc), args.config)}", file=sys.stderr)
         return 1
+
+
+def _naming_recipe(message: str, config: str) -> str:
+    """Prefix the recipe path unless the message already names it (errors from the
+    planner or the model source talk about the model, not the file that asked for it)."""
+    return message if os.path.basename(config) in message else f"{config}: {message}"
 
 
 def _dispatch(args: argparse.Namespace, log) -> int:

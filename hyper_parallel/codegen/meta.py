@@ -51,9 +51,9 @@ def load_codegen_meta(artifact_dir: str | Path) -> dict[str, Any]:
     path = Path(artifact_dir) / META_FILE
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: a file sits where the bundle goes
         raise MetaError(f"{path}: no bundle here (codegen_meta.json missing); run `doit generate`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise MetaError(f"{path}: unreadable ({exc}); the bundle is damaged, run `doit generate`") from None
     if not isinstance(meta, dict):
         raise MetaError(f"{path}: expected a JSON object, got {type(meta).__name__}")

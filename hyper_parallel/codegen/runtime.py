@@ -125,13 +125,25 @@ def _check_module_type(module: nn.Module, name: str, entry: Mapping[str, Any], o
     expected = entry.get("module_type")
     if not expected:
         return
-    classes = [type(module)] if entry.get("exact_type") else type(module).__mro__
-    if any(expected in _class_paths(cls) for cls in classes):
+    exact = bool(entry.get("exact_type"))
+    classes = [type(module)] if exact else type(module).__mro__
+    expected_class = _import_class(expected)
+    if any(cls is expected_class or expected in _class_paths(cls) for cls in classes):
         return
-    actual = _class_paths(type(module))[0]
-    raise ReplacementError(f"{origin}: module {name} is {actual}, expected "
-                           f"{'exactly ' if entry.get('exact_type') else ''}{expected} "
-                           f"(match {entry['match']!r})")
+    hint = "" if expected_class is not None else "; note: module_type does not import"
+    raise ReplacementError(f"{origin}: module {name} is {_class_paths(type(module))[0]}, expected "
+                           f"{'exactly ' if exact else ''}{expected} (match {entry['match']!r}){hint}")
+
+
+def _import_class(dotted: str) -> type | None:
+    """The class a dotted path names (``torch.nn.Linear`` is defined in
+    ``torch.nn.modules.linear``), or None when it does not import."""
+    module_name, _, attr = dotted.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found if isinstance(found, type) else None
 
 
 def _class_paths(cls: type) -> list[str]:

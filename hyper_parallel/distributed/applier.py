@@ -53,7 +53,7 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
             sub_meshes[axes] = device_mesh[axes[0]] if len(axes) == 1 else device_mesh[axes]
         module = model.get_submodule(fqn)
         _shard_states(module, fqn, config, sub_meshes[axes], axes, sharded)
-        _install_hooks(module, config, sub_meshes[axes], axes)
+        _install_hooks(module, fqn, config, sub_meshes[axes], axes)
     return model
 
 
@@ -191,7 +191,7 @@ def _reduce_partial_grad(param: torch.Tensor) -> None:
 # --- forward hooks ---------------------------------------------------------------------------
 
 
-def _install_hooks(module: nn.Module, config: ShardingConfig, sub_mesh, axes) -> None:
+def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes) -> None:
     in_pairs = _pairs(config.in_src, config.in_dst)
     out_pairs = _pairs(config.out_src, config.out_dst)
     arg_names = _positional_names(module)
@@ -207,7 +207,8 @@ def _install_hooks(module: nn.Module, config: ShardingConfig, sub_mesh, axes) ->
                 continue
             value = where[key]
             if isinstance(value, torch.Tensor):
-                where[key] = _convert_input(value, src, dst, sub_mesh, axes, config.local_map, split_axes)
+                where[key] = _convert_input(value, src, dst, sub_mesh, axes, config.local_map, split_axes,
+                                            f"{fqn or '<root>'} input {index}")
         return tuple(args), kwargs
 
     def post_hook(mod, args, kwargs, output):
@@ -260,11 +261,11 @@ def _grad_placements(placements, axes, split_axes) -> tuple:
                  for p, axis in zip(placements, axes))
 
 
-def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes):
+def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes, where: str):
     ndim = value.dim()
     if not isinstance(value, DTensor):
         if src is None:
-            raise PlanApplyError("an input with in_dst but no in_src arrived as a plain tensor")
+            raise PlanApplyError(f"{where} has in_dst {dst} but no in_src, and arrived as a plain tensor")
         value = DTensor.from_local(value, sub_mesh, _placements(src, axes, ndim), run_check=False)
     if dst is not None:
         value = value.redistribute(sub_mesh, _placements(dst, axes, ndim))

@@ -64,7 +64,8 @@ def _named_to_json(named, where: str) -> dict[str, str]:
     try:
         return normalize_named_placement({str(axis): _text(p) for axis, p in named.items()}, where=where)
     except PlacementTextError as err:
-        raise PlanFormatError(str(err)) from err
+        message = str(err)
+        raise PlanFormatError(message if message.startswith(where) else f"{where}: {message}") from err
 
 
 def _io_to_json(value, where: str):

@@ -31,7 +31,7 @@ from hyper_parallel.distributed.planner import ShardingPlanner
 def build_model(config, weights=None, device=None):
     with torch.device(device or "cpu"):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                              torch_dtype=torch.float32)
+                                                              dtype=torch.float32)
     if weights is not None:
         model.load_state_dict(weights, strict=True)
     return model
@@ -81,6 +81,8 @@ def compare_grads(reference, parallel) -> tuple[list[str], int]:
             if (param.grad is None) != (ref_grad is None):
                 failures.append(f"{name}: grad is None on one side only")
             continue
+        if tuple(param.grad.placements) != tuple(param.placements):
+            failures.append(f"{name}: grad placements {param.grad.placements} != param {param.placements}")
         grad = param.grad.full_tensor()
         checked += 1
         if not torch.allclose(grad, ref_grad, rtol=1e-4, atol=1e-6):

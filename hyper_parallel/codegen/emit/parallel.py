@@ -40,7 +40,7 @@ def check_frozen_plan(plan: Any) -> None:
 
 def render_parallel_section(plan: dict[str, Any]) -> str:
     return ("# The frozen sharding plan: one entry per module (a glob over the model's\n"
-            "# parameter names, e.g. model.layers.*.self_attn.q_proj) with its parameter\n"
+            "# module names, e.g. model.layers.*.self_attn.q_proj) with its parameter\n"
             "# placements and the input/output layouts, per mesh axis.\n"
             f"HYPER_PARALLEL_PLAN = {render_literal(plan)}\n"
             f"{HYPER_PARALLELIZE_DEF}")

@@ -47,7 +47,10 @@ class RoPE(Module):
         self.sin_cache = emb.sin()
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` for ``position_ids`` ([batch, seq] → [batch, seq, head_dim]) in ``x``'s dtype."""
+        """``(cos, sin)`` for ``position_ids`` ([batch, seq] → [batch, seq, head_dim]) in ``x``'s dtype.
+
+        ``head_dim`` here is the rotated width: the attention's head_dim, or less for
+        partial rotary."""
         if position_ids.max() >= self.config.max_seq_len:
             raise ValueError(
                 f"RoPE: position {int(position_ids.max())} is beyond max_seq_len={self.config.max_seq_len}")
@@ -61,7 +64,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q``/``k`` ([batch, heads, seq, head_dim]) by ``cos``/``sin`` ([batch, seq, head_dim])."""
+    """Rotate ``q``/``k`` ([batch, heads, seq, head_dim]) by ``cos``/``sin`` ([batch, seq, rotary_dim]).
+
+    With ``rotary_dim < head_dim`` (partial rotary, Qwen3.5) only the leading
+    ``rotary_dim`` channels rotate and the rest pass through, concatenated back as HF
+    Qwen3.5 does; with the full width it is HF Qwen3-MoE's formula (no concatenation,
+    which also keeps the input's memory layout, and matmul rounding depends on it).
+    """
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == q.shape[-1]:
+        return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
+    return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)

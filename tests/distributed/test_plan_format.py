@@ -1,0 +1,81 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.plan_format import (
+    PlanFormatError,
+    plan_from_json,
+    plan_modules_from_json,
+    plan_modules_to_json,
+    plan_to_json,
+    sharding_config_from_json,
+    sharding_config_to_json,
+)
+from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.protocols.sharding import ShardingConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_entry_has_every_key_in_fixed_order():
+    config = ShardingConfig(state_shardings={"weight": {"tp": Shard(1)}},
+                            in_src={"tp": Shard(-1)}, out_src=({"tp": Partial()},), out_dst=({"tp": Replicate()},))
+    entry = sharding_config_to_json(config, "rowwise")
+    assert list(entry) == ["role", "state_shardings", "in_src", "in_dst", "out_src", "out_dst", "local_map"]
+    assert entry["in_src"] == [{"tp": "shard(-1)"}]  # a single named placement is the first input
+    assert entry["in_dst"] is None and entry["local_map"] is False
+    back = sharding_config_from_json(entry)
+    assert back.state_shardings == {"weight": {"tp": "shard(1)"}}
+    assert back.out_dst == ({"tp": "replicate"},)
+
+
+def test_planner_plan_round_trips_and_serialises_deterministically(meta_model):
+    dims = ParallelDims(tp=2)
+    mesh = build_offline_mesh(dims)
+    result = ShardingPlanner(meta_model, dims=dims, mesh=mesh).plan()
+    doc = plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
+                       recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles)
+    text = json.dumps(doc)
+    parsed = plan_from_json(json.loads(text))
+    assert parsed.mesh_axes == ("pp", "dp", "cp", "tp") and parsed.mesh_sizes == (1, 1, 1, 2)
+    assert parsed.roles["model.layers.0.mlp.experts"] == "packed_experts"
+    again = plan_to_json(mesh_axes=parsed.mesh_axes, mesh_sizes=parsed.mesh_sizes, applied_axes=parsed.applied_axes,
+                         recorded_axes=parsed.recorded_axes, modules=parsed.modules, roles=parsed.roles)
+    assert json.dumps(again) == text
+    experts = doc["modules"]["model.layers.0.mlp.experts"]
+    assert experts["state_shardings"]["gate_up_proj"] == {"tp": "packed_shard(1,2)"}
+
+
+def test_format_errors_name_the_place():
+    with pytest.raises(PlanFormatError, match=r"modules\['lm_head'\]: unknown keys \['colour'\]"):
+        plan_modules_from_json({"lm_head": {"colour": 1}})
+    with pytest.raises(PlanFormatError, match=r"modules\['x'\]\.state_shardings\.weight.*unknown placement 'rows'"):
+        plan_modules_from_json({"x": {"state_shardings": {"weight": {"tp": "rows"}}}})
+    with pytest.raises(PlanFormatError, match=r"plan\.format: expected 1, got 2"):
+        plan_from_json({"format": 2, "mesh": {}, "applied_axes": [], "recorded_axes": {}, "modules": {}})
+    with pytest.raises(PlanFormatError, match=r"missing keys \['applied_axes'"):
+        plan_from_json({"format": 1, "mesh": {}, "modules": {}})
+    with pytest.raises(PlanFormatError, match="local_map: expected true or false"):
+        sharding_config_from_json({"local_map": "yes"})
+
+
+def test_plan_modules_to_json_is_torch_free_for_text_configs():
+    modules = {"m": ShardingConfig(state_shardings={"weight": {"tp": "Shard(0)"}}, local_map=True)}
+    assert plan_modules_to_json(modules) == {"m": {
+        "role": "custom", "state_shardings": {"weight": {"tp": "shard(0)"}},
+        "in_src": None, "in_dst": None, "out_src": None, "out_dst": None, "local_map": True}}
+
+
+def test_json_side_imports_no_torch():
+    # the freeze stage and up-to-date checks read and write plans without paying for torch
+    code = ("import sys; from hyper_parallel.distributed import plan_format, placement_text, mesh; "
+            "plan_format.plan_modules_to_json(plan_format.plan_modules_from_json("
+            "{'m': {'state_shardings': {'w': {'tp': 'shard(0)'}}}})); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr

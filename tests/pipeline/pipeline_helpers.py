@@ -1,0 +1,49 @@
+"""Shared by the pipeline tests: one generated tiny project per pytest run, copied
+into each test that changes it, and a small synthetic bundle for loader tests."""
+
+import json
+import shutil
+from pathlib import Path
+
+from hyper_parallel.codegen.artifact import write_bundle_atomic
+from hyper_parallel.codegen.hash import sha256_bytes
+from hyper_parallel.codegen.meta import META_SCHEMA_VERSION, REQUIRED_META_FIELDS
+from tests.project_fixtures import REPO, TINY_RECIPE, cli, make_project
+
+# The package is not installed: subprocesses started in a project copy find it here.
+ENV = {"PYTHONPATH": str(REPO)}
+BUNDLE = Path("recipes/tiny_cpu/generated")
+MODELING_FILE = "modeling_Qwen3_Moe_gen_cpu.py"
+
+_generated: list[Path] = []  # the one project generated in this pytest process
+
+
+def generated_tiny_project(tmp_path_factory) -> Path:
+    """A project whose tiny recipe is generated through install (no torchrun preflight).
+    Built once per pytest process; treat it as read-only and copy it to change it."""
+    if not _generated:
+        project = make_project(tmp_path_factory.mktemp("generated") / "project")
+        proc = cli(project, "generate", "--config", TINY_RECIPE, "--skip-preflight", env=ENV)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        _generated.append(project)
+    return _generated[0]
+
+
+def copy_project(source: Path, dest: Path) -> Path:
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def fake_meta(files: dict[str, bytes], modeling_file: str) -> bytes:
+    """A codegen_meta.json with every required field, listing ``files`` by sha256."""
+    meta = {field: {} for field in REQUIRED_META_FIELDS}
+    meta.update(schema_version=META_SCHEMA_VERSION, signature="0" * 64, recipe="../recipe.yaml",
+                modeling_file=modeling_file, not_covered=[],
+                outputs={name: sha256_bytes(data) for name, data in sorted(files.items())})
+    return (json.dumps(meta, indent=2) + "\n").encode()
+
+
+def install_fake_bundle(artifact_dir: Path, body: str, modeling_file: str = "modeling_fake.py") -> Path:
+    """A torch-free bundle: ``__init__.py`` and a modeling file holding ``body``."""
+    files = {"__init__.py": b'"""fake bundle"""\n', modeling_file: body.encode()}
+    return write_bundle_atomic(artifact_dir, files, fake_meta(files, modeling_file))

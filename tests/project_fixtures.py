@@ -1,0 +1,71 @@
+"""Build a throwaway copy of the project's doit entry point and recipes, and run the
+real tools (doit, the CLI) in it as subprocesses."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RECIPE = "recipes/tiny_cpu/qwen3_moe_tiny.yaml"
+MAIN_RECIPE = "recipes/qwen3_moe.yaml"
+
+# Exits 99 when the doit run imported torch or transformers: proves it stayed import-light.
+NO_TORCH_BOOT = """
+import runpy
+import sys
+from doit.cmd_base import ModuleTaskLoader
+from doit.doit_cmd import DoitMain
+dodo = runpy.run_path('dodo.py')
+rc = DoitMain(ModuleTaskLoader(dodo)).run(sys.argv[1:])
+heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)
+if heavy:
+    print('FORBIDDEN IMPORTS during the doit run: ' + ', '.join(heavy))
+    sys.exit(99)
+sys.exit(rc)
+"""
+
+
+def make_project(dest: Path) -> Path:
+    """dodo.py + recipes/ (no build outputs) copied into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "dodo.py", dest / "dodo.py")
+    shutil.copytree(REPO / "recipes", dest / "recipes",
+                    ignore=shutil.ignore_patterns("generated", "__pycache__"))
+    return dest
+
+
+def run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if env is None or key not in env:
+            full_env.pop(key, None)
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def doit(project: Path, *args: str, env: dict | None = None, forbid_torch: bool = False) -> subprocess.CompletedProcess:
+    if forbid_torch:
+        return run([sys.executable, "-c", NO_TORCH_BOOT, *args], project, env)
+    return run([sys.executable, "-m", "doit", *args], project, env)
+
+
+def cli(project: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "hyper_parallel.codegen", *args], project, env)
+
+
+_TASK_LINE = re.compile(r"^(\.|--)\s+(\w+):(\S+)", re.M)
+
+
+def tasks_ran(output: str) -> list[str]:
+    """Stage names doit executed (lines ``.  stage:recipe``), in order."""
+    return [m.group(2) for m in _TASK_LINE.finditer(output) if m.group(1) == "."]
+
+
+def tasks_skipped(output: str) -> list[str]:
+    return [m.group(2) for m in _TASK_LINE.finditer(output) if m.group(1) == "--"]
+
+
+def bundle_bytes(bundle: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(bundle.iterdir()) if p.is_file()}
