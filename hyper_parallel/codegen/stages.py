@@ -203,7 +203,6 @@ def banner_fields(spec: CodegenSpec, frozen: dict[str, Any]) -> dict[str, Any]:
         "parallel_dims": spec.parallel.as_dict(),
         "applied_axes": frozen["applied_axes"],
         "recorded_axes": frozen["recorded_axes"],
-        "regenerate": f"doit generate config=<path to {spec.recipe_path.name}>",
     }
 
 

@@ -139,7 +139,9 @@ def _variant_of(bundle: Path, dest: Path) -> Path:
     return dest
 
 
-def _kill_during_installs(target: Path, first: Path, second: Path, rng: random.Random) -> None:
+def _kill_during_installs(target: Path, first: Path, second: Path, rng: random.Random) -> int:
+    """Start a child installing ``second``, ``first``, ... in a loop; SIGKILL it at a
+    random moment. Returns its pid."""
     child = subprocess.Popen([sys.executable, "-c", INSTALL_LOOP, str(target), str(second), str(first)],
                              cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -148,6 +150,13 @@ def _kill_during_installs(target: Path, first: Path, second: Path, rng: random.R
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    return child.pid
+
+
+def _staging_dirs(target: Path) -> list[Path]:
+    return sorted(target.parent.glob(f".hp-bundle-{target.name}-*"))
 
 
 def test_install_killed_at_any_instant_leaves_a_complete_bundle(project, tmp_path):
@@ -156,15 +165,20 @@ def test_install_killed_at_any_instant_leaves_a_complete_bundle(project, tmp_pat
     second = _variant_of(bundle, tmp_path / "second")
     modeling_hashes = {sha256_file(first / MODELING_FILE): "first", sha256_file(second / MODELING_FILE): "second"}
     rng = random.Random(1234)
-    seen = []
+    seen, killed_mid_install = [], 0
     for trial in range(KILL_TRIALS):
-        _kill_during_installs(bundle, first, second, rng)
+        pid = _kill_during_installs(bundle, first, second, rng)
         meta = load_codegen_meta(bundle)
         assert bundle_file_problems(bundle, meta) == [], f"trial {trial}"
         assert sorted(p.name for p in bundle.iterdir()) == sorted([META_FILE, *meta["outputs"]])
         seen.append(modeling_hashes[meta["outputs"][MODELING_FILE]])
-    # Kills landed between installs at different moments: both bundles were seen in place.
+        killed_mid_install += any(f"-{pid}-" in p.name for p in _staging_dirs(bundle))
+    # The kills hit at different moments, most inside an install (its staging dir is left).
     assert set(seen) == {"first", "second"}, seen
+    assert killed_mid_install >= KILL_TRIALS // 4, killed_mid_install
+    write_bundle_atomic(bundle, {n: (first / n).read_bytes() for n in load_codegen_meta(first)["outputs"]},
+                        (first / META_FILE).read_bytes())
+    assert _staging_dirs(bundle) == []  # the next install removed what the killed ones left
     report = preflight_integrity_check(bundle, expected_signature=signature_from_spec(_spec(project)))
     assert report["plan_entries"] > 0
 

@@ -57,7 +57,8 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
     # The planner reads the HF config's base_model_tp_plan itself, as role hints.
     result = ShardingPlanner(model, dims=dims, mesh=mesh, sequence_parallel=p.sequence_parallel,
                              loss_parallel=p.loss_parallel).plan()
-    modules = merge_plan_overrides(result.modules, placement_overrides(spec), model)
+    modules = merge_plan_overrides(result.modules, placement_overrides(spec), model,
+                                   active_axes=dims.active_axes(sequence_parallel=p.sequence_parallel))
     return {
         "model_class": type(model).__name__,
         "plan": {
@@ -70,16 +71,17 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
     }
 
 
-_PLACEMENT_KEYS = ("params", "in_src", "in_dst", "out_src", "out_dst")
-
-
 def placement_overrides(spec: CodegenSpec) -> list[dict[str, Any]]:
-    """The overrides that change placements. A ``replace_module`` entry's ``module_type``
-    names the module it replaces (checked when replacing), not the replacement the
-    planner now sees, so it is dropped here."""
+    """The recipe's overrides as the planner takes them (same order, so error messages
+    name the recipe's index). A ``replace_module`` entry's ``module_type`` names the
+    module it replaces (checked when replacing), not the replacement the planner now
+    sees, so it is dropped here."""
     out = []
     for entry in spec.plan_overrides:
-        if not any(entry.get(key) is not None for key in _PLACEMENT_KEYS):
-            continue
-        out.append({**entry, "module_type": None} if entry.get("replace_module") else dict(entry))
+        kept = {key: value for key, value in entry.items() if value is not None}
+        if not kept.get("exact_type"):
+            kept.pop("exact_type", None)
+        if entry.get("replace_module"):
+            kept.pop("module_type", None)
+        out.append(kept)
     return out

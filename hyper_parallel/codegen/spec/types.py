@@ -71,8 +71,9 @@ class CodegenSpec:
         """The ``replace_module`` entries, in the form the emitter and runtime take."""
         return [
             {"match": o["match"], "module_type": o["module_type"], "exact_type": o["exact_type"],
-             "target": o["replace_module"]["target"], "kwargs": o["replace_module"]["kwargs"]}
-            for o in self.plan_overrides if o.get("replace_module")
+             "target": o["replace_module"]["target"], "kwargs": o["replace_module"]["kwargs"],
+             "origin": f"plan_overrides[{i}].replace_module._target_"}
+            for i, o in enumerate(self.plan_overrides) if o.get("replace_module")
         ]
 
     @property

@@ -7,11 +7,8 @@ import torch
 
 from hyper_parallel.models.common import (
     Decoder,
-    DecoderBlock,
-    Embedding,
     FeedForward,
     GQAttention,
-    Linear,
     MoE,
     RMSNorm,
     RoPE,
@@ -19,24 +16,6 @@ from hyper_parallel.models.common import (
     set_decoder_sharding_config,
 )
 from hyper_parallel.protocols import config_from_dict
-
-
-def two_layer_config() -> Decoder.Config:
-    dim = 64
-
-    def block(ffn: dict) -> TransformerBlock.Config:
-        return DecoderBlock.Config(
-            attention=GQAttention.Config(dim=dim, n_heads=4, n_kv_heads=2, qk_norm=True),
-            attention_norm=RMSNorm.Config(hidden=dim), ffn_norm=RMSNorm.Config(hidden=dim), **ffn)
-
-    return Decoder.Config(
-        tok_embeddings=Embedding.Config(num_embeddings=256, embedding_dim=dim),
-        rope=RoPE.Config(head_dim=16, max_seq_len=128, theta=1e6),
-        layers=[block({"feed_forward": FeedForward.Config(dim=dim, hidden_dim=128)}),
-                block({"moe": MoE.Config(dim=dim, hidden_dim=32, num_experts=4, top_k=2)})],
-        norm=RMSNorm.Config(hidden=dim),
-        output=Linear.Config(in_features=dim, out_features=256, bias=False),
-    )
 
 
 def _initialized(config: Decoder.Config, seed: int = 0) -> Decoder:
@@ -48,7 +27,7 @@ def _initialized(config: Decoder.Config, seed: int = 0) -> Decoder:
     return model
 
 
-def test_meta_build_then_cpu_init_states_and_forward():
+def test_meta_build_then_cpu_init_states_and_forward(two_layer_config):
     model = _initialized(two_layer_config())
     assert isinstance(model.layers[0].feed_forward, FeedForward) and isinstance(model.layers[1].moe, MoE)
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -59,14 +38,14 @@ def test_meta_build_then_cpu_init_states_and_forward():
     assert torch.equal(model.rope.cos_cache, RoPE.Config(head_dim=16, max_seq_len=128, theta=1e6).build().cos_cache)
 
 
-def test_same_seed_same_parameters_different_seed_different():
+def test_same_seed_same_parameters_different_seed_different(two_layer_config):
     a, b, c = (_initialized(two_layer_config(), seed) for seed in (0, 0, 1))
     for (name, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.output.weight, c.output.weight)
 
 
-def test_config_round_trips_through_json_to_the_same_model():
+def test_config_round_trips_through_json_to_the_same_model(two_layer_config):
     config = two_layer_config()
     set_decoder_sharding_config(config, loss_parallel=True, enable_sp=True)
     data = json.loads(json.dumps(config.to_dict()))

@@ -19,8 +19,6 @@ from hyper_parallel.models.common import (
 from hyper_parallel.models.common.attention import GQAttention
 from hyper_parallel.protocols import Function, MeshAxisName, Module, ShardingConfig
 
-from test_decoder import two_layer_config  # noqa: E402  (sibling test module, same folder)
-
 TP, CP = MeshAxisName.TP, MeshAxisName.CP
 R, P = {TP: Replicate()}, {TP: Partial()}
 
@@ -87,7 +85,7 @@ def expected_plan(*, loss_parallel: bool, enable_sp: bool) -> dict[str, Sharding
 
 
 @pytest.mark.parametrize("loss_parallel, enable_sp", [(True, False), (False, True)])
-def test_every_sub_module_gets_exactly_the_expected_sharding(loss_parallel, enable_sp):
+def test_every_sub_module_gets_exactly_the_expected_sharding(two_layer_config, loss_parallel, enable_sp):
     config = two_layer_config()
     set_decoder_sharding_config(config, loss_parallel=loss_parallel, enable_sp=enable_sp)
     model = config.build()
@@ -102,7 +100,7 @@ def test_every_sub_module_gets_exactly_the_expected_sharding(loss_parallel, enab
         assert param in actual[owner].state_shardings, name
 
 
-def test_the_two_settings_really_differ():
+def test_the_two_settings_really_differ(two_layer_config):
     a, b = two_layer_config(), two_layer_config()
     set_decoder_sharding_config(a, loss_parallel=True, enable_sp=False)
     set_decoder_sharding_config(b, loss_parallel=False, enable_sp=True)
@@ -129,7 +127,7 @@ def test_linear_and_norm_helpers():
     assert norm_config(enable_sp=False) == replicated_weight(R)
 
 
-def test_sub_tree_helpers_keep_bias_entries_only_for_biased_linears():
+def test_sub_tree_helpers_keep_bias_entries_only_for_biased_linears(two_layer_config):
     attn = GQAttention.Config(dim=32, n_heads=4, n_kv_heads=2, bias=True)
     set_qkv_linear_sharding(attn)
     assert attn.q_proj.sharding_config == colwise_config() and attn.o_proj.sharding_config is None
