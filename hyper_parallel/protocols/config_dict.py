@@ -10,7 +10,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from hyper_parallel.distributed.placement_text import parse_placement_text
+from hyper_parallel.distributed.placements import placement_from_text, placement_to_text
 from hyper_parallel.protocols.configurable import Configurable
 from hyper_parallel.protocols.function import Function
 from hyper_parallel.protocols.sharding import MeshAxisName, ShardingConfig
@@ -131,30 +131,3 @@ def _axis(name: str) -> Any:
         return MeshAxisName(name)
     except ValueError:
         return name
-
-
-def placement_to_text(placement: Any) -> str:
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if isinstance(placement, _StridedShard):
-        return f"packed_shard({placement.dim},{placement.split_factor})"
-    if isinstance(placement, Shard):
-        return f"shard({placement.dim})"
-    if isinstance(placement, Replicate):
-        return "replicate"
-    if isinstance(placement, Partial) and placement.reduce_op == "sum":
-        return "partial"
-    raise TypeError(f"placement {placement!r} has no text spelling")
-
-
-def placement_from_text(text: str) -> Any:
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    spec = parse_placement_text(text)
-    if spec.kind == "shard":
-        return Shard(spec.dim)
-    if spec.kind == "packed_shard":
-        return _StridedShard(spec.dim, split_factor=spec.packs)
-    return Replicate() if spec.kind == "replicate" else Partial()

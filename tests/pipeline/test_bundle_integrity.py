@@ -3,6 +3,7 @@ at any instant leaves a complete bundle (issue: bundle integrity, DESIGN §4, §
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -12,13 +13,11 @@ from pathlib import Path
 import pytest
 
 from hyper_parallel.codegen.artifact import META_FILE, remove_stale_staging_dirs, write_bundle_atomic
-from hyper_parallel.codegen.check.drift import bundle_file_problems, installed_bundle_problems
+from hyper_parallel.codegen.check.drift import bundle_file_problems
 from hyper_parallel.codegen.check.preflight import PreflightError, preflight_integrity_check
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
 from hyper_parallel.codegen.loader import bundle_package_name
-from hyper_parallel.codegen.manager import load_spec
 from hyper_parallel.codegen.meta import load_codegen_meta
-from hyper_parallel.codegen.spec.project import signature_from_spec
 from tests.pipeline.pipeline_helpers import BUNDLE, ENV, MODELING_FILE, copy_project, generated_tiny_project
 from tests.project_fixtures import REPO, TINY_RECIPE, doit
 
@@ -29,12 +28,8 @@ KILL_TRIALS = 24
 def project(tmp_path_factory, tmp_path):
     """A private copy of the generated tiny project, its bundle verified intact."""
     project = copy_project(generated_tiny_project(tmp_path_factory), tmp_path / "project")
-    assert installed_bundle_problems(_spec(project)) == []
+    assert bundle_file_problems(project / BUNDLE, load_codegen_meta(project / BUNDLE)) == []
     return project
-
-
-def _spec(project: Path):
-    return load_spec(project / TINY_RECIPE, project / "generated")
 
 
 def _doit_check(project: Path) -> str:
@@ -48,10 +43,11 @@ def _imported_from(bundle: Path) -> list[str]:
     return [name for name in sys.modules if name == package or name.startswith(package + ".")]
 
 
-def _preflight_fails(project: Path) -> str:
+def _preflight_fails(project: Path, signature: str) -> str:
+    """What a rank expecting ``signature`` reports for the bundle; it must not import it."""
     bundle = project / BUNDLE
     with pytest.raises(PreflightError) as info:
-        preflight_integrity_check(bundle, expected_signature=signature_from_spec(_spec(project)))
+        preflight_integrity_check(bundle, expected_signature=signature)
     assert _imported_from(bundle) == []  # rejected before import: nothing of it was executed
     return str(info.value)
 
@@ -60,13 +56,14 @@ def _preflight_fails(project: Path) -> str:
 
 def test_changed_byte_in_modeling_file_fails_check(project):
     modeling = project / BUNDLE / MODELING_FILE
-    expected = load_codegen_meta(project / BUNDLE)["outputs"][MODELING_FILE]
+    meta = load_codegen_meta(project / BUNDLE)
+    expected = meta["outputs"][MODELING_FILE]
     data = bytearray(modeling.read_bytes())
     data[len(data) // 2] ^= 0x01
     modeling.write_bytes(bytes(data))
     actual = sha256_file(modeling)
 
-    for message in (_doit_check(project), _preflight_fails(project)):
+    for message in (_doit_check(project), _preflight_fails(project, meta["signature"])):
         assert str(modeling) in message and "sha256 mismatch" in message, message
         assert expected in message and actual in message, message
         assert "fix: doit generate" in message
@@ -95,14 +92,16 @@ META_TAMPERING = {
 def test_tampered_meta_is_detected_and_never_imported(project, case):
     edit, fragments = META_TAMPERING[case]
     meta_path = project / BUNDLE / META_FILE
+    signature = load_codegen_meta(project / BUNDLE)["signature"]  # what every rank expects
     meta_path.write_text(edit(meta_path.read_text()))
 
-    for message in (_preflight_fails(project), _doit_check(project)):
+    for message in (_preflight_fails(project, signature), _doit_check(project)):
         assert str(meta_path) in message, message
         for fragment in fragments:
             assert fragment in message, message
     if case == "edited_signature":  # both sides of the mismatch are named
-        assert signature_from_spec(_spec(project)) in _preflight_fails(project)
+        assert signature in _preflight_fails(project, signature)
+        assert re.search(f"now gives [0-9a-f]{{64}}, the bundle was built for {'f' * 64}", _doit_check(project))
 
 
 # --- SIGKILL during install -----------------------------------------------------------------
@@ -179,7 +178,7 @@ def test_install_killed_at_any_instant_leaves_a_complete_bundle(project, tmp_pat
     write_bundle_atomic(bundle, {n: (first / n).read_bytes() for n in load_codegen_meta(first)["outputs"]},
                         (first / META_FILE).read_bytes())
     assert _staging_dirs(bundle) == []  # the next install removed what the killed ones left
-    report = preflight_integrity_check(bundle, expected_signature=signature_from_spec(_spec(project)))
+    report = preflight_integrity_check(bundle, expected_signature=load_codegen_meta(first)["signature"])
     assert report["plan_entries"] > 0
 
 

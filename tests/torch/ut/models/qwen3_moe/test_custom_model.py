@@ -27,8 +27,10 @@ TINY = Path(__file__).resolve().parents[5] / "recipes/tiny_cpu/models/tiny-qwen3
 def _hf_model(dtype=torch.float32, **overrides):
     config = AutoConfig.from_pretrained(TINY, **overrides)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
-    return model.to(dtype).eval()
+    # dtype at construction, not .to(dtype): that would also round HF's fp32 RoPE inv_freq
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager",
+                                             dtype=dtype)
+    return model.eval()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,68 @@
+"""Shared by the family tests: tiny configs, random weights, one torchrun for many cases."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.planner import ShardingPlanner
+
+REPO = Path(__file__).resolve().parents[2]
+FAMILY_CONFIGS = REPO / "tests/data/families"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def save_random_hf_weights(config_dir: Path, path: Path, seed: int = 1234) -> Path:
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(path))
+    return path
+
+
+def planner_applies_sp(config_dir: Path) -> bool:
+    """Whether the planner applies sequence parallel yet (it may only record it)."""
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    dims = ParallelDims(tp=2)
+    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), sequence_parallel=True).plan()
+    return "sp" in result.applied_axes
+
+
+def run_cases(cases: list[dict], out: Path, timeout: int = 600) -> dict[str, dict]:
+    """Run every case in one torchrun (world 2); returns ``{name: [rank0 result, rank1 result]}``."""
+    cases_file = out / "cases.json"
+    cases_file.write_text(json.dumps(cases, indent=1))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", "-m", "tests.families.family_worker",
+               "--cases", str(cases_file), "--out", str(out)]
+    run = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, f"torchrun failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    return {case["name"]: [json.loads((out / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
+            for case in cases}
+
+
+def assert_equivalent(result: dict) -> None:
+    """Loss (rtol 1e-5), every gathered gradient (in the worker: rtol 1e-4, atol 1e-6), three steps."""
+    assert "error" not in result, result.get("traceback", result)
+    assert abs(result["par_loss"] - result["ref_loss"]) <= 1e-5 * abs(result["ref_loss"]), result
+    assert result["grad_failures"] == [], result["grad_failures"]
+    assert result["grads_checked"] == result["param_count"], result
+    losses = result["train_losses"]
+    assert losses["parallel"][-1] < losses["parallel"][0]  # the steps did something
+    for ref, par in zip(losses["reference"], losses["parallel"], strict=True):
+        assert abs(par - ref) <= 1e-5 * abs(ref), losses

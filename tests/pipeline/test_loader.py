@@ -1,0 +1,91 @@
+"""The loader imports a bundle as a synthetic package: one stable module name per
+artifact directory, sys.path untouched, failed imports not cached (DESIGN §6)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyper_parallel.codegen.loader import (
+    PACKAGE_PREFIX,
+    BundleImportError,
+    bundle_package_name,
+    load_generated_module,
+)
+from tests.pipeline.pipeline_helpers import install_fake_bundle
+
+
+@pytest.fixture(autouse=True)
+def forget_test_bundles(tmp_path):
+    """Drop what these tests imported, so sys.modules does not grow across tests."""
+    yield
+    for name in [n for n in sys.modules if n.startswith(PACKAGE_PREFIX + "._")]:
+        module_file = getattr(sys.modules[name], "__file__", None) or ""
+        if module_file.startswith(str(tmp_path)):
+            del sys.modules[name]
+
+
+def _bundle_modules(bundle: Path) -> list[str]:
+    package = bundle_package_name(bundle)
+    return sorted(n for n in sys.modules if n == package or n.startswith(package + "."))
+
+
+def test_same_directory_gives_the_same_module(tmp_path, monkeypatch):
+    bundle = install_fake_bundle(tmp_path / "recipes" / "generated", "VALUE = 1\n")
+    first = load_generated_module(bundle)
+    monkeypatch.chdir(tmp_path)
+    again = load_generated_module(Path("recipes/other/../generated"))  # another spelling, same dir
+
+    assert again is first
+    assert first.VALUE == 1
+    assert first.__name__ == f"{bundle_package_name(bundle)}.modeling_fake"
+    assert bundle_package_name("recipes/generated") == bundle_package_name(bundle)
+    assert first.__name__.replace(".", "").replace("_", "").isalnum()
+
+
+def test_two_directories_get_two_modules(tmp_path):
+    one = install_fake_bundle(tmp_path / "a" / "generated", "VALUE = 'a'\n")
+    two = install_fake_bundle(tmp_path / "b" / "generated", "VALUE = 'b'\n")
+
+    first, second = load_generated_module(one), load_generated_module(two)
+
+    assert bundle_package_name(one) != bundle_package_name(two)
+    assert first.__name__ != second.__name__
+    assert (first.VALUE, second.VALUE) == ("a", "b")
+    assert Path(first.__file__) == one / "modeling_fake.py"
+
+
+def test_import_leaves_sys_path_alone(tmp_path):
+    bundle = install_fake_bundle(tmp_path / "generated", "import sys\nPATH_AT_IMPORT = list(sys.path)\n")
+    before = list(sys.path)
+
+    module = load_generated_module(bundle)
+
+    assert sys.path == before
+    assert module.PATH_AT_IMPORT == before  # not even temporarily during the import
+    assert not any(str(tmp_path) in entry for entry in sys.path)
+
+
+@pytest.mark.parametrize("broken, error", [
+    ("def broken(:\n", "SyntaxError"),
+    ("import no_such_module_anywhere\n", "ModuleNotFoundError"),
+])
+def test_failed_import_is_not_cached(tmp_path, broken, error):
+    bundle = install_fake_bundle(tmp_path / "generated", broken)
+
+    with pytest.raises(BundleImportError) as info:
+        load_generated_module(bundle)
+    message = str(info.value)
+    assert str(bundle / "modeling_fake.py") in message and error in message, message
+    assert _bundle_modules(bundle) == []
+
+    (bundle / "modeling_fake.py").write_text("VALUE = 'fixed'\n")
+    assert load_generated_module(bundle).VALUE == "fixed"
+    assert _bundle_modules(bundle) == sorted([bundle_package_name(bundle),
+                                              f"{bundle_package_name(bundle)}.modeling_fake"])
+
+
+def test_missing_bundle_names_the_meta_file(tmp_path):
+    with pytest.raises(ValueError, match="codegen_meta.json missing"):
+        load_generated_module(tmp_path / "generated")
+    assert _bundle_modules(tmp_path / "generated") == []
