@@ -19,12 +19,15 @@ from hyper_parallel.codegen.spec.project import recipe_id
 from hyper_parallel.codegen.spec.types import STAGES
 
 RECIPES_DIR = "recipes"
-WORKSPACE = "generated"
+WORKSPACE = "generated"  # relative to the folder doit runs in (where dodo.py is)
+
+# doit opens its sqlite dependency file before any task runs, so its folder must exist.
+os.makedirs(WORKSPACE, exist_ok=True)
 
 DOIT_CONFIG = {
     "default_tasks": ["generate"],
-    "backend": "json",
-    "dep_file": os.path.join(WORKSPACE, ".doit-db.json"),
+    "backend": "sqlite3",
+    "dep_file": os.path.join(WORKSPACE, ".doit-db.sqlite"),
     "verbosity": 2,
     "action_string_formatting": "new",
 }

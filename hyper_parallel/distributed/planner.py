@@ -19,10 +19,14 @@ from torch import nn
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility, lint_plan
 from hyper_parallel.distributed.plan_overrides import merge_plan_overrides
+from hyper_parallel.distributed.sequence_layout import apply_sequence_layout
 from hyper_parallel.distributed.roles import (
     COLWISE_NAMES,
+    FUSED_GATE_UP_NAMES,
+    FUSED_QKV_NAMES,
     HEAD_NORM_NAMES,
     ROLE_BUILDERS,
+    ROUTER_NAMES,
     ROWWISE_NAMES,
     is_packed_experts,
 )
@@ -36,11 +40,10 @@ _LINEAR_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_ou
 _EMBEDDING_STYLES = {"embedding_rowwise": "vocab_embedding", "rowwise": "vocab_embedding"}
 _ANY_STYLES = {"replicated_with_grad_allreduce": "head_norm", "moe_tp_experts": "packed_experts"}
 
+# Forms the plan applies besides tp (sequence_layout.py: sp, cp, loss_parallel).
+_APPLIED = frozenset({"sp", "cp", "loss_parallel"})
 _NOT_APPLIED = {
-    "cp": "context parallel is recorded, not applied: the planner applies tensor parallel only for now",
     "ep": "expert parallel is recorded, not applied: experts stay tensor-parallel (packed_shard) for now",
-    "sp": "sequence parallel is recorded, not applied: norms and the residual stream stay replicated",
-    "loss_parallel": "loss parallel is recorded, not applied: lm_head gathers full logits before the loss",
     "pp": "pipeline parallel is owned by the runtime (stage splitting), not by the plan",
     "dp": "data parallel is applied by the trainer (FSDP2 fully_shard), not by the plan",
 }
@@ -79,16 +82,25 @@ class ShardingPlanner:
             role = self._role(fqn, module)
             roles[fqn] = role
             modules[fqn] = ROLE_BUILDERS[role](module, self._param_hints(fqn, module))
+        apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
+                              loss_parallel=self.loss_parallel)
         lint_plan(self.model, modules, self.mesh)
-        return PlanResult(modules=modules, applied_axes=["tp"], recorded_axes=self._recorded_axes(), roles=roles)
+        return PlanResult(modules=modules, applied_axes=self._applied_axes(), recorded_axes=self._recorded_axes(),
+                          roles=roles)
 
-    def _recorded_axes(self) -> dict[str, str]:
+    def _requested_axes(self) -> set[str]:
         requested = {name for name in ("cp", "ep", "pp", "dp") if getattr(self.dims, name) > 1}
         if self.sequence_parallel:
             requested.add("sp")
         if self.loss_parallel:
             requested.add("loss_parallel")
-        return {name: _NOT_APPLIED[name] for name in sorted(requested)}
+        return requested
+
+    def _applied_axes(self) -> list[str]:
+        return ["tp", *sorted(self._requested_axes() & _APPLIED)]
+
+    def _recorded_axes(self) -> dict[str, str]:
+        return {name: _NOT_APPLIED[name] for name in sorted(self._requested_axes() - _APPLIED)}
 
     def _role(self, fqn: str, module: nn.Module) -> str:
         style = self._module_hint(fqn)
@@ -111,11 +123,42 @@ class ShardingPlanner:
                 return "colwise"
             if name in ROWWISE_NAMES:
                 return "rowwise"
+            if name in FUSED_QKV_NAMES:
+                return self._fused_qkv_role(fqn, module)
+            if name in FUSED_GATE_UP_NAMES:
+                return "fused_gate_up"
         if is_packed_experts(module):
             return "packed_experts"
         if name in HEAD_NORM_NAMES:
-            return "head_norm"
-        return "replicate"
+            return self._qk_norm_role(module)
+        if name in ROUTER_NAMES or all(p.dim() < 2 for p in module.parameters(recurse=False)):
+            return "replicate"  # norms, routers: small, every rank needs all of it
+        raise PlanError(_unclassified_message(fqn, module))
+
+    def _head_dim(self) -> int | None:
+        config = getattr(self.model, "config", None)
+        head_dim = getattr(config, "head_dim", None)
+        heads = getattr(config, "num_attention_heads", None)
+        return head_dim or (config.hidden_size // heads if heads else None)
+
+    def _qk_norm_role(self, module: nn.Module) -> str:
+        """Per-head norms (weight = head_dim) act on head-split tensors; a norm whose
+        weight spans the whole projection needs the full projection output."""
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.shape[-1] != self._head_dim():
+            return "projection_norm"
+        return "head_norm"
+
+    def _fused_qkv_role(self, fqn: str, module: nn.Linear) -> str:
+        config = getattr(self.model, "config", None)
+        heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+        if module.out_features % 3 or (kv_heads is not None and kv_heads != heads):
+            raise PlanError(
+                f"cannot shard fused projection {fqn} ({type(module).__name__}, out_features "
+                f"{module.out_features}): q/k/v parts are unequal (num_attention_heads={heads}, "
+                f"num_key_value_heads={kv_heads}), so no packed_shard layout splits it; "
+                "give it a fully specified plan_overrides entry")
+        return "fused_qkv"
 
     def _module_hint(self, fqn: str) -> str | None:
         return _lookup(self.hints, fqn)
@@ -127,6 +170,13 @@ class ShardingPlanner:
             if style is not None:
                 found[name] = style
         return found
+
+
+def _unclassified_message(fqn: str, module: nn.Module) -> str:
+    params = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False))
+    return (f"cannot classify module {fqn} ({type(module).__name__}; parameters {params}): no tensor-parallel "
+            "role from its type, its name or the model's TP plan; give it a fully specified plan_overrides "
+            "entry or a planner hint")
 
 
 def _lookup(hints: dict[str, str], name: str) -> str | None:

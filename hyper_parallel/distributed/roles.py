@@ -31,6 +31,11 @@ COLWISE_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
 ROWWISE_NAMES = frozenset({"o_proj", "down_proj", "w2", "fc2", "out_proj"})
 # Per-head norms (Qwen3's q_norm/k_norm) run on the head-split projections.
 HEAD_NORM_NAMES = frozenset({"q_norm", "k_norm"})
+# Fused projections: one Linear whose output packs equal parts ([q | k | v], [gate | up]).
+FUSED_QKV_NAMES = frozenset({"qkv_proj", "qkv", "wqkv", "Wqkv"})
+FUSED_GATE_UP_NAMES = frozenset({"gate_up_proj", "w13"})
+# Small routing / gating linears: replicated, every rank routes all its tokens itself.
+ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
 
 TP = "tp"
 
@@ -114,6 +119,32 @@ def head_norm(module: nn.Module, hints: dict) -> ShardingConfig:
         in_src=(heads,), in_dst=(heads,), local_map=True)
 
 
+def _fused_colwise(module: nn.Module, parts: int) -> ShardingConfig:
+    # Each rank keeps its slice of every part (packed_shard), so the local output still
+    # splits into ``parts`` pieces with chunk(); computed locally, as DTensor would
+    # otherwise re-order the strided layout into a plain shard.
+    return ShardingConfig(
+        state_shardings={name: _on_tp(_StridedShard(0, split_factor=parts)) for name in _params(module)},
+        in_src=(_on_tp(Replicate()),), in_dst=(_on_tp(Replicate()),), local_map=True)
+
+
+def fused_qkv(module: nn.Module, hints: dict) -> ShardingConfig:
+    return _fused_colwise(module, 3)
+
+
+def fused_gate_up(module: nn.Module, hints: dict) -> ShardingConfig:
+    return _fused_colwise(module, 2)
+
+
+def projection_norm(module: nn.Module, hints: dict) -> ShardingConfig:
+    # A norm over the whole q/k projection (not per head) needs every head's values:
+    # gather the colwise-sharded input, normalize, hand on this rank's slice again.
+    return ShardingConfig(
+        state_shardings={name: _on_tp(Replicate()) for name in _params(module)},
+        in_src=(_on_tp(Shard(-1)),), in_dst=(_on_tp(Replicate()),),
+        out_src=(_on_tp(Replicate()),), out_dst=(_on_tp(Shard(-1)),), local_map=True)
+
+
 def replicate(module: nn.Module, hints: dict) -> ShardingConfig:
     return ShardingConfig(state_shardings={name: _on_tp(Replicate()) for name in _params(module)}, local_map=True)
 
@@ -125,5 +156,8 @@ ROLE_BUILDERS: dict[str, Callable[[nn.Module, dict], ShardingConfig]] = {
     "lm_head": lm_head,
     "packed_experts": packed_experts,
     "head_norm": head_norm,
+    "fused_qkv": fused_qkv,
+    "fused_gate_up": fused_gate_up,
+    "projection_norm": projection_norm,
     "replicate": replicate,
 }

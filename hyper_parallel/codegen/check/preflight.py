@@ -94,8 +94,8 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
         report = json.loads(report_path.read_text()) if report_path.is_file() else None
     if proc.returncode != 0 or report is None or not report.get("ok"):
         reason = (report or {}).get("error") or _last_error_line(proc.stderr + proc.stdout)
-        raise PreflightError(f"preflight failed on {world} ranks for {spec.artifact_dir}:\n{reason}\n"
-                             f"  fix: {fix_command(spec)}")
+        fix = "" if "fix:" in reason else f"\n  fix: {fix_command(spec)}"
+        raise PreflightError(f"preflight failed on {world} ranks for {spec.artifact_dir}:\n{reason}{fix}")
     log(f"ok on {world} ranks: {report['params_checked']} parameters' local shards match the plan; "
         f"bundle digest {report['digest'][:12]} identical on every rank")
     return report

@@ -1,0 +1,160 @@
+"""Sequence layouts on top of the tensor-parallel roles: SP, CP and loss parallel.
+
+The tensor-parallel roles (``roles.py``) keep activations replicated between modules.
+When the sequence is split (sequence parallel over ``tp``, context parallel over
+``cp``), this pass rewrites the plan so that the *residual stream* is sharded on the
+sequence dim (``R`` below) and only the blocks that need more see more:
+
+| where                      | what the plan does                                                        |
+|----------------------------|---------------------------------------------------------------------------|
+| embedding                  | unchanged: full sequence on every rank (HF's model code derives position  |
+|                            | ids and the causal mask from its output, so that must stay full)          |
+| first decoder layer        | input ``replicate`` -> ``R``: each rank keeps its sequence piece          |
+| norms (layers, final norm) | compute on their piece; weight grads are partial sums over the split axes |
+| attention block            | input gathered (``R`` -> replicate): attention sees the full K/V with the |
+|                            | full-length mask and positions; output partial(tp) -> ``R``               |
+|                            | (reduce-scatter with SP, a slice over cp)                                  |
+| MLP / MoE block            | input gathered over tp only (SP); tokens stay split over cp (per-token    |
+|                            | work); output partial(tp) -> ``R``                                        |
+| lm_head                    | input gathered over tp; logits stay split over cp (and over the vocab     |
+|                            | with loss parallel) into the applier's sharded cross entropy              |
+
+Inside a block the TP roles stay as they are, except that the block's last
+projections (rowwise, experts) hand on their partial sums and the block's output
+boundary reduces them. Inside an MLP block, the cp split of the tokens is written on
+every entry so that replicated weights get their gradients summed over cp.
+
+Attention under CP gathers its input hidden states over cp and computes on the whole
+sequence on each cp rank (exact, but the attention work itself is not split over cp).
+"""
+
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from hyper_parallel.distributed.plan_lint import PlanError
+from hyper_parallel.protocols.sharding import ShardingConfig
+
+CP, TP = "cp", "tp"
+_ATTENTION_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "q_norm", "k_norm"})
+_PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "packed_experts"})
+
+
+def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
+                          cp: bool, sp: bool, loss_parallel: bool) -> None:
+    """Rewrite ``modules``/``roles`` in place for the requested sequence layout."""
+    if cp or sp:
+        _split_sequence(model, modules, roles, cp=cp, sp=sp)
+    if loss_parallel:
+        _keep_logits_vocab_sharded(modules, roles)
+
+
+def residual_placement(*, cp: bool, sp: bool) -> dict:
+    placement = {CP: Shard(1)} if cp else {}
+    placement[TP] = Shard(1) if sp else Replicate()
+    return placement
+
+
+def _split_sequence(model, modules, roles, *, cp: bool, sp: bool) -> None:
+    layers_fqn, layers = _decoder_layers(model)
+    residual = residual_placement(cp=cp, sp=sp)
+    full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
+    first = f"{layers_fqn}.0"
+    modules[first] = ShardingConfig(in_src=(full,), in_dst=(residual,), local_map=True)
+    roles[first] = "sequence_split"
+    for index, layer in enumerate(layers):
+        for name, child in layer.named_children():
+            fqn = f"{layers_fqn}.{index}.{name}"
+            if not _has_params(child):
+                continue
+            if roles.get(fqn) == "replicate":
+                _residual_module(modules[fqn], residual)
+            elif _is_attention(child):
+                _attention_block(fqn, child, modules, roles, residual, cp=cp)
+            else:
+                _mlp_block(fqn, child, modules, roles, residual, cp=cp, sp=sp)
+    for fqn, role in list(roles.items()):
+        inside_layers = fqn == layers_fqn or fqn.startswith(layers_fqn + ".")
+        if role == "replicate" and not inside_layers:
+            _residual_module(modules[fqn], residual)  # the final norm
+        elif role == "lm_head":
+            _gathered_lm_head(modules[fqn], residual, cp=cp)
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The longest ``nn.ModuleList`` of the model: its decoder layers."""
+    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
+                        "but the model has no nn.ModuleList of layers")
+    return max(lists, key=lambda item: len(item[1]))
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _is_attention(block: nn.Module) -> bool:
+    return any(name.rpartition(".")[2] in _ATTENTION_LEAVES for name, _ in block.named_modules())
+
+
+def _residual_module(config: ShardingConfig, residual: dict) -> None:
+    # local_map module on its sequence piece: the split axes make its weight grads partial
+    config.in_src = config.in_dst = (dict(residual),)
+
+
+def _attention_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
+    full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
+    partial = {**({CP: Replicate()} if cp else {}), TP: Partial()}
+    modules[fqn] = ShardingConfig(in_src=(residual,), in_dst=(full,),
+                                  out_src=(partial, None), out_dst=(dict(residual), None), local_map=True)
+    roles[fqn] = "attention_block"
+    for inner in _inner_entries(fqn, block, modules):
+        if roles[inner] in _PARTIAL_OUTPUT_ROLES:
+            modules[inner].out_dst = modules[inner].out_src
+
+
+def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, sp: bool) -> None:
+    moe = any(roles.get(inner) == "packed_experts" for inner in _inner_entries(fqn, block, modules))
+    token_dim = 0 if moe else 1  # MoE blocks flatten [batch, seq, hidden] to [tokens, hidden]
+    tokens = {CP: Shard(1)} if cp else {}
+    modules[fqn] = ShardingConfig(in_src=(residual,), in_dst=({**tokens, TP: Replicate()},),
+                                  out_src=({**tokens, TP: Partial()},), out_dst=(dict(residual),),
+                                  local_map=True)
+    roles[fqn] = "moe_block" if moe else "mlp_block"
+    for inner in _inner_entries(fqn, block, modules):
+        config = modules[inner]
+        if roles[inner] in _PARTIAL_OUTPUT_ROLES:
+            config.out_dst = config.out_src
+        if cp:
+            _add_token_split(config, Shard(token_dim))
+
+
+def _inner_entries(fqn: str, block: nn.Module, modules) -> list[str]:
+    return [f"{fqn}.{name}" for name, _ in block.named_modules() if name and f"{fqn}.{name}" in modules]
+
+
+def _add_token_split(config: ShardingConfig, placement) -> None:
+    """Tokens inside an MLP block are split over cp: every IO entry says so (no
+    communication: source and destination agree on cp); an entry without IO gets one."""
+    if config.in_src is None and config.in_dst is None:
+        config.in_src = config.in_dst = ({CP: placement},)
+        return
+    for key in ("in_src", "in_dst", "out_src", "out_dst"):
+        value = getattr(config, key)
+        if value is not None:
+            setattr(config, key, tuple(None if named is None else {CP: placement, **named} for named in value))
+
+
+def _gathered_lm_head(config: ShardingConfig, residual: dict, *, cp: bool) -> None:
+    seq = {CP: Shard(1)} if cp else {}
+    config.in_src = (dict(residual),)
+    config.in_dst = ({**seq, TP: Replicate()},)
+    config.out_src = ({**seq, TP: Shard(-1)},)
+    config.out_dst = ({**seq, TP: config.out_dst[0][TP]},)
+
+
+def _keep_logits_vocab_sharded(modules, roles) -> None:
+    for fqn, role in roles.items():
+        if role == "lm_head":
+            config = modules[fqn]
+            config.out_dst = ({**config.out_dst[0], TP: Shard(-1)},)
