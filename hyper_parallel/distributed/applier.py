@@ -26,12 +26,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.distributed.mesh import MeshContext
+from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
+from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa: F401  (re-exported)
 from hyper_parallel.distributed.placements import as_placement
+from hyper_parallel.distributed.sharded_loss import make_sharded_loss
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 _IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
+EP_AXIS = "ep"
 
 
 class PlanApplyError(ValueError):
@@ -46,15 +49,41 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
     sub_meshes: dict[tuple[str, ...], object] = {}
     sharded: dict[int, nn.Parameter] = {}  # id(original parameter) -> DTensor parameter (tied weights)
     for fqn, config in _resolve_targets(model, modules).items():
-        axes = _axes_of(config, mesh_axes, fqn)
+        owner = _expert_mesh(mesh, fqn) if _names_ep(config) else device_mesh
+        owner_axes = tuple(owner.mesh_dim_names)
+        axes = _axes_of(config, owner_axes, fqn)
         if not axes:
             continue
-        if axes not in sub_meshes:
-            sub_meshes[axes] = device_mesh[axes[0]] if len(axes) == 1 else device_mesh[axes]
+        key = (id(owner), axes)
+        if key not in sub_meshes:
+            sub_meshes[key] = owner[axes[0]] if len(axes) == 1 else owner[axes]
         module = model.get_submodule(fqn)
-        _shard_states(module, fqn, config, sub_meshes[axes], axes, sharded)
-        _install_hooks(module, fqn, config, sub_meshes[axes], axes)
+        _shard_states(module, fqn, config, sub_meshes[key], axes, sharded)
+        _install_hooks(module, fqn, config, sub_meshes[key], axes)
+        if _shards_states_on(config, EP_AXIS):
+            install_expert_dispatch(module, fqn, owner.get_group(EP_AXIS), owner.size(owner_axes.index(EP_AXIS)))
+        if module is _output_embeddings(model):
+            _install_sharded_loss(model, fqn, config, sub_meshes[key], axes)
     return model
+
+
+def _names_ep(config: ShardingConfig) -> bool:
+    return any(str(axis) == EP_AXIS for named in _named_entries(config) for axis in named)
+
+
+def _shards_states_on(config: ShardingConfig, axis: str) -> bool:
+    return any(isinstance(as_placement(p), (Shard, _StridedShard))
+               for named in config.state_shardings.values() for a, p in named.items() if str(a) == axis)
+
+
+def _expert_mesh(mesh, fqn: str):
+    """Entries that name ``ep`` live on the expert mesh (ranks borrowed from dp*cp)."""
+    if not isinstance(mesh, MeshContext):
+        raise PlanApplyError(f"plan entry {fqn!r} names the ep axis: apply the plan with a MeshContext "
+                             "(device mesh and parallel dims), from which the expert mesh is built")
+    if mesh.expert_mesh is None:
+        mesh.expert_mesh = build_expert_mesh(mesh.dims, mesh.device_mesh.device_type)
+    return mesh.expert_mesh
 
 
 # --- which modules ---------------------------------------------------------------------------
@@ -212,7 +241,7 @@ def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh
         return tuple(args), kwargs
 
     def post_hook(mod, args, kwargs, output):
-        return _convert_outputs(output, out_pairs, sub_mesh, axes)
+        return _convert_outputs(output, out_pairs, sub_mesh, axes, fqn or "<root>")
 
     if config.local_map:
         _install_local_parameter_swap(module, config, axes, split_axes)
@@ -268,22 +297,46 @@ def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes,
             raise PlanApplyError(f"{where} has in_dst {dst} but no in_src, and arrived as a plain tensor")
         value = DTensor.from_local(value, sub_mesh, _placements(src, axes, ndim), run_check=False)
     if dst is not None:
-        value = value.redistribute(sub_mesh, _placements(dst, axes, ndim))
+        value = _redistribute(value, sub_mesh, _placements(dst, axes, ndim), axes, where)
     if local_map:
         return value.to_local(grad_placements=_grad_placements(value.placements, axes, split_axes))
     return value
 
 
-def _convert_outputs(output, out_pairs, sub_mesh, axes):
+def _redistribute(value: DTensor, sub_mesh, placements, axes, where: str) -> DTensor:
+    _check_even_split(tuple(value.shape), placements, sub_mesh, axes, where)
+    return value.redistribute(sub_mesh, placements)
+
+
+def _check_even_split(shape, placements, sub_mesh, axes, where: str) -> None:
+    """Plans assume even shards (e.g. the sequence over cp*tp): an uneven split is an error
+    that names the module, the dim and the sizes, not a silent mis-shard further on."""
+    pieces: dict[int, list[str]] = {}
+    for index, (axis, placement) in enumerate(zip(axes, placements)):
+        if isinstance(placement, Shard) and sub_mesh.size(index) > 1:
+            pieces.setdefault(placement.dim, []).append(axis)
+    for dim, split_axes in pieces.items():
+        count = 1
+        for axis in split_axes:
+            count *= sub_mesh.size(axes.index(axis))
+        if shape[dim] % count:
+            sizes = "*".join(f"{axis}={sub_mesh.size(axes.index(axis))}" for axis in split_axes)
+            what = "sequence length" if dim == 1 else "size"
+            raise PlanApplyError(f"{where}: dim {dim} ({what} {shape[dim]}) of a tensor of shape {list(shape)} "
+                                 f"must be divisible by {sizes}={count}, over which the plan splits it")
+
+
+def _convert_outputs(output, out_pairs, sub_mesh, axes, where: str):
     if isinstance(output, (tuple, list)):
         pairs = out_pairs + [(None, None)] * (len(output) - len(out_pairs))
-        converted = [_convert_output(item, src, dst, sub_mesh, axes) for item, (src, dst) in zip(output, pairs)]
+        converted = [_convert_output(item, src, dst, sub_mesh, axes, f"{where} output {index}")
+                     for index, (item, (src, dst)) in enumerate(zip(output, pairs))]
         return converted if isinstance(output, list) else tuple(converted)
     src, dst = out_pairs[0]
-    return _convert_output(output, src, dst, sub_mesh, axes)
+    return _convert_output(output, src, dst, sub_mesh, axes, f"{where} output 0")
 
 
-def _convert_output(value, src, dst, sub_mesh, axes):
+def _convert_output(value, src, dst, sub_mesh, axes, where: str):
     if not isinstance(value, torch.Tensor) or (src is None and dst is None):
         return value
     ndim = value.dim()
@@ -292,8 +345,10 @@ def _convert_output(value, src, dst, sub_mesh, axes):
             return value
         value = DTensor.from_local(value, sub_mesh, _placements(src, axes, ndim), run_check=False)
     if dst is not None:
-        value = value.redistribute(sub_mesh, _placements(dst, axes, ndim))
-    return value.to_local()
+        value = _redistribute(value, sub_mesh, _placements(dst, axes, ndim), axes, where)
+    # A partial sum handed on as a local tensor: its gradient is the sum's, on every rank.
+    grads = tuple(Replicate() if isinstance(p, Partial) else p for p in value.placements)
+    return value.to_local(grad_placements=grads)
 
 
 def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axes, split_axes) -> None:
@@ -314,3 +369,45 @@ def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axe
 
     module.register_forward_pre_hook(swap_in)
     module.register_forward_hook(swap_out, always_call=True)
+
+
+# --- loss on sharded logits ------------------------------------------------------------------
+
+
+def _output_embeddings(model: nn.Module):
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        return getter() if getter else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def _install_sharded_loss(model: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes) -> None:
+    """Logits left sharded (vocab and/or sequence) go into a loss that knows it."""
+    outputs = _io_list(config.out_dst) or _io_list(config.out_src)
+    if not outputs or outputs[0] is None:
+        return
+    placements = _placements(outputs[0], axes, 3)
+    if not any(isinstance(p, Shard) for p in placements):
+        return
+    if not hasattr(model, "loss_function"):
+        raise PlanApplyError(f"plan entry {fqn!r} leaves the logits sharded {placements}, but "
+                             f"{type(model).__name__} has no loss_function to make sharding-aware")
+    model.loss_function = make_sharded_loss(sub_mesh, axes, placements)
+
+
+def reinstall_grad_hooks(model: nn.Module) -> int:
+    """Register the gradient-placement hook on every DTensor parameter again.
+
+    ``model.to_empty()`` (materializing a meta-device model) replaces DTensor parameters
+    with new Parameter objects, which drops hooks registered on the old ones."""
+    count = 0
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            # to_empty swaps tensor internals (torch.utils.swap_tensors): the Python-side hook
+            # dict survives but the autograd registration behind it does not. Clearing the
+            # dict makes the next registration install it again.
+            param._post_accumulate_grad_hooks = None
+            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+            count += 1
+    return count

@@ -58,14 +58,35 @@ def mesh_layout(dims: ParallelDims) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return MESH_AXIS_ORDER, tuple(getattr(dims, axis) for axis in MESH_AXIS_ORDER)
 
 
+# The expert view of the same ranks: dp*cp (adjacent in MESH_AXIS_ORDER, so contiguous in
+# row-major rank order) regrouped as (edp, ep), ep innermost: ep ranks are neighbours.
+EXPERT_MESH_AXIS_ORDER = ("pp", "edp", "ep", "tp")
+
+
+def expert_mesh_layout(dims: ParallelDims) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The expert mesh: the rank grid of ``mesh_layout`` with dp*cp reshaped to edp*ep."""
+    names, sizes = mesh_layout(dims)
+    by_axis = dict(zip(names, sizes))
+    borrowed = by_axis["dp"] * by_axis["cp"]
+    return EXPERT_MESH_AXIS_ORDER, (by_axis["pp"], borrowed // dims.ep, dims.ep, by_axis["tp"])
+
+
 @dataclass(frozen=True)
 class OfflineMesh:
     """The mesh's shape without any process group: what planning and codegen need."""
 
     axis_names: tuple[str, ...]
     sizes: tuple[int, ...]
+    ep: int = 1  # the expert axis lives on the expert mesh (ranks borrowed from dp*cp)
+
+    @property
+    def placement_axes(self) -> tuple[str, ...]:
+        """Axes a placement may name: the mesh's, and ``ep``."""
+        return (*self.axis_names, "ep")
 
     def size(self, axis: str) -> int:
+        if axis == "ep":
+            return self.ep
         if axis not in self.axis_names:
             raise KeyError(f"mesh has no axis {axis!r}; axes are {list(self.axis_names)}")
         return self.sizes[self.axis_names.index(axis)]
@@ -90,7 +111,7 @@ class OfflineMesh:
 
 def build_offline_mesh(dims: ParallelDims) -> OfflineMesh:
     names, sizes = mesh_layout(dims)
-    return OfflineMesh(names, sizes)
+    return OfflineMesh(names, sizes, ep=dims.ep)
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
@@ -115,6 +136,16 @@ def build_device_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
     return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 
+def build_expert_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
+    """The expert ``DeviceMesh`` (``expert_mesh_layout``) over the same, initialised, ranks."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names, sizes = expert_mesh_layout(dims)
+    ranks = torch.arange(dims.world_size).reshape(sizes)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+
+
 def _select_local_device(device_type: str) -> None:
     import torch
 
@@ -128,3 +159,4 @@ class MeshContext:
 
     device_mesh: Any
     dims: ParallelDims
+    expert_mesh: Any = None  # built on first use by the applier when a plan shards on ep

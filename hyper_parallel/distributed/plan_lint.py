@@ -83,9 +83,10 @@ def lint_plan(model: nn.Module, modules: Mapping, mesh) -> None:
 
 def _lint_divides(param: str, shape: tuple[int, ...], named: dict[str, str], mesh) -> None:
     for axis, text in named.items():
-        if axis not in mesh.axis_names:
+        allowed = getattr(mesh, "placement_axes", mesh.axis_names)
+        if axis not in allowed:
             raise PlanError(f"parameter {param}: placement {text} names axis {axis!r}, "
-                            f"not in mesh {list(mesh.axis_names)}")
+                            f"not in mesh {list(allowed)}")
         spec = parse_placement_text(text)
         if spec.kind == "partial":
             raise PlanError(f"parameter {param}: a parameter cannot be placed partial on {axis!r}")

@@ -5,10 +5,10 @@ as hints) and, where the hints say nothing, from structure: linears named like
 attention / MLP projections, the input and output embeddings, packed expert weights.
 Each role maps to one ``ShardingConfig`` over the ``tp`` axis (``roles.py``).
 
-Only tensor parallel is applied today. Other requested forms (cp, ep, sp,
-loss_parallel, pp, dp) are listed in ``recorded_axes`` with the reason, so a recipe
-asking for them still generates; their divisibility is still checked where it is cheap
-(ep must divide the number of experts).
+On top of the TP roles, ``sequence_layout`` applies sequence parallel, context
+parallel and loss parallel, and ``expert_layout`` expert parallel. Forms the plan does
+not apply (pp: the runtime's stage splitting; dp: the trainer's FSDP2) are listed in
+``recorded_axes`` with the reason.
 """
 
 import fnmatch
@@ -19,7 +19,7 @@ from torch import nn
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility, lint_plan
 from hyper_parallel.distributed.plan_overrides import merge_plan_overrides
-from hyper_parallel.distributed.sequence_layout import apply_sequence_layout
+from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.roles import (
     COLWISE_NAMES,
     FUSED_GATE_UP_NAMES,
@@ -30,6 +30,7 @@ from hyper_parallel.distributed.roles import (
     ROWWISE_NAMES,
     is_packed_experts,
 )
+from hyper_parallel.distributed.sequence_layout import apply_sequence_layout
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 __all__ = ["PlanError", "PlanResult", "ShardingPlanner", "merge_plan_overrides"]
@@ -40,10 +41,9 @@ _LINEAR_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_ou
 _EMBEDDING_STYLES = {"embedding_rowwise": "vocab_embedding", "rowwise": "vocab_embedding"}
 _ANY_STYLES = {"replicated_with_grad_allreduce": "head_norm", "moe_tp_experts": "packed_experts"}
 
-# Forms the plan applies besides tp (sequence_layout.py: sp, cp, loss_parallel).
-_APPLIED = frozenset({"sp", "cp", "loss_parallel"})
+# Forms the plan applies besides tp (sequence_layout.py: sp, cp, loss_parallel; expert_layout.py: ep).
+_APPLIED = frozenset({"sp", "cp", "loss_parallel", "ep"})
 _NOT_APPLIED = {
-    "ep": "expert parallel is recorded, not applied: experts stay tensor-parallel (packed_shard) for now",
     "pp": "pipeline parallel is owned by the runtime (stage splitting), not by the plan",
     "dp": "data parallel is applied by the trainer (FSDP2 fully_shard), not by the plan",
 }
@@ -84,6 +84,7 @@ class ShardingPlanner:
             modules[fqn] = ROLE_BUILDERS[role](module, self._param_hints(fqn, module))
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel)
+        apply_expert_layout(modules, roles, ep=self.dims.ep)
         lint_plan(self.model, modules, self.mesh)
         return PlanResult(modules=modules, applied_axes=self._applied_axes(), recorded_axes=self._recorded_axes(),
                           roles=roles)

@@ -56,20 +56,54 @@ def loss_of(model, batch):
     return model(input_ids=batch, labels=batch).loss
 
 
-def meta_shape_mismatches(config, plan, device_mesh, dims) -> list[str]:
-    """Apply the plan to a meta model and compare local shards with ``local_shard_shape``."""
+class DataParallelLoss:
+    """The trainer's side of dp: each dp rank takes its rows of the global batch and
+    normalises by the global number of label tokens, so the dp ranks' losses sum to
+    HF's loss on the whole batch. FSDP2 averages gradients over dp, so the backward
+    runs on ``dp_size * loss`` (gloo has no pre-scaled sum to make FSDP2 just sum)."""
+
+    def __init__(self, dp_mesh):
+        self.group, self.size, self.rank = dp_mesh.get_group(), dp_mesh.size(), dp_mesh.get_local_rank()
+
+    def __call__(self, model, batch):
+        rows = batch.chunk(self.size)[self.rank]
+        labelled = batch.shape[0] * (batch.shape[1] - 1)  # HF shifts labels: the last position has none
+        return model(input_ids=rows, labels=rows, num_items_in_batch=torch.tensor(labelled)).loss
+
+    def total(self, loss) -> float:
+        value = loss.detach().clone()
+        dist.all_reduce(value, group=self.group)
+        return value.item()
+
+
+def fully_shard_over_dp(model, dp_mesh) -> None:
+    """FSDP2 as a trainer applies it: each decoder layer, then the root, over the dp mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def meta_shape_mismatches(config, plan, mesh_context) -> list[str]:
+    """Apply the plan to a meta model and compare local shards with ``local_shard_shape``
+    on each parameter's own (sub-)mesh (the expert mesh for expert-parallel weights)."""
     meta = build_model(config, device="meta")
-    apply_sharding_plan(meta, plan, device_mesh)
-    axes, sizes = device_mesh.mesh_dim_names, tuple(device_mesh.shape)
-    coords = device_mesh.get_coordinate()
+    apply_sharding_plan(meta, plan, mesh_context)
     bad = []
     for name, param in meta.named_parameters():
-        sub_axes = param.device_mesh.mesh_dim_names
-        named = named_from_placements(param.placements, sub_axes)
-        expected = local_shard_shape(tuple(param.shape), named, axes, sizes, coords)
+        sub_mesh = param.device_mesh
+        named = named_from_placements(param.placements, sub_mesh.mesh_dim_names)
+        expected = local_shard_shape(tuple(param.shape), named, sub_mesh.mesh_dim_names, tuple(sub_mesh.shape),
+                                     sub_mesh.get_coordinate())
         if tuple(param.to_local().shape) != expected:
             bad.append(f"{name}: local {tuple(param.to_local().shape)} expected {expected}")
     return bad
+
+
+def local_logits_shape(model, batch) -> list[int]:
+    with torch.no_grad():
+        return list(model(input_ids=batch).logits.shape)
 
 
 def compare_grads(reference, parallel) -> tuple[list[str], int]:
@@ -91,52 +125,80 @@ def compare_grads(reference, parallel) -> tuple[list[str], int]:
     return failures, checked
 
 
-def main() -> None:
+def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config-dir", required=True)
     parser.add_argument("--weights", required=True)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    for axis in ("dp", "cp", "tp", "ep"):
+        parser.add_argument(f"--{axis}", type=int, default=2 if axis == "tp" else 1)
+    parser.add_argument("--sp", action="store_true", help="sequence parallel")
+    parser.add_argument("--loss-parallel", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    return parser.parse_args()
 
-    dims = ParallelDims(tp=2)
+
+def train_steps(reference, parallel, batch, steps: int, data_parallel=None) -> dict:
+    """Forward/backward/AdamW on both models; grads compared after the first backward."""
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (reference, parallel)]
+    losses = {"reference": [], "parallel": []}
+    grad_failures, grads_checked = [], 0
+    for step in range(steps):
+        ref_loss = loss_of(reference, batch)
+        ref_loss.backward()
+        losses["reference"].append(ref_loss.item())
+        par_loss = (data_parallel or loss_of)(parallel, batch)
+        (par_loss * (data_parallel.size if data_parallel else 1)).backward()
+        losses["parallel"].append(data_parallel.total(par_loss) if data_parallel else par_loss.item())
+        if step == 0:
+            grad_failures, grads_checked = compare_grads(reference, parallel)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"losses": losses, "grad_failures": grad_failures, "grads_checked": grads_checked}
+
+
+def main() -> None:
+    args = parse_args()
+    dims = ParallelDims(dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep)
     device_mesh = build_device_mesh(dims, "cpu")
     rank = dist.get_rank()
     config = transformers.AutoConfig.from_pretrained(args.config_dir)
     weights = load_file(args.weights)
 
-    plan = ShardingPlanner(build_model(config, device="meta"), dims=dims, mesh=build_offline_mesh(dims)).plan()
+    plan = ShardingPlanner(build_model(config, device="meta"), dims=dims, mesh=build_offline_mesh(dims),
+                           sequence_parallel=args.sp, loss_parallel=args.loss_parallel).plan()
     plan_json = compress_to_globs(plan_modules_to_json(plan.modules, plan.roles))
     frozen = plan_modules_from_json(json.loads(json.dumps(plan_json)))
 
     reference = build_model(config, weights)
-    parallel = apply_sharding_plan(build_model(config, weights), frozen, MeshContext(device_mesh, dims))
+    mesh_context = MeshContext(device_mesh, dims)
+    parallel = apply_sharding_plan(build_model(config, weights), frozen, mesh_context)
+    data_parallel = None
+    if dims.dp > 1:
+        fully_shard_over_dp(parallel, device_mesh["dp"])
+        data_parallel = DataParallelLoss(device_mesh["dp"])
 
     batch = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
-    ref_loss = loss_of(reference, batch)
-    ref_loss.backward()
-    par_loss = loss_of(parallel, batch)
-    par_loss.backward()
-    grad_failures, grads_checked = compare_grads(reference, parallel)
-
-    steps = {}
-    for model in (reference, parallel):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        optimizer.step()
-        optimizer.zero_grad()
-    with torch.no_grad():
-        steps = {"reference": loss_of(reference, batch).item(), "parallel": loss_of(parallel, batch).item()}
-
+    trained = train_steps(reference, parallel, batch, args.steps, data_parallel)
+    losses = trained["losses"]
     result = {
         "rank": rank,
         "plan_keys": sorted(plan_json),
-        "ref_loss": ref_loss.item(),
-        "par_loss": par_loss.item(),
-        "grad_failures": grad_failures,
-        "grads_checked": grads_checked,
+        "applied_axes": plan.applied_axes,
+        "recorded_axes": sorted(plan.recorded_axes),
+        "ref_loss": losses["reference"][0],
+        "par_loss": losses["parallel"][0],
+        "losses": losses,
+        "grad_failures": trained["grad_failures"],
+        "grads_checked": trained["grads_checked"],
         "param_count": sum(1 for _ in parallel.named_parameters()),
         "dtensor_params": sum(1 for _, p in parallel.named_parameters() if hasattr(p, "placements")),
-        "meta_shape_mismatches": meta_shape_mismatches(config, frozen, device_mesh, dims),
-        "loss_after_step": steps,
+        "meta_shape_mismatches": meta_shape_mismatches(config, frozen, mesh_context),
+        "loss_after_step": {"reference": losses["reference"][1], "parallel": losses["parallel"][1]},
+        "local_logits_shape": local_logits_shape(parallel, batch.chunk(dims.dp)[device_mesh["dp"].get_local_rank()]),
+        "expert_local_shape": list(parallel.get_submodule("model.layers.0.mlp.experts").down_proj.to_local().shape),
+        "sharded_loss": not isinstance(parallel.loss_function, type(reference.loss_function)),
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     dist.barrier()

@@ -3,15 +3,7 @@ the config's own TP hints, applied at tp 2 under torchrun, equals one process.""
 
 import pytest
 
-from tests.families.family_cases import (
-    FAMILY_CONFIGS,
-    assert_equivalent,
-    planner_applies_sp,
-    run_cases,
-    save_random_hf_weights,
-)
-
-FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe")
+from tests.families.family_cases import FORMS, HF_FAMILIES, assert_equivalent
 
 # What must be tensor-parallel in each family (beyond attention, embedding and lm_head).
 SHARDED_IN_LAYER_0 = {
@@ -31,33 +23,14 @@ EXPECTED_ROLES = {
 }
 
 
-@pytest.fixture(scope="module")
-def family_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("families")
-    with_sp = planner_applies_sp(FAMILY_CONFIGS / "llama")
-    cases = []
-    for family in FAMILIES:
-        config_dir = FAMILY_CONFIGS / family
-        weights = save_random_hf_weights(config_dir, out / f"{family}.safetensors")
-        base = {"builder": "hf", "config_dir": str(config_dir), "weights": str(weights)}
-        cases.append({**base, "name": f"{family}-tp2", "sequence_parallel": False})
-        if with_sp:
-            cases.append({**base, "name": f"{family}-tp2-sp", "sequence_parallel": True})
-    return with_sp, run_cases(cases, out)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_family_at_tp2_equals_single_process(family, family_results):
-    with_sp, results = family_results
-    forms = ["tp2", "tp2-sp"] if with_sp else ["tp2"]
-    for form in forms:
-        for result in results[f"{family}-{form}"]:
-            assert_equivalent(result)
-            if form == "tp2-sp":
-                assert "sp" in result["applied_axes"]
-            for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
-                         "model.layers.0.self_attn.o_proj.weight",
-                         *(f"model.layers.0.{p}" for p in SHARDED_IN_LAYER_0[family])):
-                assert name in result["sharded_params"], (family, form, name)
-            for fqn, role in EXPECTED_ROLES.get(family, {}).items():
-                assert result["roles"][fqn] == role, (family, fqn, result["roles"].get(fqn))
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_family_equals_single_process(family, form, family_results):
+    for result in family_results[f"{family}-{form}"]:
+        assert_equivalent(result, form)
+        for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+                     "model.layers.0.self_attn.o_proj.weight",
+                     *(f"model.layers.0.{p}" for p in SHARDED_IN_LAYER_0[family])):
+            assert name in result["sharded_params"], (family, form, name)
+        for fqn, role in EXPECTED_ROLES.get(family, {}).items():
+            assert result["roles"][fqn] == role, (family, fqn, result["roles"].get(fqn))

@@ -1,0 +1,217 @@
+"""All experts of an MoE layer in one batched computation.
+
+``GroupedExperts`` is a drop-in replacement for transformers' ``Qwen3MoeExperts``:
+the same parameters (``gate_up_proj`` [E, 2I, H] packing gate and up along dim 1,
+``down_proj`` [E, H, I]), the same forward ``(hidden_states, top_k_index,
+top_k_weights)`` and the same result. HF's eager forward loops over the experts in
+Python, gathers each expert's tokens with ``torch.where`` and slices the stacked
+weights per expert (whose backward allocates a full-size gradient per expert).
+Here the (token, expert) pairs are sorted by expert once and every expert runs in
+one padded ``bmm`` per projection; when routing is so uneven that padding would
+more than double the work, each expert's contiguous run of rows is multiplied
+on its own instead (still one sort, one gather and one scatter).
+
+Sizes come from the parameter tensors at every call, never from a config: under the
+applier's ``local_map`` the module runs on tensor-parallel local shards
+(``gate_up_proj`` [E, 2I/tp, H] with the gate and up halves of the local slice packed
+the same way, ``down_proj`` [E, H, I/tp]) and the same code computes the local part.
+Expert ids outside ``[0, E)`` (an expert-parallel sentinel) select nothing.
+"""
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+# Pad every expert to the busiest one's row count while that costs at most this
+# many times the routed rows; beyond it the per-expert path wastes less.
+DEFAULT_MAX_PADDING_RATIO = 2.0
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` gated MLPs ``down(act(x @ gate.T) * (x @ up.T))``, weighted and
+    summed per token over the experts it was routed to."""
+
+    # Like torch's own layers, initialize when built off the meta device.
+    initialize_on_construction = True
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, *,
+                 activation: str = "silu", initializer_range: float = 0.02,
+                 max_padding_ratio: float = DEFAULT_MAX_PADDING_RATIO,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        # nn.Module.__init__ rather than super().__init__(): the HF-typed subclass below
+        # must not run Qwen3MoeExperts.__init__, which would allocate its own parameters.
+        nn.Module.__init__(self)
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.activation = activation
+        self.act_fn = ACT2FN[activation]
+        self.initializer_range = initializer_range
+        self.max_padding_ratio = max_padding_ratio
+        # The attributes HF's @use_experts_implementation gives its experts, so code that
+        # inspects an experts module (the planner's packed_experts role) reads the layout.
+        self.is_transposed = False
+        self.has_gate = True
+        self.has_bias = False
+        factory = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim, hidden_dim, **factory))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, intermediate_dim, **factory))
+        if self.initialize_on_construction and self.gate_up_proj.device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """HF's ``_init_weights`` for experts: normal(0, initializer_range), gate_up then
+        down. Call it again after materializing a meta-device model (``to_empty``)."""
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=self.initializer_range)
+        nn.init.normal_(self.down_proj, mean=0.0, std=self.initializer_range)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
+                f"intermediate_dim={self.intermediate_dim}, activation={self.activation}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``hidden_states`` [T, H], ``top_k_index`` / ``top_k_weights`` [T, K] → [T, H]."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        routes = ExpertRoutes.of(top_k_index, gate_up.shape[0])
+        out = torch.zeros_like(hidden_states)
+        if routes.count == 0:
+            return out
+        rows = hidden_states[routes.token]
+        if routes.padded_size <= self.max_padding_ratio * routes.count:
+            expert_out = _padded_experts(rows, routes, gate_up, down, self.act_fn)
+        else:
+            expert_out = _per_expert(rows, routes, gate_up, down, self.act_fn)
+        weighted = expert_out * top_k_weights.reshape(-1)[routes.pair, None]
+        # Rows are in expert order, so each token sums its experts in ascending expert
+        # order, as HF's per-expert index_add_ does (bit-identical results).
+        out.index_add_(0, routes.token, weighted.to(out.dtype))
+        return out
+
+
+class ExpertRoutes:
+    """The routed (token, expert) pairs sorted by expert; ``counts`` rows per expert."""
+
+    def __init__(self, pair: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+                 counts: torch.Tensor, counts_list: list[int]) -> None:
+        self.pair = pair  # index into the flattened [T*K] routing arrays
+        self.token = token
+        self.expert = expert
+        self.counts = counts
+        self.counts_list = counts_list
+        self.count = sum(counts_list)
+        self.capacity = max(counts_list, default=0)
+
+    @classmethod
+    def of(cls, top_k_index: torch.Tensor, num_experts: int) -> "ExpertRoutes":
+        flat = top_k_index.reshape(-1)
+        # Stable: within an expert, pairs keep token order (HF's torch.where order).
+        expert, pair = torch.sort(flat, stable=True)
+        counts = torch.bincount(flat.clamp(max=num_experts), minlength=num_experts + 1)[:num_experts]
+        counts_list = counts.tolist()  # one host sync: the row counts size everything below
+        routed = sum(counts_list)
+        pair, expert = pair[:routed], expert[:routed]  # sentinels (id >= E) sort last
+        return cls(pair, pair // top_k_index.shape[-1], expert, counts, counts_list)
+
+    @property
+    def padded_size(self) -> int:
+        return len(self.counts_list) * self.capacity
+
+    def padded_slots(self) -> torch.Tensor:
+        """Each pair's row in an [E * capacity] buffer (expert e owns rows e*C .. e*C+C)."""
+        starts = torch.cumsum(self.counts, 0) - self.counts
+        rank_in_expert = torch.arange(self.count, device=self.expert.device) - starts[self.expert]
+        return self.expert * self.capacity + rank_in_expert
+
+
+def _padded_experts(rows: torch.Tensor, routes: ExpertRoutes, gate_up: torch.Tensor,
+                    down: torch.Tensor, act_fn) -> torch.Tensor:
+    """Every expert at once: rows scattered into [E, capacity, H], two bmm's, gathered back.
+    Padding rows are zero, so they add nothing to any gradient."""
+    num_experts = gate_up.shape[0]
+    slots = routes.padded_slots()
+    padded = rows.new_zeros(num_experts * routes.capacity, rows.shape[-1]).index_copy(0, slots, rows)
+    gate_up_out = torch.bmm(padded.view(num_experts, routes.capacity, -1), gate_up.transpose(1, 2))
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    out = torch.bmm(act_fn(gate) * up, down.transpose(1, 2))
+    return out.reshape(num_experts * routes.capacity, -1).index_select(0, slots)
+
+
+def _per_expert(rows: torch.Tensor, routes: ExpertRoutes, gate_up: torch.Tensor,
+                down: torch.Tensor, act_fn) -> torch.Tensor:
+    """Each expert's contiguous run of rows on its own; only experts with rows run.
+    ``unbind`` gives all experts' weights through one autograd node (HF's per-expert
+    indexing allocates a full [E, ...] gradient for each expert)."""
+    gate_up_of, down_of = gate_up.unbind(0), down.unbind(0)
+    outs = []
+    for expert, chunk in enumerate(rows.split(routes.counts_list)):
+        if chunk.shape[0] == 0:
+            continue
+        gate, up = nn.functional.linear(chunk, gate_up_of[expert]).chunk(2, dim=-1)
+        outs.append(nn.functional.linear(act_fn(gate) * up, down_of[expert]))
+    return torch.cat(outs)
+
+
+class Qwen3MoeGroupedExperts(GroupedExperts, Qwen3MoeExperts):
+    """``GroupedExperts`` that is also a ``Qwen3MoeExperts`` to transformers: HF's
+    ``Qwen3MoePreTrainedModel._init_weights`` initializes it (normal(0,
+    initializer_range), in the model's module order, so a seeded model gets the same
+    weights as with HF's experts) and ``isinstance`` checks keep holding. The forward is
+    ``GroupedExperts.forward`` (first in the MRO), not HF's dispatching one."""
+
+    # As HF's experts: allocated empty, initialized by the model's post_init (drawing
+    # random numbers at construction would shift every later module's init).
+    initialize_on_construction = False
+
+    def __init__(self, config, *, num_experts: int | None = None, hidden_dim: int | None = None,
+                 intermediate_dim: int | None = None, device=None, dtype=None, **kwargs) -> None:
+        GroupedExperts.__init__(
+            self,
+            num_experts if num_experts is not None else config.num_experts,
+            hidden_dim if hidden_dim is not None else config.hidden_size,
+            intermediate_dim if intermediate_dim is not None else config.moe_intermediate_size,
+            activation=config.hidden_act, initializer_range=config.initializer_range,
+            device=device, dtype=dtype, **kwargs)
+        self.config = config
+        self.is_concatenated = True
+        self.has_post_expert_norm = False
+        self._is_expert_parallel = False
+
+
+def replace_qwen3_moe_grouped_experts(module: nn.Module, **kwargs) -> Qwen3MoeGroupedExperts:
+    """``replace_module`` factory: a :class:`Qwen3MoeGroupedExperts` in place of ``module``
+    (a ``Qwen3MoeExperts``), on its device and dtype, with its weights unless they are on
+    the meta device. Sizes come from the tensors (local shards work too). ``kwargs``:
+    ``max_padding_ratio``."""
+    unknown = sorted(set(kwargs) - {"max_padding_ratio"})
+    if unknown:
+        raise TypeError(f"replace_qwen3_moe_grouped_experts: unknown static argument(s) {unknown}; "
+                        f"expected only 'max_padding_ratio'")
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"gate_up_proj", "down_proj"} or getattr(module, "config", None) is None:
+        raise TypeError(f"replace_qwen3_moe_grouped_experts: {type(module).__name__} has parameters "
+                        f"{sorted(params)} (config: {getattr(module, 'config', None) is not None}); "
+                        f"expected a Qwen3MoeExperts with gate_up_proj, down_proj and config")
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    _check_shapes(gate_up, down)
+    new = Qwen3MoeGroupedExperts(
+        module.config, num_experts=gate_up.shape[0], hidden_dim=gate_up.shape[2],
+        intermediate_dim=down.shape[2], device=gate_up.device, dtype=gate_up.dtype, **kwargs)
+    new.act_fn = module.act_fn
+    new.train(module.training)
+    if gate_up.device.type != "meta":
+        with torch.no_grad():
+            new.gate_up_proj.copy_(gate_up)
+            new.down_proj.copy_(down)
+    new.gate_up_proj.requires_grad_(gate_up.requires_grad)
+    new.down_proj.requires_grad_(down.requires_grad)
+    return new
+
+
+def _check_shapes(gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    experts, packed, hidden = gate_up.shape
+    if down.dim() != 3 or packed % 2 or down.shape != (experts, hidden, packed // 2):
+        raise ValueError(f"replace_qwen3_moe_grouped_experts: gate_up_proj {tuple(gate_up.shape)} and "
+                         f"down_proj {tuple(down.shape)} do not fit; expected [E, 2I, H] and [E, H, I]")

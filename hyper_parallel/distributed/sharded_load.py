@@ -1,0 +1,141 @@
+"""Load safetensors weights into a parallelized model, each rank reading only its shards.
+
+The model is planned and parallelized on the meta device first (``apply_sharding_plan``),
+then materialized with ``model.to_empty(device=...)``; every DTensor parameter's local
+piece is read straight from the checkpoint with ``safe_open(...).get_slice`` — a rank
+never holds a full tensor that it only keeps a slice of.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+Segments = list[tuple[int, int]]  # half-open index ranges along one dimension
+
+
+class ShardedLoadError(ValueError):
+    """A checkpoint that does not fit the model; names the file and the tensor."""
+
+
+@dataclass
+class ShardedLoadReport:
+    tensors: int = 0
+    bytes_read: int = 0
+    missing: list[str] = field(default_factory=list)
+
+
+def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
+    """Tensor name → safetensors file, for a single file or a sharded ``*.index.json``."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ShardedLoadError(f"{model_dir}: no *.safetensors files")
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            out.update((name, file) for name in handle.keys())
+    return out
+
+
+def local_segments(global_shape, placements, coords, mesh_sizes) -> list[Segments]:
+    """Per dimension, the index ranges of the global tensor this rank holds."""
+    segments: list[Segments] = [[(0, size)] for size in global_shape]
+    for placement, coord, size in zip(placements, coords, mesh_sizes):
+        if isinstance(placement, _StridedShard):
+            dim = placement.dim % len(global_shape)
+            (start, stop), = segments[dim]
+            block = (stop - start) // placement.split_factor
+            segments[dim] = [_chunk_range(start + k * block, start + (k + 1) * block, size, coord)
+                             for k in range(placement.split_factor)]
+        elif isinstance(placement, Shard):
+            dim = placement.dim % len(global_shape)
+            (start, stop), = segments[dim]
+            segments[dim] = [_chunk_range(start, stop, size, coord)]
+    return segments
+
+
+def _chunk_range(start: int, stop: int, pieces: int, index: int) -> tuple[int, int]:
+    """The range ``torch.chunk`` gives piece ``index`` of ``pieces``."""
+    length = stop - start
+    step = -(-length // pieces)
+    lo = min(start + index * step, stop)
+    return lo, min(lo + step, stop)
+
+
+def read_segments(handle_slice, segments: list[Segments], dim: int = 0, prefix: tuple = ()) -> torch.Tensor:
+    if dim == len(segments):
+        return handle_slice[prefix]
+    parts = [read_segments(handle_slice, segments, dim + 1, prefix + (slice(lo, hi),)) for lo, hi in segments[dim]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+@torch.no_grad()
+def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, strict: bool = True) -> ShardedLoadReport:
+    """Fill every parameter and persistent buffer of a materialized model from ``model_dir``."""
+    where = checkpoint_index(model_dir)
+    report = ShardedLoadReport()
+    handles: dict[Path, object] = {}
+    try:
+        for name, tensor in [*model.named_parameters(), *_persistent_buffers(model)]:
+            if name not in where:
+                report.missing.append(name)
+                continue
+            file = where[name]
+            handle = handles.get(file) or handles.setdefault(file, safe_open(str(file), framework="pt"))
+            piece = handle.get_slice(name)
+            _copy_local(name, tensor, piece, file)
+            report.tensors += 1
+            report.bytes_read += tensor.to_local().nbytes if isinstance(tensor, DTensor) else tensor.nbytes
+    finally:
+        handles.clear()
+    if strict and report.missing:
+        raise ShardedLoadError(f"{model_dir}: no checkpoint tensor for {', '.join(report.missing[:5])}")
+    return report
+
+
+def _persistent_buffers(model: torch.nn.Module):
+    """Buffers a checkpoint holds (non-persistent ones, like rotary caches, are recomputed)."""
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buf
+
+
+def _copy_local(name: str, tensor: torch.Tensor, piece, file: Path) -> None:
+    global_shape = tuple(piece.get_shape())
+    if global_shape != tuple(tensor.shape):
+        raise ShardedLoadError(f"{file}: {name}: checkpoint shape {global_shape}, model expects {tuple(tensor.shape)}")
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        segments = local_segments(global_shape, tensor.placements, mesh.get_coordinate(), tuple(mesh.shape))
+        local = tensor.to_local()
+        local.copy_(read_segments(piece, segments).to(local.dtype))
+    else:
+        tensor.copy_(piece[tuple(slice(None) for _ in global_shape)].to(tensor.dtype))
+
+
+def materialize_and_load(model: torch.nn.Module, model_dir: str | Path, *, device: str | torch.device = "cpu",
+                         strict: bool = True) -> ShardedLoadReport:
+    """Allocate a meta-device (already parallelized) model's local shards on ``device``
+    and fill them from the checkpoint. Buffers that were built for real (e.g. rotary
+    ``inv_freq`` under ``accelerate.init_empty_weights(include_buffers=False)``) keep
+    their values; ``to_empty`` would otherwise leave them uninitialized."""
+    from hyper_parallel.distributed.applier import reinstall_grad_hooks
+
+    kept = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
+    model.to_empty(device=device)
+    reinstall_grad_hooks(model)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in kept:
+                buf.copy_(kept[name])
+    return load_sharded_safetensors(model, model_dir, strict=strict)

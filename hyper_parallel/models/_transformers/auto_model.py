@@ -1,0 +1,166 @@
+"""``HyperAutoModel``: the training path's model entry point (DESIGN §1, §8; seed §10, §12).
+
+    model = HyperAutoModel.from_pretrained(config, mesh_context=ctx)   # under torchrun
+    model = HyperAutoModel.from_pretrained(config)                     # one process, unsharded
+
+``from_pretrained`` resolves the backend, then
+
+- gen: rank 0 generates or reuses the recipe's bundle, other ranks wait for it
+  (``ensure_codegen_artifact``); every rank preflights it; the model is the bundle's
+  class (``codegen_meta.json`` ``model.model_class``) with the folder's weights; with a
+  mesh and ``covered.sharding_plan`` the bundle's own ``hyper_parallelize`` shards it
+  (no planning at run time), otherwise the runtime planner does;
+- hf: transformers' ``AutoModelForCausalLM``; with a mesh, the recipe's replacements and
+  the runtime planner + applier;
+- custom: the model type's ``models/common`` model, sharded by its declarative plan.
+
+``from_config`` builds freshly initialized weights and refuses gen: a bundle needs a
+prepared artifact, and only ``from_pretrained`` prepares one.
+"""
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.distributed.mesh import MeshContext
+from hyper_parallel.models._transformers import model_builder as mb
+from hyper_parallel.models._transformers.backend import (
+    BackendError,
+    ModelingBackend,
+    custom_model_module,
+    resolve_modeling_backend,
+)
+
+
+_LOG = logging.getLogger(__name__)
+
+
+class HyperAutoModel:
+    """Namespace for the two constructors; it is never instantiated."""
+
+    def __init__(self) -> None:
+        raise TypeError("use HyperAutoModel.from_pretrained(config) or HyperAutoModel.from_config(config)")
+
+    @classmethod
+    def from_pretrained(cls, config: TrainerConfig, *, mesh_context: MeshContext | None = None,
+                        rank: int | None = None, timeout_s: float | None = None,
+                        workspace_root: str | os.PathLike | None = None) -> nn.Module:
+        """The recipe's model with the model folder's weights (if it has safetensors).
+
+        ``rank`` defaults to ``$RANK`` (0 outside torchrun); ``timeout_s`` bounds how long
+        a non-zero rank waits for rank 0's bundle; ``workspace_root`` is the pipeline
+        workspace (default ``$HYPER_PARALLEL_WORKSPACE`` or ``./generated``)."""
+        return _build(config, mesh_context=mesh_context, pretrained=True, rank=rank, timeout_s=timeout_s,
+                      workspace_root=workspace_root)
+
+    @classmethod
+    def from_config(cls, config: TrainerConfig, *, mesh_context: MeshContext | None = None,
+                    workspace_root: str | os.PathLike | None = None) -> nn.Module:
+        """The recipe's model, freshly initialized (the folder's weights are not read)."""
+        return _build(config, mesh_context=mesh_context, pretrained=False, rank=None, timeout_s=None,
+                      workspace_root=workspace_root)
+
+
+def resolve_backend_for(config: TrainerConfig, hf_config: Any) -> ModelingBackend:
+    """The recipe's backend; the resolver's warnings are emitted here (``warnings.warn``)."""
+    backend, messages = resolve_modeling_backend(
+        force_hf=config.model.force_hf, modeling_backend=config.modeling_backend, codegen=config.codegen,
+        model_type=getattr(hf_config, "model_type", None))
+    for message in messages:
+        warnings.warn(f"{config._yaml_path or '<recipe>'}: {message}", UserWarning, stacklevel=3)
+    return backend
+
+
+def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretrained: bool, rank: int | None,
+           timeout_s: float | None, workspace_root: str | os.PathLike | None) -> nn.Module:
+    workspace_root = workspace_root or os.environ.get("HYPER_PARALLEL_WORKSPACE") or None
+    hf_config = mb.build_hf_config(config)
+    backend = resolve_backend_for(config, hf_config)
+    with_weights = pretrained and mb.has_safetensors(mb.recipe_model_dir(config))
+    if backend is ModelingBackend.GEN:
+        if not pretrained:
+            raise BackendError(
+                f"{config._yaml_path or '<recipe>'}: HyperAutoModel.from_config() does not support the gen "
+                f"backend (codegen: true / modeling_backend: gen): a generated bundle needs a prepared "
+                f"artifact, which only from_pretrained() prepares; call HyperAutoModel.from_pretrained(config), "
+                f"or set modeling_backend: hf for a freshly initialized HF model")
+        return _build_generated(config, hf_config, mesh_context=mesh_context, with_weights=with_weights,
+                                rank=rank, timeout_s=timeout_s, workspace_root=workspace_root)
+    if backend is ModelingBackend.CUSTOM:
+        custom = custom_model_module(getattr(hf_config, "model_type", None))
+        model = mb.build_custom_model(custom, hf_config, config, with_weights=with_weights)
+        model = model.to(mb.target_device(config))
+        if mesh_context is not None:
+            mb.parallelize_custom(custom, model, config, mesh_context)
+        return apply_model_infrastructure(model, config, mesh_context)
+    model = mb.build_hf_model(hf_config, config, with_weights=with_weights).to(mb.target_device(config))
+    if mesh_context is not None:
+        mb.parallelize_with_planner(model, config, mesh_context, workspace_root=workspace_root)
+    return apply_model_infrastructure(model, config, mesh_context)
+
+
+def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: MeshContext | None,
+                     with_weights: bool, rank: int | None, timeout_s: float | None,
+                     workspace_root: str | os.PathLike | None) -> nn.Module:
+    artifact_dir, module, meta = prepare_codegen_artifact(config, rank=rank, timeout_s=timeout_s,
+                                                          workspace_root=workspace_root)
+    model_class = mb.generated_model_class(module, meta, artifact_dir)
+    model = mb.build_generated_model(model_class, hf_config, config, with_weights=with_weights)
+    model = model.to(mb.target_device(config))
+    if mesh_context is not None:
+        if meta.get("covered", {}).get("sharding_plan") is True:
+            _check_plan_covers(model, module, artifact_dir)
+            module.hyper_parallelize(model, mesh_context)
+        else:  # the bundle carries no plan: plan at run time, as the hf backend does
+            mb.parallelize_with_planner(model, config, mesh_context, workspace_root=workspace_root)
+    return apply_model_infrastructure(model, config, mesh_context)
+
+
+def prepare_codegen_artifact(config: TrainerConfig, *, rank: int | None = None, timeout_s: float | None = None,
+                             workspace_root: str | os.PathLike | None = None) -> tuple[Path, Any, dict[str, Any]]:
+    """Rank 0 generates or reuses the bundle, the others wait for it; then every rank
+    preflights and imports it. Returns (artifact dir, modeling module, meta)."""
+    from hyper_parallel.codegen.check.drift import fix_command
+    from hyper_parallel.codegen.check.preflight import preflight_integrity_check
+    from hyper_parallel.codegen.loader import load_generated_module
+    from hyper_parallel.codegen.manager import DEFAULT_WAIT_TIMEOUT_S, ensure_codegen_artifact
+    from hyper_parallel.codegen.meta import load_codegen_meta
+    from hyper_parallel.codegen.spec.project import signature_from_spec
+
+    spec = ensure_codegen_artifact(config, rank=rank, workspace_root=workspace_root, log=_LOG.info,
+                                   timeout_s=DEFAULT_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
+    preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
+                              fix=fix_command(spec))
+    return spec.artifact_dir, load_generated_module(spec.artifact_dir), load_codegen_meta(spec.artifact_dir)
+
+
+def _check_plan_covers(model: nn.Module, module: Any, artifact_dir: Path) -> None:
+    from hyper_parallel.codegen.check.preflight import PreflightError, uncovered_parameters
+
+    uncovered = uncovered_parameters(model, module.HYPER_PARALLEL_PLAN["modules"])
+    if uncovered:
+        raise PreflightError(f"{artifact_dir}: the frozen plan has no entry for parameter(s) "
+                             f"{', '.join(uncovered[:5])}; run `doit generate`")
+
+
+def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
+                               mesh_context: MeshContext | None) -> nn.Module:
+    """The runtime's part after tensor parallel (DESIGN §9).
+
+    TODO(trainer): FSDP2 ``fully_shard`` over the dp axis, activation checkpointing and
+    ``torch.compile``. Until then a recipe that asks for them is told they are not applied."""
+    training = config.training
+    pending = [name for name, wanted in (
+        ("activation_checkpointing", training.activation_checkpointing),
+        ("compile", training.compile),
+        ("FSDP2 over dp_size > 1", mesh_context is not None and config.accelerator.dp_size > 1),
+    ) if wanted]
+    if pending:
+        warnings.warn(f"{config._yaml_path or '<recipe>'}: not applied yet by HyperAutoModel: "
+                      f"{', '.join(pending)} (the trainer owns them; TODO)", UserWarning, stacklevel=3)
+    return model

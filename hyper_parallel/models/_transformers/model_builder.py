@@ -1,0 +1,186 @@
+"""Build a model from a recipe with one backend (hf | custom | gen), and shard it.
+
+Each ``build_*`` returns the model on the CPU in the recipe's dtype, with the weights
+of the model folder when it holds safetensors, else freshly initialized. The
+``parallelize_*`` functions shard it in place on a real mesh through the project's one
+applier (``hyper_parallel.distributed.applier``).
+"""
+
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.distributed.mesh import MeshContext
+
+
+class ModelBuildError(ValueError):
+    """The recipe's model cannot be built; names the recipe key, file or class."""
+
+
+# --- the recipe's model folder and HF config -----------------------------------------------------
+
+def recipe_model_dir(config: TrainerConfig) -> Path:
+    """``model.pretrained_model_name_or_path``, relative paths against the YAML's folder."""
+    raw = Path(config.model.pretrained_model_name_or_path)
+    base = Path(config._yaml_path).parent if config._yaml_path else Path.cwd()
+    model_dir = raw if raw.is_absolute() else (base / raw)
+    if not (model_dir / "config.json").is_file():
+        raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.pretrained_model_name_or_path: "
+                              f"expected a folder with config.json, got {model_dir}")
+    return model_dir.resolve()
+
+
+def torch_dtype_of(config: TrainerConfig) -> torch.dtype:
+    dtype = getattr(torch, config.model.torch_dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.torch_dtype: expected a torch dtype "
+                              f"name (float32, bfloat16, ...), got {config.model.torch_dtype!r}")
+    return dtype
+
+
+def build_hf_config(config: TrainerConfig) -> Any:
+    """The model folder's HF config with ``model.config_overrides`` and the attention kernel."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(recipe_model_dir(config)))
+    for key, value in config.model.config_overrides.items():
+        if not hasattr(hf_config, key):
+            raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.config_overrides.{key}: "
+                                  f"{type(hf_config).__name__} has no attribute {key!r}")
+        setattr(hf_config, key, value)
+    hf_config._attn_implementation = config.model.attn_implementation
+    return hf_config
+
+
+def has_safetensors(model_dir: Path) -> bool:
+    return any(model_dir.glob("*.safetensors"))
+
+
+def load_safetensors_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in the folder (sharded checkpoints too)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    return state
+
+
+# --- hf and gen: HF PreTrainedModel classes ---------------------------------------------------------
+
+def build_generated_model(model_class: type, hf_config: Any, config: TrainerConfig, *,
+                          with_weights: bool) -> nn.Module:
+    """A generated (HF-derived) class, freshly initialized by its ``post_init`` or with the
+    folder's weights.
+
+    transformers converts checkpoints (per-expert tensors into fused experts, renamed
+    keys) only for its own classes, never for "custom code" such as a generated file.
+    So the checkpoint is read by the HF class, and the generated model, built on the
+    meta device (no init, no memory), takes over its tensors by name (same FQNs: the
+    generated file is HF's source, and replacements keep parameter names)."""
+    if not with_weights:
+        return model_class(hf_config).to(torch_dtype_of(config)).train()
+    source = build_hf_model(hf_config, config, with_weights=True)
+    with torch.device("meta"):
+        model = model_class(hf_config)
+    try:
+        model.load_state_dict(source.state_dict(), strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ModelBuildError(f"{recipe_model_dir(config)}: the checkpoint does not fit {model_class.__module__}."
+                              f"{model_class.__name__}: {exc}") from None
+    _adopt_meta_buffers(model, source)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # assign gave tied parameters separate objects; tie them again
+    return model.train()
+
+
+def _adopt_meta_buffers(model: nn.Module, source: nn.Module) -> None:
+    """Non-persistent buffers (rotary frequencies) are not in a state dict: take the
+    HF model's, which were computed on a real device."""
+    source_buffers = dict(source.named_buffers())
+    for name, buffer in list(model.named_buffers()):
+        if buffer.device.type != "meta":
+            continue
+        if name not in source_buffers:
+            raise ModelBuildError(f"buffer {name!r} of {type(model).__name__} has no counterpart in "
+                                  f"{type(source).__name__}; cannot materialize it")
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        persistent = leaf not in module._non_persistent_buffers_set
+        module.register_buffer(leaf, source_buffers[name], persistent=persistent)
+
+
+def build_hf_model(hf_config: Any, config: TrainerConfig, *, with_weights: bool) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if with_weights:
+        model = AutoModelForCausalLM.from_pretrained(str(recipe_model_dir(config)), config=hf_config,
+                                                     dtype=torch_dtype_of(config),
+                                                     attn_implementation=config.model.attn_implementation)
+        return model.train()
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=config.model.attn_implementation,
+                                             dtype=torch_dtype_of(config))
+    return model.train()
+
+
+def generated_model_class(module: ModuleType, meta: dict[str, Any], artifact_dir: Path) -> type:
+    name = meta.get("model", {}).get("model_class")
+    model_class = getattr(module, name, None) if name else None
+    if not isinstance(model_class, type):
+        raise ModelBuildError(f"{artifact_dir / 'codegen_meta.json'}: model.model_class is {name!r}, but "
+                              f"{module.__name__} defines no such class; run `doit generate`")
+    return model_class
+
+
+# --- custom: models/common ------------------------------------------------------------------------
+
+def build_custom_model(custom_module: ModuleType, hf_config: Any, config: TrainerConfig, *,
+                       with_weights: bool) -> nn.Module:
+    model = custom_module.build_custom_model(hf_config)
+    if with_weights:
+        custom_module.load_hf_state_dict(model, load_safetensors_state_dict(recipe_model_dir(config)))
+    return model.to(torch_dtype_of(config)).train()
+
+
+# --- sharding -------------------------------------------------------------------------------------
+
+def parallelize_with_planner(model: nn.Module, config: TrainerConfig, mesh_context: MeshContext, *,
+                             workspace_root: str | os.PathLike | None = None) -> nn.Module:
+    """The runtime path for HF models: the recipe's ``replace_module`` entries, then the
+    same planner + overrides the derive stage runs, applied to the real mesh."""
+    from hyper_parallel.codegen.plan.derive import placement_overrides
+    from hyper_parallel.codegen.runtime import hyper_apply_replacements
+    from hyper_parallel.codegen.spec.project import project_codegen_spec
+    from hyper_parallel.distributed.applier import apply_sharding_plan
+    from hyper_parallel.distributed.mesh import build_offline_mesh
+    from hyper_parallel.distributed.planner import ShardingPlanner, merge_plan_overrides
+
+    spec = project_codegen_spec(config, workspace_root=workspace_root)
+    hyper_apply_replacements(model, spec.replacements)
+    acc = config.accelerator
+    dims = mesh_context.dims
+    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), sequence_parallel=acc.sequence_parallel,
+                             loss_parallel=acc.loss_parallel).plan()
+    modules = merge_plan_overrides(result.modules, placement_overrides(spec), model,
+                                   active_axes=dims.active_axes(sequence_parallel=acc.sequence_parallel))
+    return apply_sharding_plan(model, modules, mesh_context)
+
+
+def parallelize_custom(custom_module: ModuleType, model: nn.Module, config: TrainerConfig,
+                       mesh_context: MeshContext) -> nn.Module:
+    acc = config.accelerator
+    return custom_module.parallelize_custom_model(model, mesh_context.device_mesh, loss_parallel=acc.loss_parallel,
+                                                  enable_sp=acc.sequence_parallel)
+
+
+def target_device(config: TrainerConfig) -> torch.device:
+    """Where this rank's model lives: the CPU, or the accelerator of LOCAL_RANK."""
+    kind = config.accelerator.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, int(os.environ.get("LOCAL_RANK", "0")))

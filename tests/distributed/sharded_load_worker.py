@@ -1,0 +1,58 @@
+"""torchrun worker: plan + apply on a meta model, then each rank reads only its shards
+from safetensors; the result must equal the single-process HF model.
+
+    python -m torch.distributed.run --nproc_per_node=2 -m tests.distributed.sharded_load_worker \
+        --model-dir DIR --out OUT_DIR
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import accelerate
+import torch
+import torch.distributed as dist
+import transformers
+from safetensors.torch import load_file
+
+from hyper_parallel.distributed.applier import apply_sharding_plan
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
+from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.distributed.sharded_load import materialize_and_load
+from tests.distributed.tp_equivalence_worker import compare_grads, loss_of
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    dims = ParallelDims(tp=2)
+    mesh = build_device_mesh(dims, "cpu")
+    config = transformers.AutoConfig.from_pretrained(args.model_dir)
+    with accelerate.init_empty_weights(include_buffers=False):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    plan = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan()
+    apply_sharding_plan(model, plan.modules, MeshContext(mesh, dims))
+    report = materialize_and_load(model, args.model_dir)
+
+    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    reference.load_state_dict(load_file(str(Path(args.model_dir) / "model.safetensors")))
+    batch = torch.randint(0, config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    ref_loss = loss_of(reference, batch)
+    ref_loss.backward()
+    loss = loss_of(model, batch)
+    loss.backward()
+    failures, checked = compare_grads(reference, model)
+    full_bytes = sum(p.nbytes for p in reference.parameters())
+    result = {"ref_loss": ref_loss.item(), "loss": loss.item(), "grad_failures": failures, "grads_checked": checked,
+              "bytes_read": report.bytes_read, "full_param_bytes": full_bytes,
+              "local_param_bytes": sum(p.to_local().nbytes for p in model.parameters())}
+    Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""GroupedExperts against transformers' eager Qwen3MoeExperts: same outputs and
+gradients (fp32), experts without tokens included; the replacement factory."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoePreTrainedModel
+
+from hyper_parallel.components.modules.grouped_experts import (
+    GroupedExperts,
+    Qwen3MoeGroupedExperts,
+    replace_qwen3_moe_grouped_experts,
+)
+from hyper_parallel.distributed.roles import is_packed_experts
+from tests.models.model_helpers import TINY_MODEL_DIR
+
+TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
+TOKENS = 40
+
+
+@pytest.fixture
+def config():
+    config = AutoConfig.from_pretrained(TINY_MODEL_DIR)
+    config.num_experts = 8  # room for experts that receive no tokens
+    config._experts_implementation = "eager"  # HF's per-expert loop, the reference
+    return config
+
+
+def hf_experts(config, seed: int = 0) -> Qwen3MoeExperts:
+    torch.manual_seed(seed)
+    experts = Qwen3MoeExperts(config)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(experts.down_proj, std=0.1)
+    return experts
+
+
+def routing(config, *, hot_experts: int, seed: int = 1):
+    """Tokens, top-k expert ids among the first ``hot_experts`` (the rest get nothing) and
+    normalized routing weights, as Qwen3MoeTopKRouter produces them."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(TOKENS, config.hidden_size, generator=gen)
+    scores = torch.randn(TOKENS, hot_experts, generator=gen).softmax(-1)
+    weights, index = scores.topk(config.num_experts_per_tok, dim=-1)
+    return hidden, index, weights / weights.sum(-1, keepdim=True)
+
+
+def run_with_grads(module, hidden, index, weights, grad_out):
+    hidden = hidden.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = module(hidden, index, weights)
+    out.backward(grad_out)
+    return out, hidden.grad, weights.grad, module.gate_up_proj.grad, module.down_proj.grad
+
+
+@pytest.mark.parametrize("max_padding_ratio", [2.0, 0.0], ids=["padded-bmm", "per-expert"])
+def test_matches_hf_experts_forward_and_backward(config, max_padding_ratio):
+    reference = hf_experts(config)
+    grouped = replace_qwen3_moe_grouped_experts(reference, max_padding_ratio=max_padding_ratio)
+    hidden, index, weights = routing(config, hot_experts=5)  # experts 5, 6, 7 get no token
+    assert set(index.unique().tolist()) <= {0, 1, 2, 3, 4}
+    grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(2))
+
+    expected = run_with_grads(reference, hidden, index, weights, grad_out)
+    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
+
+    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+    # Experts without tokens: zero gradient, as HF's.
+    assert torch.count_nonzero(actual[3][5:]) == 0 and torch.count_nonzero(actual[4][5:]) == 0
+    assert torch.count_nonzero(actual[3][:5]) > 0
+
+
+def test_skewed_routing_takes_the_per_expert_path_and_still_matches(config):
+    """All tokens on one expert: padding would be 8x the rows, so rows run per expert."""
+    reference = hf_experts(config)
+    grouped = replace_qwen3_moe_grouped_experts(reference)
+    hidden, _, weights = routing(config, hot_experts=5)
+    index = torch.stack([torch.full((TOKENS,), 3), torch.arange(TOKENS) % 2], dim=-1)  # expert 3 + experts 0/1
+    torch.testing.assert_close(grouped(hidden, index, weights), reference(hidden, index, weights), **TOLERANCE)
+
+
+def test_sentinel_expert_ids_select_nothing(config):
+    """Id == num_experts (HF's expert-parallel sentinel) contributes nothing, as in HF."""
+    reference = hf_experts(config)
+    grouped = replace_qwen3_moe_grouped_experts(reference)
+    hidden, index, weights = routing(config, hot_experts=5)
+    index[::3, 1] = config.num_experts
+    torch.testing.assert_close(grouped(hidden, index, weights), reference(hidden, index, weights), **TOLERANCE)
+
+
+def test_no_routed_tokens_gives_zeros(config):
+    grouped = replace_qwen3_moe_grouped_experts(hf_experts(config))
+    hidden, _, weights = routing(config, hot_experts=5)
+    index = torch.full((TOKENS, config.num_experts_per_tok), config.num_experts)
+    assert torch.equal(grouped(hidden, index, weights), torch.zeros_like(hidden))
+
+
+def test_factory_copies_weights_and_keeps_the_hf_identity(config):
+    reference = hf_experts(config)
+    grouped = replace_qwen3_moe_grouped_experts(reference)
+    assert isinstance(grouped, Qwen3MoeGroupedExperts) and isinstance(grouped, Qwen3MoeExperts)
+    assert dict(grouped.named_parameters()).keys() == {"gate_up_proj", "down_proj"}
+    assert torch.equal(grouped.gate_up_proj, reference.gate_up_proj)
+    assert torch.equal(grouped.down_proj, reference.down_proj)
+    assert grouped.gate_up_proj.data_ptr() != reference.gate_up_proj.data_ptr()  # a copy, not a view
+    assert is_packed_experts(grouped) and grouped.is_transposed is False  # the planner's packed_experts role
+
+
+def test_factory_on_meta_stays_on_meta_and_rejects_bad_input(config):
+    with torch.device("meta"):
+        reference = Qwen3MoeExperts(config)
+    grouped = replace_qwen3_moe_grouped_experts(reference)
+    assert grouped.gate_up_proj.is_meta and grouped.gate_up_proj.shape == reference.gate_up_proj.shape
+    with pytest.raises(TypeError, match="unknown static argument"):
+        replace_qwen3_moe_grouped_experts(reference, capacity=2)
+    with pytest.raises(TypeError, match="expected a Qwen3MoeExperts"):
+        replace_qwen3_moe_grouped_experts(torch.nn.Linear(4, 4))
+
+
+def test_tensor_parallel_local_shards_sum_to_the_full_result(config):
+    """Sizes come from the tensors: on each tp rank's local shards (gate_up [E, 2I/tp, H]
+    with the gate and up halves of the local slice packed, down [E, H, I/tp]) the module
+    computes a partial sum; the partial sums add up to the unsharded result."""
+    tp = 2
+    reference = hf_experts(config)
+    full = replace_qwen3_moe_grouped_experts(reference)
+    hidden, index, weights = routing(config, hot_experts=6)
+    gate, up = reference.gate_up_proj.detach().chunk(2, dim=1)
+    partial_sums = []
+    for rank in range(tp):
+        local = hf_experts(config)
+        local.gate_up_proj = torch.nn.Parameter(torch.cat([gate.chunk(tp, 1)[rank], up.chunk(tp, 1)[rank]], 1))
+        local.down_proj = torch.nn.Parameter(reference.down_proj.detach().chunk(tp, dim=2)[rank].contiguous())
+        shard = replace_qwen3_moe_grouped_experts(local)
+        assert shard.intermediate_dim == config.moe_intermediate_size // tp
+        partial_sums.append(shard(hidden, index, weights))
+    torch.testing.assert_close(sum(partial_sums), full(hidden, index, weights), rtol=1e-5, atol=1e-6)
+
+
+def test_reset_parameters_after_meta_materialization_matches_hf_init(config):
+    """meta → to_empty → reset_parameters draws what HF's _init_weights draws for experts."""
+    with torch.device("meta"):
+        grouped = GroupedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                 initializer_range=config.initializer_range)
+    grouped.to_empty(device="cpu")
+    torch.manual_seed(5)
+    grouped.reset_parameters()
+
+    hf = Qwen3MoeExperts(config)
+    torch.manual_seed(5)
+    hf_model(config)._init_weights(hf)
+    assert torch.equal(grouped.gate_up_proj, hf.gate_up_proj) and torch.equal(grouped.down_proj, hf.down_proj)
+    assert abs(grouped.gate_up_proj.std().item() - config.initializer_range) < 0.002
+
+
+def test_hf_init_weights_initializes_the_hf_typed_module(config):
+    """HF's _init_weights dispatches on isinstance(module, Qwen3MoeExperts): a replaced
+    module in a generated model gets HF's init (and consumes no random numbers when built)."""
+    state = torch.random.get_rng_state()
+    grouped = Qwen3MoeGroupedExperts(config)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    with torch.no_grad():
+        grouped.gate_up_proj.fill_(7.0)
+    hf_model(config)._init_weights(grouped)
+    assert grouped.gate_up_proj.abs().max() < 0.2
+
+
+def hf_model(config) -> Qwen3MoePreTrainedModel:
+    """A (meta, weightless) HF model: the owner of the ``_init_weights`` under test."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
