@@ -21,6 +21,17 @@ class ModelConfig:
     force_hf: bool = False
     codegen_artifact_dir: str | None = None
 
+    def build(self, *, codegen: bool, modeling_backend: str | None, codegen_config: "TrainerConfig",
+              mesh_context: Any = None):
+        """The trainer's model entry point (seed §10): HyperAutoModel with the backend the
+        caller passes, for the whole recipe ``codegen_config``."""
+        from dataclasses import replace
+
+        from hyper_parallel.models._transformers.auto_model import HyperAutoModel
+
+        config = replace(codegen_config, codegen=codegen, modeling_backend=modeling_backend)
+        return HyperAutoModel.from_pretrained(config, mesh_context=mesh_context)
+
 
 @dataclass
 class AcceleratorConfig:

@@ -12,13 +12,18 @@ import pytest
 
 from tests.distributed.test_tp_equivalence import CONFIG_DIR, REPO, _free_port, _save_random_weights
 
-# id: (world size, worker flags, applied axes, local logits shape for a [2, 12] batch)
+# id: (world size, worker flags, applied axes, local logits shape for a [2, 12] batch,
+#      local shape of an experts down_proj [experts, hidden, intermediate])
 FORMS = {
-    "tp2_sp": (2, ["--tp", "2", "--sp"], ["tp", "sp"], [2, 12, 256]),
+    "tp2_sp": (2, ["--tp", "2", "--sp"], ["tp", "sp"], [2, 12, 256], [4, 64, 16]),
     "tp2_sp_loss_parallel": (2, ["--tp", "2", "--sp", "--loss-parallel"], ["tp", "loss_parallel", "sp"],
-                             [2, 12, 128]),
-    "cp2": (2, ["--tp", "1", "--cp", "2"], ["tp", "cp"], [2, 6, 256]),
+                             [2, 12, 128], [4, 64, 16]),
+    "ep2_cp2": (2, ["--tp", "1", "--cp", "2", "--ep", "2"], ["tp", "cp", "ep"], [2, 6, 256], [2, 64, 32]),
+    "cp2": (2, ["--tp", "1", "--cp", "2"], ["tp", "cp"], [2, 6, 256], [4, 64, 32]),
+    "dp2_fsdp2": (2, ["--tp", "1", "--dp", "2"], ["tp"], [1, 12, 256], [4, 64, 32]),
+    "tp2_cp2_ep2": (4, ["--tp", "2", "--cp", "2", "--ep", "2"], ["tp", "cp", "ep"], [2, 6, 256], [2, 64, 16]),
 }
+FULL_LOGITS = ([2, 12, 256], [1, 12, 256])
 
 
 @pytest.fixture(scope="module")
@@ -28,25 +33,31 @@ def weights(tmp_path_factory):
     return path
 
 
-def run_worker(world: int, flags: list[str], weights, out) -> list[dict]:
+def launch_worker(world: int, flags: list[str], weights, out) -> subprocess.CompletedProcess:
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
         f"--master_port={_free_port()}", "-m", "tests.distributed.tp_equivalence_worker",
         "--config-dir", str(CONFIG_DIR), "--weights", str(weights), "--out", str(out), *flags,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_worker(world: int, flags: list[str], weights, out) -> list[dict]:
+    run = launch_worker(world, flags, weights, out)
     assert run.returncode == 0, f"torchrun failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_parallel_form_matches_single_process(form, weights, tmp_path):
-    world, flags, applied, logits_shape = FORMS[form]
+    world, flags, applied, logits_shape, expert_shape = FORMS[form]
     for result in run_worker(world, flags, weights, tmp_path):
         assert result["applied_axes"] == applied
-        assert result["local_logits_shape"] == logits_shape  # the form really splits what it says
-        assert result["sharded_loss"] == (logits_shape != [2, 12, 256])
+        # the form really splits what it says (fsdp2: the shard is gathered for compute)
+        assert result["local_logits_shape"] == logits_shape
+        assert result["expert_local_shape"] == expert_shape or form == "dp2_fsdp2"
+        assert result["sharded_loss"] == (logits_shape not in FULL_LOGITS)
         assert math.isclose(result["par_loss"], result["ref_loss"], rel_tol=1e-5), result
         assert result["grad_failures"] == [], result["grad_failures"]
         assert result["grads_checked"] == result["param_count"] == result["dtensor_params"] == 25
@@ -55,3 +66,10 @@ def test_parallel_form_matches_single_process(form, weights, tmp_path):
         assert len(par) == 3 and par[2] < par[0]  # the steps did something
         for ours, theirs in zip(par, ref):
             assert math.isclose(ours, theirs, rel_tol=1e-5), (par, ref)
+
+
+def test_sequence_not_divisible_by_cp_times_tp_fails_naming_module_and_sizes(weights, tmp_path):
+    run = launch_worker(2, ["--tp", "2", "--sp", "--seq-len", "13"], weights, tmp_path)
+    assert run.returncode != 0
+    assert ("model.layers.0 input 0: dim 1 (sequence length 13) of a tensor of shape [2, 13, 64] must be "
+            "divisible by tp=2=2, over which the plan splits it") in run.stderr + run.stdout

@@ -54,14 +54,14 @@ def test_user_hints_win_over_the_model_plan(meta_model):
     assert result.roles["model.layers.1.mlp.gate"] == "head_norm"
 
 
-def test_unapplied_axes_are_recorded_with_reasons(meta_model):
-    dims = ParallelDims(tp=2, cp=2, ep=2)
+def test_applied_and_recorded_axes(meta_model):
+    dims = ParallelDims(tp=2, cp=2, ep=2, dp=2, pp=2)
     result = ShardingPlanner(meta_model, dims=dims, mesh=build_offline_mesh(dims),
                              sequence_parallel=True, loss_parallel=True).plan()
-    assert dims.world_size == 4
-    assert result.applied_axes == ["tp"]
-    assert set(result.recorded_axes) == {"cp", "ep", "sp", "loss_parallel"}
-    assert "not applied" in result.recorded_axes["cp"]
+    assert dims.world_size == 16
+    assert result.applied_axes == ["tp", "cp", "ep", "loss_parallel", "sp"]
+    assert set(result.recorded_axes) == {"dp", "pp"}
+    assert "FSDP2" in result.recorded_axes["dp"]
 
 
 @pytest.mark.parametrize("overrides, dims, message", [

@@ -135,6 +135,7 @@ def parse_args():
     parser.add_argument("--sp", action="store_true", help="sequence parallel")
     parser.add_argument("--loss-parallel", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=12)
     return parser.parse_args()
 
 
@@ -179,7 +180,7 @@ def main() -> None:
         fully_shard_over_dp(parallel, device_mesh["dp"])
         data_parallel = DataParallelLoss(device_mesh["dp"])
 
-    batch = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    batch = torch.randint(0, config.vocab_size, (2, args.seq_len), generator=torch.Generator().manual_seed(7))
     trained = train_steps(reference, parallel, batch, args.steps, data_parallel)
     losses = trained["losses"]
     result = {

@@ -8,7 +8,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qw
 
 from hyper_parallel.components.modules.grouped_experts import (
     GroupedExperts,
-    Qwen3MoeGroupedExperts,
+    GroupedQwen3MoeExperts,
+    grouped_experts_class_for,
     replace_qwen3_moe_grouped_experts,
 )
 from hyper_parallel.distributed.roles import is_packed_experts
@@ -99,7 +100,7 @@ def test_no_routed_tokens_gives_zeros(config):
 def test_factory_copies_weights_and_keeps_the_hf_identity(config):
     reference = hf_experts(config)
     grouped = replace_qwen3_moe_grouped_experts(reference)
-    assert isinstance(grouped, Qwen3MoeGroupedExperts) and isinstance(grouped, Qwen3MoeExperts)
+    assert type(grouped) is GroupedQwen3MoeExperts and isinstance(grouped, Qwen3MoeExperts)
     assert dict(grouped.named_parameters()).keys() == {"gate_up_proj", "down_proj"}
     assert torch.equal(grouped.gate_up_proj, reference.gate_up_proj)
     assert torch.equal(grouped.down_proj, reference.down_proj)
@@ -154,11 +155,11 @@ def test_reset_parameters_after_meta_materialization_matches_hf_init(config):
     assert abs(grouped.gate_up_proj.std().item() - config.initializer_range) < 0.002
 
 
-def test_hf_init_weights_initializes_the_hf_typed_module(config):
-    """HF's _init_weights dispatches on isinstance(module, Qwen3MoeExperts): a replaced
-    module in a generated model gets HF's init (and consumes no random numbers when built)."""
+def test_hf_init_weights_initializes_the_replacement(config):
+    """HF's _init_weights dispatches on isinstance(module, Qwen3MoeExperts): the
+    replacement is one, so it gets HF's init (and draws no random numbers when built)."""
     state = torch.random.get_rng_state()
-    grouped = Qwen3MoeGroupedExperts(config)
+    grouped = GroupedQwen3MoeExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
     assert torch.equal(torch.random.get_rng_state(), state)
     with torch.no_grad():
         grouped.gate_up_proj.fill_(7.0)
@@ -170,3 +171,15 @@ def hf_model(config) -> Qwen3MoePreTrainedModel:
     """A (meta, weightless) HF model: the owner of the ``_init_weights`` under test."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def test_replacement_class_is_a_subclass_of_the_replaced_class():
+    """A generated file has its own copy of Qwen3MoeExperts; the replacement is one of those."""
+
+    class CopiedExperts(Qwen3MoeExperts):
+        pass
+
+    grouped_class = grouped_experts_class_for(CopiedExperts)
+    assert issubclass(grouped_class, CopiedExperts) and issubclass(grouped_class, GroupedExperts)
+    assert grouped_experts_class_for(CopiedExperts) is grouped_class  # one class per original
+    assert grouped_class.forward is GroupedExperts.forward

@@ -82,6 +82,7 @@ def test_rank1_returns_when_rank0_installs_the_bundle(tmp_path):
     # Like a freshly started rank, hash the package's code now, not when an earlier test
     # of this process did (the code hash is cached per process and part of the signature).
     implementation_sha256.cache_clear()
+    assert rank0.poll() is None  # rank 1 starts waiting while rank 0 still generates
     try:
         spec = _wait_as_rank1(project, timeout_s=120.0)  # started before rank 0 could have finished
     finally:

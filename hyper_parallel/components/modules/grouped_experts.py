@@ -154,52 +154,58 @@ def _per_expert(rows: torch.Tensor, routes: ExpertRoutes, gate_up: torch.Tensor,
     return torch.cat(outs)
 
 
-class Qwen3MoeGroupedExperts(GroupedExperts, Qwen3MoeExperts):
-    """``GroupedExperts`` that is also a ``Qwen3MoeExperts`` to transformers: HF's
-    ``Qwen3MoePreTrainedModel._init_weights`` initializes it (normal(0,
-    initializer_range), in the model's module order, so a seeded model gets the same
-    weights as with HF's experts) and ``isinstance`` checks keep holding. The forward is
-    ``GroupedExperts.forward`` (first in the MRO), not HF's dispatching one."""
-
-    # As HF's experts: allocated empty, initialized by the model's post_init (drawing
-    # random numbers at construction would shift every later module's init).
-    initialize_on_construction = False
-
-    def __init__(self, config, *, num_experts: int | None = None, hidden_dim: int | None = None,
-                 intermediate_dim: int | None = None, device=None, dtype=None, **kwargs) -> None:
-        GroupedExperts.__init__(
-            self,
-            num_experts if num_experts is not None else config.num_experts,
-            hidden_dim if hidden_dim is not None else config.hidden_size,
-            intermediate_dim if intermediate_dim is not None else config.moe_intermediate_size,
-            activation=config.hidden_act, initializer_range=config.initializer_range,
-            device=device, dtype=dtype, **kwargs)
-        self.config = config
-        self.is_concatenated = True
-        self.has_post_expert_norm = False
-        self._is_expert_parallel = False
+def grouped_experts_class_for(experts_class: type[nn.Module]) -> type[GroupedExperts]:
+    """``GroupedExperts`` that is also an ``experts_class`` (HF's ``Qwen3MoeExperts`` or a
+    generated file's copy of it): the model's ``_init_weights``, which dispatches on
+    ``isinstance(module, Qwen3MoeExperts)``, then initializes the replacement exactly as
+    it would the original (normal(0, initializer_range), in the model's module order, so
+    a seed gives the same weights), and other ``isinstance`` checks keep holding. The
+    forward is ``GroupedExperts.forward`` (first in the MRO). One class per original."""
+    if issubclass(experts_class, GroupedExperts):
+        return experts_class
+    if experts_class not in _GROUPED_CLASSES:
+        _GROUPED_CLASSES[experts_class] = type(f"Grouped{experts_class.__name__}", (GroupedExperts, experts_class), {
+            "__module__": __name__,
+            "__doc__": f"GroupedExperts standing in for {experts_class.__module__}.{experts_class.__qualname__}.",
+            # As the original: allocated empty, initialized by the model's post_init
+            # (drawing random numbers when built would shift every later module's init).
+            "initialize_on_construction": False,
+        })
+    return _GROUPED_CLASSES[experts_class]
 
 
-def replace_qwen3_moe_grouped_experts(module: nn.Module, **kwargs) -> Qwen3MoeGroupedExperts:
-    """``replace_module`` factory: a :class:`Qwen3MoeGroupedExperts` in place of ``module``
-    (a ``Qwen3MoeExperts``), on its device and dtype, with its weights unless they are on
-    the meta device. Sizes come from the tensors (local shards work too). ``kwargs``:
-    ``max_padding_ratio``."""
+_GROUPED_CLASSES: dict[type, type] = {}
+# transformers' own, importable by name.
+GroupedQwen3MoeExperts = grouped_experts_class_for(Qwen3MoeExperts)
+
+
+def replace_qwen3_moe_grouped_experts(module: nn.Module, **kwargs) -> GroupedExperts:
+    """``replace_module`` factory: a ``GroupedExperts`` that is also a ``type(module)``
+    (see :func:`grouped_experts_class_for`), on ``module``'s device and dtype, with its
+    weights unless they are on the meta device. ``module`` is a ``Qwen3MoeExperts`` (HF's
+    or a generated copy); sizes come from its tensors, so local shards work too.
+    ``kwargs``: ``max_padding_ratio``."""
     unknown = sorted(set(kwargs) - {"max_padding_ratio"})
     if unknown:
         raise TypeError(f"replace_qwen3_moe_grouped_experts: unknown static argument(s) {unknown}; "
                         f"expected only 'max_padding_ratio'")
     params = dict(module.named_parameters(recurse=False))
-    if set(params) != {"gate_up_proj", "down_proj"} or getattr(module, "config", None) is None:
+    if set(params) != {"gate_up_proj", "down_proj"} or not hasattr(module, "act_fn"):
         raise TypeError(f"replace_qwen3_moe_grouped_experts: {type(module).__name__} has parameters "
-                        f"{sorted(params)} (config: {getattr(module, 'config', None) is not None}); "
-                        f"expected a Qwen3MoeExperts with gate_up_proj, down_proj and config")
+                        f"{sorted(params)} (act_fn: {hasattr(module, 'act_fn')}); expected a Qwen3MoeExperts "
+                        f"with gate_up_proj, down_proj and act_fn")
     gate_up, down = params["gate_up_proj"], params["down_proj"]
     _check_shapes(gate_up, down)
-    new = Qwen3MoeGroupedExperts(
-        module.config, num_experts=gate_up.shape[0], hidden_dim=gate_up.shape[2],
-        intermediate_dim=down.shape[2], device=gate_up.device, dtype=gate_up.dtype, **kwargs)
+    config = getattr(module, "config", None)
+    new = grouped_experts_class_for(type(module))(
+        gate_up.shape[0], gate_up.shape[2], down.shape[2],
+        activation=getattr(config, "hidden_act", "silu"),
+        initializer_range=getattr(config, "initializer_range", 0.02),
+        device=gate_up.device, dtype=gate_up.dtype, **kwargs)
     new.act_fn = module.act_fn
+    if config is not None:
+        new.config = config  # HF's experts keep it (the experts_implementation dispatch reads it)
+    new._is_expert_parallel = getattr(module, "_is_expert_parallel", False)
     new.train(module.training)
     if gate_up.device.type != "meta":
         with torch.no_grad():

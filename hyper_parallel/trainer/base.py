@@ -1,0 +1,110 @@
+"""BaseTrainer: recipe → mesh → model (through HyperAutoModel) → optimizer → steps.
+
+Launched under torchrun (``python -m hyper_parallel.trainer --config X.yaml``) it
+trains the recipe's ``training`` section on synthetic tokens or a local text file and
+logs loss and tokens/s per step.
+"""
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.codegen.spec.project import check_launch_world_size
+from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    tokens_per_s: float
+    seconds: float
+
+
+class BaseTrainer:
+    def __init__(self, config: TrainerConfig, *, log: Callable[[str], None] = print):
+        self.config = config
+        self.log = log
+        check_launch_world_size(config)
+        acc = config.accelerator
+        self.dims = ParallelDims(dp=acc.dp_size, cp=acc.cp_size, tp=acc.tp_size, ep=acc.ep_size, pp=acc.pp_size)
+        self.mesh_context = MeshContext(build_device_mesh(self.dims, _mesh_device(acc.device_type)), self.dims)
+        self.rank = dist.get_rank()
+        torch.manual_seed(config.training.seed)
+        self.model = self._build_model()
+        self.optimizer = self._build_optimizer()
+
+    def _build_model(self) -> torch.nn.Module:
+        return self.config.model.build(codegen=self.config.codegen, modeling_backend=self.config.modeling_backend,
+                                       codegen_config=self.config, mesh_context=self.mesh_context)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.config.optimizer
+        if opt.name.lower() != "adamw":
+            raise ValueError(f"{self.config._yaml_path}: optimizer.name: expected 'adamw', got {opt.name!r}")
+        return torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                 weight_decay=opt.weight_decay, foreach=False)
+
+    def _dp_coordinates(self) -> tuple[int, int]:
+        mesh = self.mesh_context.device_mesh
+        if self.dims.dp == 1:
+            return 0, 1
+        return mesh.get_local_rank("dp"), self.dims.dp
+
+    def train(self) -> list[StepRecord]:
+        training, dataset = self.config.training, self.config.dataset
+        vocab = self.model.config.vocab_size
+        where = self.config._yaml_path or "<recipe>"
+        text = None
+        if dataset.kind == "text":
+            text = read_text_tokens(dataset, vocab, training.global_batch_size * training.seq_len, where)
+        dp_rank, dp_size = self._dp_coordinates()
+        records = []
+        self.model.train()
+        for step in range(training.steps):
+            start = time.perf_counter()
+            batch = global_batch(step, training, dataset, vocab, text)
+            parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
+            total = torch.zeros(())
+            for micro in parts:
+                loss = self.model(input_ids=micro, labels=micro).loss / len(parts)
+                loss.backward()
+                total += loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if dp_size > 1:
+                dist.all_reduce(total, group=self.mesh_context.device_mesh.get_group("dp"))
+                total /= dp_size
+            seconds = time.perf_counter() - start
+            record = StepRecord(step + 1, total.item(), batch.numel() / seconds, seconds)
+            records.append(record)
+            if self.rank == 0 and (record.step % training.log_every == 0 or record.step == training.steps):
+                self.log(f"step {record.step}/{training.steps} | loss {record.loss:.6f} | "
+                         f"{record.tokens_per_s:,.0f} tok/s | {seconds:.2f}s")
+        return records
+
+
+def write_metrics(records: list[StepRecord], path: str | os.PathLike) -> None:
+    Path(path).write_text(json.dumps([r.__dict__ for r in records], indent=1) + "\n")
+
+
+def _mesh_device(device_type: str) -> str:
+    """The recipe's device, or CPU/gloo when that accelerator is not present here."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return "cuda"
+    if device_type == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device)
+            if torch.npu.is_available():
+                return "npu"
+        except ImportError:
+            pass
+    return "cpu"

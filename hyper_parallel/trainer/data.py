@@ -1,0 +1,49 @@
+"""Training batches: synthetic tokens or a small local text file, identical on every
+rank for the same step, sliced by data-parallel rank."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
+
+
+class DataError(ValueError):
+    """A dataset the trainer cannot read; names the recipe key."""
+
+
+def global_batch(step: int, training: TrainingConfig, dataset: DatasetConfig, vocab_size: int,
+                 text_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole step's tokens, ``[global_batch_size, seq_len]``; the same on every rank."""
+    shape = (training.global_batch_size, training.seq_len)
+    if dataset.kind == "synthetic":
+        generator = torch.Generator().manual_seed(training.seed * 1_000_003 + step)
+        return torch.randint(0, vocab_size, shape, generator=generator)
+    count = shape[0] * shape[1]
+    start = (step * count) % max(1, text_tokens.numel() - count)
+    return text_tokens[start:start + count].view(shape)
+
+
+def read_text_tokens(dataset: DatasetConfig, vocab_size: int, needed: int, where: str) -> torch.Tensor:
+    """Bytes of a local text file as token ids (``byte % vocab_size``): enough to train on."""
+    if not dataset.path:
+        raise DataError(f"{where}: dataset.path: required when dataset.kind is 'text'")
+    path = Path(dataset.path)
+    if not path.is_absolute():
+        path = Path(where).parent / path
+    data = path.read_bytes() if path.is_file() else b""
+    if len(data) < needed:
+        raise DataError(f"{where}: dataset.path: {path} has {len(data)} bytes, one step needs {needed}")
+    return torch.tensor(list(data), dtype=torch.long) % vocab_size
+
+
+def micro_batches(batch: torch.Tensor, dp_rank: int, dp_size: int, micro_batch_size: int,
+                  where: str) -> Iterator[torch.Tensor]:
+    """This dp rank's rows, in micro-batches."""
+    rows = batch.shape[0]
+    if rows % (dp_size * micro_batch_size):
+        raise DataError(f"{where}: training.global_batch_size {rows} must be a multiple of "
+                        f"dp_size * micro_batch_size = {dp_size * micro_batch_size}")
+    local = batch.chunk(dp_size, dim=0)[dp_rank]
+    yield from local.split(micro_batch_size, dim=0)
