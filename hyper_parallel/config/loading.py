@@ -35,7 +35,8 @@ def load_training_config(path: str | os.PathLike) -> TrainerConfig:
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: malformed YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+        got = "an empty document" if data is None else type(data).__name__
+        raise RecipeError(f"{path}: expected a mapping at the top level, got {got}")
     config = _build(TrainerConfig, data, str(path), "")
     config._yaml_path = str(yaml_path)
     validate_training_config(config, str(path))

@@ -9,7 +9,8 @@ from typing import Any
 
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 MODELING_BACKENDS = ("hf", "custom", "gen")
-OVERRIDE_AXES = ("tp", "cp", "ep", "sp", "dp", "pp")
+# The parallel forms a plan_overrides entry may be conditioned on (the planner's set).
+OVERRIDE_AXES = ("tp", "cp", "ep", "sp")
 
 
 @dataclass

@@ -15,6 +15,15 @@ For each planned module:
   DTensor sums it across ranks.
 - a parameter whose gradient arrives ``Partial`` (replicated weight, split work) is
   reduced after accumulation, so ``param.grad`` always has the parameter's placements.
+- an output handed on as a local *partial* sum gets the sum's gradient on every rank.
+- a redistribution that splits a dim checks that it divides evenly (e.g. the sequence
+  length by cp*tp) and names the module, the dim and the sizes when it does not.
+- entries that name ``ep`` live on the expert mesh (``mesh.build_expert_mesh``, built
+  from the ``MeshContext``'s dims); a module whose parameters are sharded on ``ep`` gets
+  the all-to-all token dispatch (``expert_dispatch``).
+- when the output embedding's logits stay sharded (vocab: loss parallel; sequence:
+  cp), the model's ``loss_function`` becomes the matching sharded cross entropy
+  (``sharded_loss``), so HF's ``forward(labels=...)`` returns the exact loss.
 """
 
 import fnmatch

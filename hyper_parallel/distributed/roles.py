@@ -11,9 +11,13 @@ arrive (``in_src``), how the module needs them (``in_dst``) and what it hands on
 | lm_head         | weight shard(0) (vocab rows)       | replicate         | shard(-1) -> replicate   |
 | packed_experts  | gate_up packed_shard, down shard   | replicate         | partial -> replicate     |
 | head_norm       | replicate (grads summed over tp)   | shard(-2) (heads) | unchanged (local)        |
+| fused_qkv       | weight/bias packed_shard(0,3)      | replicate         | this rank's q, k, v      |
+| fused_gate_up   | weight packed_shard(0,2)           | replicate         | this rank's gate, up     |
+| projection_norm | replicate                          | shard(-1) -> rep. | replicate -> shard(-1)   |
 | replicate       | replicate                          | unchanged         | unchanged                |
 
-``packed_experts``, ``head_norm`` and ``replicate`` run as ``local_map``: they compute
+``packed_experts``, ``head_norm``, the fused roles, ``projection_norm`` and
+``replicate`` run as ``local_map``: they compute
 on local tensors, which needs no DTensor support from the ops inside (top-k routing,
 grouped GEMMs, norms).
 """

@@ -36,6 +36,7 @@ from hyper_parallel.protocols.sharding import ShardingConfig
 
 CP, TP = "cp", "tp"
 _ATTENTION_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "q_norm", "k_norm"})
+_ATTENTION_ROLES = frozenset({"head_norm", "projection_norm", "fused_qkv"})
 _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "packed_experts"})
 
 
@@ -68,10 +69,10 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool) -> None:
                 continue
             if roles.get(fqn) == "replicate":
                 _residual_module(modules[fqn], residual)
-            elif _is_attention(child):
+            elif _is_attention(fqn, child, roles):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp)
             else:
-                _mlp_block(fqn, child, modules, roles, residual, cp=cp, sp=sp)
+                _mlp_block(fqn, child, modules, roles, residual, cp=cp)
     for fqn, role in list(roles.items()):
         inside_layers = fqn == layers_fqn or fqn.startswith(layers_fqn + ".")
         if role == "replicate" and not inside_layers:
@@ -93,8 +94,10 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _is_attention(block: nn.Module) -> bool:
-    return any(name.rpartition(".")[2] in _ATTENTION_LEAVES for name, _ in block.named_modules())
+def _is_attention(fqn: str, block: nn.Module, roles: dict[str, str]) -> bool:
+    """A block holding q/k/v projections or per-head norms (by name or by role)."""
+    return any(name.rpartition(".")[2] in _ATTENTION_LEAVES or roles.get(f"{fqn}.{name}") in _ATTENTION_ROLES
+               for name, _ in block.named_modules() if name)
 
 
 def _residual_module(config: ShardingConfig, residual: dict) -> None:
@@ -113,7 +116,7 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
             modules[inner].out_dst = modules[inner].out_src
 
 
-def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, sp: bool) -> None:
+def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
     moe = any(roles.get(inner) == "packed_experts" for inner in _inner_entries(fqn, block, modules))
     token_dim = 0 if moe else 1  # MoE blocks flatten [batch, seq, hidden] to [tokens, hidden]
     tokens = {CP: Shard(1)} if cp else {}

@@ -78,28 +78,98 @@ def read_segments(handle_slice, segments: list[Segments], dim: int = 0, prefix: 
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
+class StoredTensor:
+    """One checkpoint tensor, read lazily by index ranges."""
+
+    def __init__(self, handle, name: str):
+        self.piece = handle.get_slice(name)
+        self.shape = tuple(self.piece.get_shape())
+
+    def read(self, segments: list[Segments]) -> torch.Tensor:
+        return read_segments(self.piece, segments)
+
+
+class StackedExperts:
+    """A fused experts tensor (``gate_up_proj`` [E, 2I, H] or ``down_proj`` [E, H, I])
+    assembled from per-expert checkpoint tensors (``experts.{e}.gate_proj.weight`` ...),
+    reading only the rows and columns a rank keeps."""
+
+    def __init__(self, blocks: list[list[StoredTensor]]):
+        self.blocks = blocks  # per expert: the tensors concatenated along dim 0 of the fused block
+        rows = sum(t.shape[0] for t in blocks[0])
+        self.shape = (len(blocks), rows, blocks[0][0].shape[1])
+
+    def read(self, segments: list[Segments]) -> torch.Tensor:
+        experts = [e for lo, hi in segments[0] for e in range(lo, hi)]
+        return torch.stack([self._expert_rows(self.blocks[e], segments[1], segments[2]) for e in experts])
+
+    @staticmethod
+    def _expert_rows(parts: list[StoredTensor], rows: Segments, cols: Segments) -> torch.Tensor:
+        pieces, offset = [], 0
+        for part in parts:
+            size = part.shape[0]
+            for lo, hi in rows:
+                lo_in, hi_in = max(lo, offset) - offset, min(hi, offset + size) - offset
+                if lo_in < hi_in:
+                    pieces.append(part.read([[(lo_in, hi_in)], cols]))
+            offset += size
+        return torch.cat(pieces, dim=0)
+
+
+_PER_EXPERT = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def tensor_source(name: str, where: dict[str, Path], handle_for) -> StoredTensor | StackedExperts | None:
+    """Where ``name`` comes from: the tensor itself, or per-expert tensors to stack."""
+    if name in where:
+        return StoredTensor(handle_for(where[name]), name)
+    prefix, _, leaf = name.rpartition(".")
+    if leaf not in _PER_EXPERT:
+        return None
+    blocks = []
+    while True:
+        keys = [f"{prefix}.{len(blocks)}.{proj}.weight" for proj in _PER_EXPERT[leaf]]
+        if not all(key in where for key in keys):
+            break
+        blocks.append([StoredTensor(handle_for(where[key]), key) for key in keys])
+    return StackedExperts(blocks) if blocks else None
+
+
 @torch.no_grad()
 def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, strict: bool = True) -> ShardedLoadReport:
     """Fill every parameter and persistent buffer of a materialized model from ``model_dir``."""
     where = checkpoint_index(model_dir)
     report = ShardedLoadReport()
     handles: dict[Path, object] = {}
+
+    def handle_for(file: Path):
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        return handles[file]
+
+    loaded: set[int] = set()
     try:
-        for name, tensor in [*model.named_parameters(), *_persistent_buffers(model)]:
-            if name not in where:
-                report.missing.append(name)
+        for name, tensor in [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]:
+            source = tensor_source(name, where, handle_for)
+            if source is None:
+                if id(tensor) not in loaded:  # a tied weight stored once is fine
+                    report.missing.append(name)
                 continue
-            file = where[name]
-            handle = handles.get(file) or handles.setdefault(file, safe_open(str(file), framework="pt"))
-            piece = handle.get_slice(name)
-            _copy_local(name, tensor, piece, file)
+            _copy_local(name, tensor, source, Path(model_dir))
+            loaded.add(id(tensor))
             report.tensors += 1
             report.bytes_read += tensor.to_local().nbytes if isinstance(tensor, DTensor) else tensor.nbytes
     finally:
         handles.clear()
+    report.missing = [name for name in report.missing if id(_lookup(model, name)) not in loaded]
     if strict and report.missing:
         raise ShardedLoadError(f"{model_dir}: no checkpoint tensor for {', '.join(report.missing[:5])}")
     return report
+
+
+def _lookup(model: torch.nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, leaf)
 
 
 def _persistent_buffers(model: torch.nn.Module):
@@ -110,17 +180,18 @@ def _persistent_buffers(model: torch.nn.Module):
                 yield (f"{module_name}.{name}" if module_name else name), buf
 
 
-def _copy_local(name: str, tensor: torch.Tensor, piece, file: Path) -> None:
-    global_shape = tuple(piece.get_shape())
-    if global_shape != tuple(tensor.shape):
-        raise ShardedLoadError(f"{file}: {name}: checkpoint shape {global_shape}, model expects {tuple(tensor.shape)}")
+def _copy_local(name: str, tensor: torch.Tensor, source, model_dir: Path) -> None:
+    if tuple(source.shape) != tuple(tensor.shape):
+        raise ShardedLoadError(f"{model_dir}: {name}: checkpoint shape {tuple(source.shape)}, "
+                               f"model expects {tuple(tensor.shape)}")
+    full = [[(0, size)] for size in source.shape]
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
-        segments = local_segments(global_shape, tensor.placements, mesh.get_coordinate(), tuple(mesh.shape))
+        segments = local_segments(source.shape, tensor.placements, mesh.get_coordinate(), tuple(mesh.shape))
         local = tensor.to_local()
-        local.copy_(read_segments(piece, segments).to(local.dtype))
+        local.copy_(source.read(segments).to(local.dtype))
     else:
-        tensor.copy_(piece[tuple(slice(None) for _ in global_shape)].to(tensor.dtype))
+        tensor.copy_(source.read(full).to(tensor.dtype))
 
 
 def materialize_and_load(model: torch.nn.Module, model_dir: str | Path, *, device: str | torch.device = "cpu",

@@ -38,7 +38,7 @@ def main() -> None:
     report = materialize_and_load(model, args.model_dir)
 
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    reference.load_state_dict(load_file(str(Path(args.model_dir) / "model.safetensors")))
+    reference.load_state_dict(load_file(str(Path(args.model_dir) / "reference.safetensors.ref")))
     batch = torch.randint(0, config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
     ref_loss = loss_of(reference, batch)
     ref_loss.backward()

@@ -34,8 +34,9 @@ def test_offline_mesh_sizes_and_row_major_coordinates():
     assert mesh == OfflineMesh(("pp", "dp", "cp", "tp"), (1, 2, 1, 2))
     assert mesh.size("tp") == 2 and mesh.world_size == 4
     assert [mesh.coordinates(r) for r in range(4)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0), (0, 1, 0, 1)]
-    with pytest.raises(KeyError, match="no axis 'ep'"):
-        mesh.size("ep")
+    assert mesh.size("ep") == 1 and "ep" not in mesh.axis_names  # ep lives on the expert mesh
+    with pytest.raises(KeyError, match="no axis 'edp'"):
+        mesh.size("edp")
 
 
 def test_active_axes_spell_when_values():

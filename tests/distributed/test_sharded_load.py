@@ -5,6 +5,7 @@ import math
 import shutil
 import sys
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
@@ -15,14 +16,35 @@ from tests.project_fixtures import REPO, run
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
 
-def test_tp2_sharded_load_equals_hf_and_reads_less(tmp_path):
+def _per_expert(state: dict) -> dict:
+    """HF's per-expert checkpoint layout (what Qwen3-MoE checkpoints on disk use)."""
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up[e].contiguous()
+        elif leaf == "down_proj" and tensor.dim() == 3:
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
+        else:
+            out[name] = tensor.contiguous()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_tp2_sharded_load_equals_hf_and_reads_less(tmp_path, layout):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     shutil.copy(CONFIG_DIR / "config.json", model_dir)
     config = transformers.AutoConfig.from_pretrained(model_dir)
     torch.manual_seed(99)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(model_dir / "model.safetensors"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(model_dir / "reference.safetensors.ref"))
+    save_file(_per_expert(state) if layout == "per_expert" else state, str(model_dir / "model.safetensors"))
 
     proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                 f"--master_port={free_port()}", "-m", "tests.distributed.sharded_load_worker",

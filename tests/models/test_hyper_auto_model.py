@@ -34,7 +34,8 @@ def test_from_pretrained_gen_builds_the_generated_class_and_matches_hf(gen_recip
     repo_bundle = REPO / "recipes/tiny_cpu/generated/codegen_meta.json"
     repo_meta_before = repo_bundle.read_bytes() if repo_bundle.exists() else None
 
-    model = HyperAutoModel.from_pretrained(load_training_config(gen_recipe), workspace_root=tmp_path / "project/generated")
+    config = load_training_config(gen_recipe)
+    model = HyperAutoModel.from_pretrained(config, workspace_root=tmp_path / "project/generated")
 
     assert type(model).__module__.startswith("hyper_parallel_generated.")
     assert type(model).__name__ == "Qwen3MoeForCausalLM"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hyper_parallel.config import load_training_config
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims
 from hyper_parallel.models._transformers import (
     BackendError,
     HyperAutoModel,
@@ -16,6 +17,7 @@ from hyper_parallel.models._transformers import (
     custom_model_builder,
     resolve_modeling_backend,
 )
+from hyper_parallel.models._transformers.model_builder import ModelBuildError
 from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model
 from tests.models.model_helpers import tiny_project_recipe
 
@@ -118,3 +120,9 @@ def test_from_config_default_backend_is_custom_for_qwen3_moe(tmp_path):
     assert type(model).__module__ == "hyper_parallel.models.common.decoder"
     logits = model(torch.zeros(1, 4, dtype=torch.long))
     assert logits.shape == (1, 4, 256)
+
+
+def test_a_mesh_of_other_sizes_than_the_recipe_is_refused(tmp_path):
+    config = load_training_config(tiny_project_recipe(tmp_path / "project", codegen=False))  # tp 1
+    with pytest.raises(ModelBuildError, match=r"'tp': 1.*'tp': 2"):
+        HyperAutoModel.from_config(config, mesh_context=MeshContext(device_mesh=None, dims=ParallelDims(tp=2)))

@@ -98,7 +98,7 @@ def _normalize_override(entry: PlanOverride, index: int, where: str) -> dict[str
             "replace_module": None if entry.replace_module is None else {
                 "target": entry.replace_module.target, "kwargs": dict(entry.replace_module.kwargs)},
             "params": None if entry.params is None else {
-                name: normalize_named_placement(p, where=f"{key}.params.{name}")
+                name: _named_placement(p, f"{key}.params.{name}")
                 for name, p in sorted(entry.params.items())},
         }
         for io in ("in_src", "in_dst", "out_src", "out_dst"):
@@ -112,11 +112,22 @@ def _normalize_io(value: Any, where: str) -> Any:
     if value is None:
         return None
     if isinstance(value, dict):
-        return [normalize_named_placement(value, where=where)]
+        return [_named_placement(value, where)]
     if isinstance(value, list):
-        return [None if v is None else normalize_named_placement(v, where=f"{where}[{i}]")
+        return [None if v is None else _named_placement(v, f"{where}[{i}]")
                 for i, v in enumerate(value)]
     raise PlacementTextError(f"{where}: expected a mapping or a list of mappings, got {value!r}")
+
+
+def _named_placement(value: Any, where: str) -> dict[str, str]:
+    """normalize_named_placement, with every error naming the recipe key (a bad
+    placement string like ``shard(x)`` is reported without it otherwise)."""
+    try:
+        return normalize_named_placement(value, where=where)
+    except PlacementTextError as exc:
+        if str(exc).startswith(where):
+            raise
+        raise PlacementTextError(f"{where}: {exc}") from None
 
 
 # --- signatures ---------------------------------------------------------------------------

@@ -16,6 +16,10 @@ applier's ``local_map`` the module runs on tensor-parallel local shards
 (``gate_up_proj`` [E, 2I/tp, H] with the gate and up halves of the local slice packed
 the same way, ``down_proj`` [E, H, I/tp]) and the same code computes the local part.
 Expert ids outside ``[0, E)`` (an expert-parallel sentinel) select nothing.
+
+The replacement factory returns an instance of a subclass of both ``GroupedExperts``
+and the replaced class (HF's ``Qwen3MoeExperts`` or a generated file's copy), so the
+model's own ``_init_weights`` initializes it exactly as it did the original.
 """
 
 import torch
@@ -39,8 +43,8 @@ class GroupedExperts(nn.Module):
                  activation: str = "silu", initializer_range: float = 0.02,
                  max_padding_ratio: float = DEFAULT_MAX_PADDING_RATIO,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        # nn.Module.__init__ rather than super().__init__(): the HF-typed subclass below
-        # must not run Qwen3MoeExperts.__init__, which would allocate its own parameters.
+        # nn.Module.__init__ rather than super().__init__(): a grouped_experts_class_for()
+        # class must not run the replaced class's __init__ (it allocates its own parameters).
         nn.Module.__init__(self)
         self.num_experts = num_experts
         self.hidden_dim = hidden_dim
@@ -86,7 +90,7 @@ class GroupedExperts(nn.Module):
             expert_out = _per_expert(rows, routes, gate_up, down, self.act_fn)
         weighted = expert_out * top_k_weights.reshape(-1)[routes.pair, None]
         # Rows are in expert order, so each token sums its experts in ascending expert
-        # order, as HF's per-expert index_add_ does (bit-identical results).
+        # order, the summation order of HF's per-expert index_add_.
         out.index_add_(0, routes.token, weighted.to(out.dtype))
         return out
 
@@ -211,6 +215,10 @@ def replace_qwen3_moe_grouped_experts(module: nn.Module, **kwargs) -> GroupedExp
         with torch.no_grad():
             new.gate_up_proj.copy_(gate_up)
             new.down_proj.copy_(down)
+        # Same init state as the weights it took: an HF init_weights() after loading
+        # must not overwrite them; before post_init the flag is unset and HF inits it.
+        if getattr(module, "_is_hf_initialized", False):
+            new._is_hf_initialized = True
     new.gate_up_proj.requires_grad_(gate_up.requires_grad)
     new.down_proj.requires_grad_(down.requires_grad)
     return new

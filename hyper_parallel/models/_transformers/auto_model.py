@@ -72,13 +72,25 @@ def resolve_backend_for(config: TrainerConfig, hf_config: Any) -> ModelingBacken
         force_hf=config.model.force_hf, modeling_backend=config.modeling_backend, codegen=config.codegen,
         model_type=getattr(hf_config, "model_type", None))
     for message in messages:
-        warnings.warn(f"{config._yaml_path or '<recipe>'}: {message}", UserWarning, stacklevel=3)
+        warnings.warn(f"{config._yaml_path or '<recipe>'}: {message}", UserWarning, stacklevel=4)
     return backend
+
+
+def check_mesh_matches_recipe(config: TrainerConfig, mesh_context: MeshContext) -> None:
+    """A plan made for the recipe's sizes only fits a mesh of those sizes."""
+    acc, dims = config.accelerator, mesh_context.dims
+    recipe = {"dp": acc.dp_size, "cp": acc.cp_size, "tp": acc.tp_size, "ep": acc.ep_size, "pp": acc.pp_size}
+    mesh = {name: getattr(dims, name) for name in recipe}
+    if recipe != mesh:
+        raise mb.ModelBuildError(f"{config._yaml_path or '<recipe>'}: accelerator sizes {recipe} differ from the "
+                                 f"mesh context's {mesh}; build the mesh from the recipe's accelerator section")
 
 
 def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretrained: bool, rank: int | None,
            timeout_s: float | None, workspace_root: str | os.PathLike | None) -> nn.Module:
     workspace_root = workspace_root or os.environ.get("HYPER_PARALLEL_WORKSPACE") or None
+    if mesh_context is not None:
+        check_mesh_matches_recipe(config, mesh_context)
     hf_config = mb.build_hf_config(config)
     backend = resolve_backend_for(config, hf_config)
     with_weights = pretrained and mb.has_safetensors(mb.recipe_model_dir(config))
@@ -92,15 +104,20 @@ def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretraine
         return _build_generated(config, hf_config, mesh_context=mesh_context, with_weights=with_weights,
                                 rank=rank, timeout_s=timeout_s, workspace_root=workspace_root)
     if backend is ModelingBackend.CUSTOM:
-        custom = custom_model_module(getattr(hf_config, "model_type", None))
-        model = mb.build_custom_model(custom, hf_config, config, with_weights=with_weights)
-        model = model.to(mb.target_device(config))
-        if mesh_context is not None:
-            mb.parallelize_custom(custom, model, config, mesh_context)
-        return apply_model_infrastructure(model, config, mesh_context)
+        return _build_custom(config, hf_config, mesh_context=mesh_context, with_weights=with_weights)
     model = mb.build_hf_model(hf_config, config, with_weights=with_weights).to(mb.target_device(config))
     if mesh_context is not None:
         mb.parallelize_with_planner(model, config, mesh_context, workspace_root=workspace_root)
+    return apply_model_infrastructure(model, config, mesh_context)
+
+
+def _build_custom(config: TrainerConfig, hf_config: Any, *, mesh_context: MeshContext | None,
+                  with_weights: bool) -> nn.Module:
+    custom = custom_model_module(getattr(hf_config, "model_type", None))
+    model = mb.build_custom_model(custom, hf_config, config, with_weights=with_weights)
+    model = model.to(mb.target_device(config))
+    if mesh_context is not None:
+        mb.parallelize_custom(custom, model, config, mesh_context)
     return apply_model_infrastructure(model, config, mesh_context)
 
 
@@ -110,6 +127,11 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
     artifact_dir, module, meta = prepare_codegen_artifact(config, rank=rank, timeout_s=timeout_s,
                                                           workspace_root=workspace_root)
     model_class = mb.generated_model_class(module, meta, artifact_dir)
+    planned = meta.get("covered", {}).get("sharding_plan") is True
+    if with_weights and mesh_context is not None and planned:
+        # Each rank reads only its own shards: plan on the meta device, then load slices.
+        model = mb.build_generated_model_sharded(model_class, hf_config, config, module, mesh_context)
+        return apply_model_infrastructure(model, config, mesh_context)
     model = mb.build_generated_model(model_class, hf_config, config, with_weights=with_weights)
     model = model.to(mb.target_device(config))
     if mesh_context is not None:

@@ -99,6 +99,21 @@ def build_generated_model(model_class: type, hf_config: Any, config: TrainerConf
     return model.train()
 
 
+def build_generated_model_sharded(model_class: type, hf_config: Any, config: TrainerConfig,
+                                  module: ModuleType, mesh_context: Any) -> nn.Module:
+    """The generated model parallelized by its bundle's ``hyper_parallelize`` on the meta
+    device, then materialized with only this rank's shards read from the checkpoint."""
+    from accelerate import init_empty_weights
+
+    from hyper_parallel.distributed.sharded_load import materialize_and_load
+
+    with init_empty_weights(include_buffers=False):
+        model = model_class(hf_config)
+    module.hyper_parallelize(model, mesh_context)
+    materialize_and_load(model, recipe_model_dir(config), device=target_device(config))
+    return model.to(torch_dtype_of(config)).train()
+
+
 def _adopt_meta_buffers(model: nn.Module, source: nn.Module) -> None:
     """Non-persistent buffers (rotary frequencies) are not in a state dict: take the
     HF model's, which were computed on a real device."""

@@ -12,6 +12,9 @@ from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
+# The grouped experts replacement lives with the module it builds; recipes may name it here.
+from hyper_parallel.components.modules.grouped_experts import replace_qwen3_moe_grouped_experts  # noqa: F401
+
 _ADOPTED_CHILDREN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _ADOPTED_ATTRIBUTES = ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling",
                        "attention_dropout", "is_causal", "sliding_window")
