@@ -124,7 +124,7 @@ def run_freeze(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.plan.freeze import freeze_plan
 
     derived = read_json(StageFiles(spec).plan)
-    frozen = freeze_plan(derived["plan"])
+    frozen = freeze_plan(derived["plan"], derived["module_names"])
     write_json(StageFiles(spec).frozen, {"signature": expected_signature(spec, "freeze"),
                                          "model_class": derived["model_class"], "frozen": frozen})
     log(f"{len(frozen['modules'])} frozen entries (from {len(derived['plan']['modules'])})")

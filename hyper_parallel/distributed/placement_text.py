@@ -70,7 +70,10 @@ def normalize_named_placement(named: object, *, where: str = "placement") -> dic
         if axis not in MESH_AXES:
             raise PlacementTextError(
                 f"{where}: unknown mesh axis {axis!r}; expected one of {', '.join(MESH_AXES)}")
-        out[axis] = parse_placement_text(named[axis]).text()
+        try:
+            out[axis] = parse_placement_text(named[axis]).text()
+        except PlacementTextError as exc:
+            raise PlacementTextError(f"{where}.{axis}: {exc}") from None
     return out
 
 

@@ -52,7 +52,8 @@ def frozen_tp2_plan() -> dict:
     result = ShardingPlanner(model, dims=dims, mesh=mesh).plan()
     return freeze_plan({"format": 1, "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes)},
                         "applied_axes": list(result.applied_axes), "recorded_axes": dict(result.recorded_axes),
-                        "modules": plan_modules_to_json(result.modules, result.roles)})
+                        "modules": plan_modules_to_json(result.modules, result.roles)},
+                       [name for name, _ in model.named_modules()])
 
 
 def _free_port() -> int:

@@ -32,7 +32,7 @@ def save_random_hf_weights(config_dir: Path, path: Path, seed: int = 1234) -> Pa
     return path
 
 
-def run_cases(cases: list[dict], out: Path, timeout: int = 600) -> dict[str, dict]:
+def run_cases(cases: list[dict], out: Path, timeout: int = 300) -> dict[str, list[dict]]:
     """Run every case in one torchrun (world 2); returns ``{name: [rank0 result, rank1 result]}``."""
     cases_file = out / "cases.json"
     cases_file.write_text(json.dumps(cases, indent=1))

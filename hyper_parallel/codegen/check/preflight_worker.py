@@ -72,13 +72,15 @@ def _check_rank(config_path: str, rank: int, dist) -> dict:
     global_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     module.hyper_parallelize(model, MeshContext(device_mesh=mesh, dims=dims))
     plan = module.HYPER_PARALLEL_PLAN
-    coords = list(mesh.get_coordinate())
     checked = 0
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         key, entry = plan_entry_for(owner, plan["modules"])
+        # Each parameter lives on its own (sub-)mesh: the tp mesh, or the expert mesh for ep.
+        param_mesh = getattr(param, "device_mesh", mesh)
         expected = local_shard_shape(global_shapes[name], entry["state_shardings"][leaf],
-                                     list(mesh.mesh_dim_names), list(mesh.mesh.shape), coords)
+                                     list(param_mesh.mesh_dim_names), list(param_mesh.mesh.shape),
+                                     list(param_mesh.get_coordinate()))
         local = param.to_local() if hasattr(param, "to_local") else param
         if tuple(local.shape) != tuple(expected):
             raise PreflightError(f"{name}: local shard shape {tuple(local.shape)} on rank {rank}, "

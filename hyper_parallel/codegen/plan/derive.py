@@ -61,6 +61,7 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
                                    active_axes=dims.active_axes(sequence_parallel=p.sequence_parallel))
     return {
         "model_class": type(model).__name__,
+        "module_names": [name for name, _ in model.named_modules()],
         "plan": {
             "format": 1,
             "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes)},

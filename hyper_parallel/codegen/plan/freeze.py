@@ -2,10 +2,13 @@
 
 ``model.layers.0.self_attn.q_proj`` … ``model.layers.47.self_attn.q_proj`` with equal
 entries become one ``model.layers.*.self_attn.q_proj`` entry, so the frozen plan has
-as many entries for 94 layers as for 48. Entries that differ between layers (dense
-vs MoE layers, say) keep their exact names.
+as many entries for 94 layers as for 48. A pattern is only used when, matched the way
+the applier matches (fnmatch over every module name of the model), it selects exactly
+the modules it replaces; entries that differ between layers (dense vs MoE layers, an
+entry for layer 0 only) keep their exact names.
 """
 
+import fnmatch
 import re
 from typing import Any
 
@@ -20,7 +23,8 @@ class FreezeError(ValueError):
     """A derived plan that cannot be frozen; names the module and field."""
 
 
-def freeze_plan(plan: dict[str, Any]) -> dict[str, Any]:
+def freeze_plan(plan: dict[str, Any], module_names: list[str]) -> dict[str, Any]:
+    """``module_names``: every module FQN of the planned model (what a pattern could hit)."""
     modules = {fqn: _normalize_entry(fqn, entry) for fqn, entry in plan["modules"].items()}
     if not modules:
         raise FreezeError("the derived plan has no module entries; nothing would be parallelized")
@@ -29,22 +33,27 @@ def freeze_plan(plan: dict[str, Any]) -> dict[str, Any]:
         "mesh": plan["mesh"],
         "applied_axes": list(plan["applied_axes"]),
         "recorded_axes": dict(sorted(plan["recorded_axes"].items())),
-        "modules": compress_by_pattern(modules),
+        "modules": compress_by_pattern(modules, module_names),
     }
 
 
-def compress_by_pattern(modules: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def compress_by_pattern(modules: dict[str, dict[str, Any]], module_names: list[str]) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[str]] = {}
     for fqn in modules:
         groups.setdefault(_LAYER_INDEX.sub(".*", fqn), []).append(fqn)
     out: dict[str, dict[str, Any]] = {}
     for pattern, members in groups.items():
         first = modules[members[0]]
-        if all(modules[m] == first for m in members[1:]):
+        same = all(modules[m] == first for m in members[1:])
+        if pattern != members[0] and same and _selects_exactly(pattern, members, module_names):
             out[pattern] = first
         else:
             out.update((m, modules[m]) for m in members)
     return out
+
+
+def _selects_exactly(pattern: str, members: list[str], module_names: list[str]) -> bool:
+    return set(fnmatch.filter(module_names, pattern)) == set(members)
 
 
 def _normalize_entry(fqn: str, entry: dict[str, Any]) -> dict[str, Any]:
