@@ -49,10 +49,19 @@ def _reference_losses(recipe_path) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("world", [2])
-def test_gen_backend_training_matches_single_process_hf(project, tmp_path, world):
+LAYOUTS = {
+    "tp2": {"nproc_per_node": 2, "tp_size": 2},
+    "tp2_cp2_ep2_sp_lp": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
+                          "sequence_parallel": True, "loss_parallel": True},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layout):
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
+    data["accelerator"].update(LAYOUTS[layout])
+    world = LAYOUTS[layout]["nproc_per_node"]
     data["training"].update(steps=STEPS, global_batch_size=4, micro_batch_size=2, seq_len=12)
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     _save_weights(recipe.parent / data["model"]["pretrained_model_name_or_path"])
