@@ -34,6 +34,24 @@ def merge_plan_overrides(modules: Mapping[str, ShardingConfig], overrides: Itera
     """Return a new plan; ``active_axes`` (e.g. ``dims.active_axes(sequence_parallel=...)``)
     is needed only when some entry has ``when``."""
     merged = {fqn: copy.deepcopy(config) for fqn, config in modules.items()}
+    for entry, where, hits in _placing_entries(overrides, model, active_axes):
+        for fqn in hits:
+            module = model.get_submodule(fqn)
+            if fqn in merged:
+                _merge_into(merged[fqn], entry, module, where, fqn)
+            else:
+                merged[fqn] = _fully_specified(entry, module, where, fqn)
+    return merged
+
+
+def overridden_modules(overrides: Iterable[Mapping], model: nn.Module, *,
+                       active_axes: Iterable[str] | None = None) -> frozenset[str]:
+    """FQNs that some active entry places (so the planner need not classify them itself)."""
+    return frozenset(fqn for _, _, hits in _placing_entries(overrides, model, active_axes) for fqn in hits)
+
+
+def _placing_entries(overrides, model: nn.Module, active_axes):
+    """``(entry, where, hit FQNs)`` for each active entry that sets placements, checked."""
     active = None if active_axes is None else frozenset(active_axes)
     for index, entry in enumerate(overrides or ()):
         where = f"plan_overrides[{index}]"
@@ -42,13 +60,7 @@ def merge_plan_overrides(modules: Mapping[str, ShardingConfig], overrides: Itera
             continue
         if not any(key in entry for key in _PLACEMENT_KEYS):
             continue  # replace_module only: the structure changes, the plan is derived from it
-        for fqn in _matching_modules(model, entry, where):
-            module = model.get_submodule(fqn)
-            if fqn in merged:
-                _merge_into(merged[fqn], entry, module, where, fqn)
-            else:
-                merged[fqn] = _fully_specified(entry, module, where, fqn)
-    return merged
+        yield entry, where, _matching_modules(model, entry, where)
 
 
 def _check_keys(entry, where: str) -> None:

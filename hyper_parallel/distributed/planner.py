@@ -9,16 +9,21 @@ On top of the TP roles, ``sequence_layout`` applies sequence parallel, context
 parallel and loss parallel, and ``expert_layout`` expert parallel. Forms the plan does
 not apply (pp: the runtime's stage splitting; dp: the trainer's FSDP2) are listed in
 ``recorded_axes`` with the reason.
+
+Given the recipe's ``plan_overrides``, the planner merges them after the layouts and
+before the lints, so the lints see the plan as applied; a module it cannot classify
+is then no error if an override places it (the override is its whole entry).
 """
 
 import fnmatch
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility, lint_plan
-from hyper_parallel.distributed.plan_overrides import merge_plan_overrides
+from hyper_parallel.distributed.plan_overrides import merge_plan_overrides, overridden_modules
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.roles import (
     COLWISE_NAMES,
@@ -59,8 +64,10 @@ class PlanResult:
 
 class ShardingPlanner:
     def __init__(self, model: nn.Module, *, dims: ParallelDims, mesh: OfflineMesh,
-                 sequence_parallel: bool = False, loss_parallel: bool = False, hints: dict | None = None):
+                 sequence_parallel: bool = False, loss_parallel: bool = False, hints: dict | None = None,
+                 overrides: Iterable[Mapping] | None = None):
         self.model = model
+        self.overrides = list(overrides or ())
         self.dims = dims
         self.mesh = mesh
         self.sequence_parallel = sequence_parallel
@@ -74,17 +81,27 @@ class ShardingPlanner:
                             f"tp_size={self.dims.tp}")
         config = getattr(self.model, "config", None)
         lint_config_divisibility(config, self.dims)
+        active_axes = self.dims.active_axes(sequence_parallel=self.sequence_parallel)
+        overridden = overridden_modules(self.overrides, self.model, active_axes=active_axes)
         modules: dict[str, ShardingConfig] = {}
         roles: dict[str, str] = {}
         for fqn, module in self.model.named_modules():
             if not any(True for _ in module.parameters(recurse=False)):
                 continue
-            role = self._role(fqn, module)
-            roles[fqn] = role
-            modules[fqn] = ROLE_BUILDERS[role](module, self._param_hints(fqn, module))
+            try:
+                role = self._role(fqn, module)
+                config = ROLE_BUILDERS[role](module, self._param_hints(fqn, module))
+            except PlanError:
+                if fqn in overridden:
+                    continue  # the recipe places it; merge_plan_overrides checks the entry is complete
+                raise
+            roles[fqn], modules[fqn] = role, config
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel)
         apply_expert_layout(modules, roles, ep=self.dims.ep)
+        if self.overrides:
+            modules = merge_plan_overrides(modules, self.overrides, self.model, active_axes=active_axes)
+            roles.update({fqn: "override" for fqn in modules if fqn not in roles})
         lint_plan(self.model, modules, self.mesh)
         return PlanResult(modules=modules, applied_axes=self._applied_axes(), recorded_axes=self._recorded_axes(),
                           roles=roles)
@@ -174,10 +191,13 @@ class ShardingPlanner:
 
 
 def _unclassified_message(fqn: str, module: nn.Module) -> str:
-    params = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False))
+    named = list(module.named_parameters(recurse=False))
+    params = ", ".join(f"{n} {list(p.shape)}" for n, p in named)
+    example = ", ".join(f"{n}: {{tp: replicate}}" for n, _ in named)
     return (f"cannot classify module {fqn} ({type(module).__name__}; parameters {params}): no tensor-parallel "
-            "role from its type, its name or the model's TP plan; give it a fully specified plan_overrides "
-            "entry or a planner hint")
+            "role from its type, its name or the model's TP plan. A recipe plan_overrides entry can specify "
+            f"it, with params for every parameter, e.g. {{match: {fqn}, params: {{{example}}}}}, "
+            "or give the planner a hint")
 
 
 def _lookup(hints: dict[str, str], name: str) -> str | None:

@@ -21,7 +21,11 @@ sequence dim (``R`` below) and only the blocks that need more see more:
 
 Inside a block the TP roles stay as they are, except that the block's last
 projections (rowwise, experts) hand on their partial sums and the block's output
-boundary reduces them. Inside an MLP block, the cp split of the tokens is written on
+boundary reduces them (one reduce-scatter instead of an all-reduce each). Not so in an
+MoE block whose own code multiplies an expert output with a replicated gate other than
+the router (Qwen2-MoE's ``sigmoid(shared_expert_gate(x)) * shared_out``): on a partial
+``shared_out`` the gate's gradient would be a partial sum that nothing reduces, so there
+the last projections reduce to replicate and the block's output is a slice. Inside an MLP block, the cp split of the tokens is written on
 every entry so that replicated weights get their gradients summed over cp.
 
 Attention under CP gathers its input hidden states over cp and computes on the whole
@@ -117,19 +121,43 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
 
 
 def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
-    moe = any(roles.get(inner) == "packed_experts" for inner in _inner_entries(fqn, block, modules))
+    inner_entries = _inner_entries(fqn, block, modules)
+    moe = any(roles.get(inner) == "packed_experts" for inner in inner_entries)
     token_dim = 0 if moe else 1  # MoE blocks flatten [batch, seq, hidden] to [tokens, hidden]
     tokens = {CP: Shard(1)} if cp else {}
+    # Partial sums may cross the block's plain code only if that code is linear in them.
+    hand_on_partial = not (moe and _plain_code_gates(fqn, block, roles))
+    block_out = Partial() if hand_on_partial else Replicate()
     modules[fqn] = ShardingConfig(in_src=(residual,), in_dst=({**tokens, TP: Replicate()},),
-                                  out_src=({**tokens, TP: Partial()},), out_dst=(dict(residual),),
+                                  out_src=({**tokens, TP: block_out},), out_dst=(dict(residual),),
                                   local_map=True)
     roles[fqn] = "moe_block" if moe else "mlp_block"
-    for inner in _inner_entries(fqn, block, modules):
+    for inner in inner_entries:
         config = modules[inner]
-        if roles[inner] in _PARTIAL_OUTPUT_ROLES:
+        if roles[inner] in _PARTIAL_OUTPUT_ROLES and hand_on_partial:
             config.out_dst = config.out_src
         if cp:
             _add_token_split(config, Shard(token_dim))
+
+
+def _plain_code_gates(fqn: str, block: nn.Module, roles: dict[str, str]) -> list[str]:
+    """Replicated gates other than the router inside an MoE block (Qwen2-MoE's
+    ``shared_expert_gate``): the block's own code multiplies their output with an expert
+    output (``sigmoid(gate(x)) * shared_out``), outside any hook. Were that output a
+    partial sum over tp, the gate's gradient (and the input gradient through it) would be
+    a partial sum that nothing reduces. The router is the replicated module whose weight
+    has one row per expert; its output goes into the experts module, whose hooks handle it."""
+    experts = [module for name, module in block.named_modules()
+               if name and roles.get(f"{fqn}.{name}") == "packed_experts"]
+    expert_counts = {p.shape[0] for module in experts for p in module.parameters(recurse=False) if p.dim() == 3}
+    gates = []
+    for name, module in block.named_modules():
+        if not name or roles.get(f"{fqn}.{name}") != "replicate":
+            continue
+        weights = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+        if weights and not all(w.shape[0] in expert_counts for w in weights):
+            gates.append(f"{fqn}.{name}")
+    return gates
 
 
 def _inner_entries(fqn: str, block: nn.Module, modules) -> list[str]:

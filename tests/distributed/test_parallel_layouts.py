@@ -2,6 +2,7 @@
 needed: the plan is data), and the expert mesh's rank layout."""
 
 import pytest
+import transformers
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -9,6 +10,7 @@ from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh, ex
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
 from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
 from tests.distributed.conftest import build_meta_model
+from tests.families.family_cases import FAMILY_CONFIGS
 
 LAYER = "model.layers.1"
 
@@ -42,6 +44,21 @@ def test_sequence_parallel_shards_the_residual_stream_and_gathers_around_blocks(
     lm_head = modules["lm_head"]
     assert (lm_head.in_src, lm_head.in_dst, lm_head.out_dst) == ((seq,), ({"tp": Replicate()},),
                                                                  ({"tp": Replicate()},))
+
+
+def test_sequence_parallel_reduces_inside_an_moe_block_with_a_gated_shared_expert():
+    # Qwen2-MoE computes sigmoid(shared_expert_gate(x)) * shared_out in its own code: a partial
+    # shared_out would leave the gate's gradient a partial sum, so the block reduces inside.
+    config = transformers.AutoConfig.from_pretrained(FAMILY_CONFIGS / "qwen2_moe")
+    modules = plan_for(build_meta_model(config), tp=2, sp=True).modules
+    seq, replicated = {"tp": Shard(1)}, ({"tp": Replicate()},)
+    block = modules[f"{LAYER}.mlp"]
+    assert (block.out_src, block.out_dst) == (replicated, (seq,))  # a slice, no reduce-scatter
+    assert modules[f"{LAYER}.mlp.experts"].out_dst == replicated
+    assert modules[f"{LAYER}.mlp.shared_expert.down_proj"].out_dst == replicated
+    assert modules[f"{LAYER}.mlp.shared_expert_gate"].state_shardings == {"weight": {"tp": Replicate()}}
+    # the attention block in the same layer keeps its reduce-scatter
+    assert modules[f"{LAYER}.self_attn"].out_src == ({"tp": Partial()}, None)
 
 
 def test_loss_parallel_leaves_logits_vocab_sharded(meta_model):

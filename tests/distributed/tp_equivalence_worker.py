@@ -21,6 +21,7 @@ import transformers
 from safetensors.torch import load_file
 
 from hyper_parallel.distributed.applier import apply_sharding_plan
+from hyper_parallel.distributed.fsdp import fully_shard_over_dp
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
 from hyper_parallel.distributed.placement_text import local_shard_shape
 from hyper_parallel.distributed.placements import named_from_placements
@@ -74,15 +75,6 @@ class DataParallelLoss:
         value = loss.detach().clone()
         dist.all_reduce(value, group=self.group)
         return value.item()
-
-
-def fully_shard_over_dp(model, dp_mesh) -> None:
-    """FSDP2 as a trainer applies it: each decoder layer, then the root, over the dp mesh."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
 
 
 def meta_shape_mismatches(config, plan, mesh_context) -> list[str]:

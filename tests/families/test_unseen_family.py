@@ -17,8 +17,8 @@ CONFIG_DIR = FAMILY_CONFIGS / UNSEEN_FAMILY
 DIMS = ParallelDims(tp=2)
 
 
-def _plan(model):
-    return ShardingPlanner(model, dims=DIMS, mesh=build_offline_mesh(DIMS)).plan()
+def _plan(model, overrides=None):
+    return ShardingPlanner(model, dims=DIMS, mesh=build_offline_mesh(DIMS), overrides=overrides).plan()
 
 
 def _meta(builder, config_dir=CONFIG_DIR):
@@ -60,6 +60,36 @@ def test_unclassifiable_module_fails_naming_it():
     message = str(err.value)
     assert "cannot classify module layers.1.attn.mixer" in message, message
     assert "MixingProjection" in message and "mixer [64, 64]" in message, message
+    assert "plan_overrides entry can specify it" in message, message
+    assert "{match: layers.1.attn.mixer, params: {mixer: {tp: replicate}}}" in message, message
+
+
+def test_recipe_override_places_an_unclassifiable_module():
+    override = {"match": "layers.*.attn.mixer", "params": {"mixer": {"tp": "replicate"}}}
+    result = _plan(_meta(build_with_unclassifiable), [override])
+    plan = plan_modules_to_json(result.modules, result.roles)
+    assert plan["layers.1.attn.mixer"] == {"role": "override", "state_shardings": {"mixer": {"tp": "replicate"}},
+                                           "in_src": None, "in_dst": None, "out_src": None, "out_dst": None,
+                                           "local_map": False}, plan["layers.1.attn.mixer"]
+    # the rest is derived as without the module
+    assert result.roles["layers.1.attn.qkv_proj"] == "fused_qkv"
+
+
+def test_incomplete_override_of_an_unclassifiable_module_names_what_is_missing():
+    model = _meta(build_with_unclassifiable)
+    model.layers[1].attn.mixer.scale = torch.nn.Parameter(torch.ones(64, 64))
+    override = {"match": "layers.1.attn.mixer", "params": {"mixer": {"tp": "replicate"}}}
+    with pytest.raises(PlanError) as err:
+        _plan(model, [override])
+    message = str(err.value)
+    assert "plan_overrides[0]: module 'layers.1.attn.mixer' has no derived plan entry" in message, message
+    assert "'params' lacks ['scale']" in message, message
+
+
+def test_inactive_override_does_not_cover_an_unclassifiable_module():
+    override = {"match": "layers.*.attn.mixer", "when": "cp", "params": {"mixer": {"tp": "replicate"}}}
+    with pytest.raises(PlanError, match="cannot classify module layers.1.attn.mixer"):
+        _plan(_meta(build_with_unclassifiable), [override])
 
 
 def test_fused_qkv_with_unequal_parts_fails_naming_it(tmp_path):

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from hyper_parallel.codegen.check.preflight import preflight_integrity_check
+from hyper_parallel.codegen.hash import implementation_sha256
 from hyper_parallel.codegen.manager import load_spec
 from hyper_parallel.codegen.spec.project import signature_from_spec
 from tests.pipeline.pipeline_helpers import BUNDLE, ENV, generated_tiny_project
@@ -52,6 +53,9 @@ def _assert_both_succeeded(results: list[subprocess.CompletedProcess]) -> None:
 
 
 def _assert_one_clean_valid_bundle(project: Path) -> None:
+    # The implementation hash is cached per process; recompute it, as the generating
+    # subprocesses did, in case the package's sources changed since this process cached it.
+    implementation_sha256.cache_clear()
     spec = load_spec(project / TINY_RECIPE, project / "generated")
     report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec))
     assert report["plan_entries"] > 0

@@ -51,6 +51,7 @@ def _reference_losses(recipe_path) -> list[float]:
 
 LAYOUTS = {
     "tp2": {"nproc_per_node": 2, "tp_size": 2},
+    "dp2_fsdp2": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1},
     "tp2_cp2_ep2_sp_lp": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
                           "sequence_parallel": True, "loss_parallel": True},
 }

@@ -172,17 +172,18 @@ def _check_plan_covers(model: nn.Module, module: Any, artifact_dir: Path) -> Non
 
 def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
                                mesh_context: MeshContext | None) -> nn.Module:
-    """The runtime's part after tensor parallel (DESIGN §9).
-
-    TODO(trainer): FSDP2 ``fully_shard`` over the dp axis, activation checkpointing and
-    ``torch.compile``. Until then a recipe that asks for them is told they are not applied."""
+    """The runtime's part after the plan (DESIGN §9): activation checkpointing, FSDP2
+    ``fully_shard`` over dp, then ``torch.compile`` — each only when the recipe asks."""
     training = config.training
-    pending = [name for name, wanted in (
-        ("activation_checkpointing", training.activation_checkpointing),
-        ("compile", training.compile),
-        ("FSDP2 over dp_size > 1", mesh_context is not None and config.accelerator.dp_size > 1),
-    ) if wanted]
-    if pending:
-        warnings.warn(f"{config._yaml_path or '<recipe>'}: not applied yet by HyperAutoModel: "
-                      f"{', '.join(pending)} (the trainer owns them; TODO)", UserWarning, stacklevel=3)
+    if training.activation_checkpointing:
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise mb.ModelBuildError(f"{config._yaml_path or '<recipe>'}: training.activation_checkpointing: "
+                                     f"{type(model).__name__} does not support gradient checkpointing")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mesh_context is not None and config.accelerator.dp_size > 1:
+        from hyper_parallel.distributed.fsdp import fully_shard_over_dp
+
+        fully_shard_over_dp(model, mesh_context.device_mesh["dp"])
+    if training.compile:
+        model.compile()
     return model
