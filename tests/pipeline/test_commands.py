@@ -1,0 +1,35 @@
+"""doit list / clean and the CLI's help and clean: the front doors besides generate."""
+
+import sys
+
+from tests.project_fixtures import TINY_RECIPE, cli, doit, run
+
+STAGES = ["resolve", "derive", "freeze", "emit", "diff", "install", "preflight"]
+
+
+def test_doit_list_shows_every_stage_and_the_entry_points(project):
+    proc = doit(project, "list", forbid_torch=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    listed = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+    assert set(STAGES) | {"generate", "check"} <= listed
+
+
+def test_doit_clean_removes_bundle_and_workspace(project):
+    assert doit(project, "install", f"config={TINY_RECIPE}").returncode == 0
+    bundle, workspace = project / "recipes/tiny_cpu/generated", project / "generated/recipes__tiny_cpu__qwen3_moe_tiny"
+    assert bundle.is_dir() and workspace.is_dir()
+    proc = doit(project, "clean", f"config={TINY_RECIPE}", forbid_torch=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not bundle.exists() and not workspace.exists()
+    assert project.joinpath("recipes", "tiny_cpu", "qwen3_moe_tiny.yaml").is_file()  # the recipe itself stays
+
+
+def test_cli_clean_and_help(project):
+    help_text = run([sys.executable, "-m", "hyper_parallel.codegen", "--help"], project).stdout
+    for word in ("generate", "check", "clean", "--verbose", "examples:"):
+        assert word in help_text
+    (project / "recipes/tiny_cpu/generated").mkdir()
+    (project / "recipes/tiny_cpu/generated/codegen_meta.json").write_text("{}")
+    proc = cli(project, "clean", "--config", TINY_RECIPE)
+    assert proc.returncode == 0, proc.stderr
+    assert "removed" in proc.stdout and not (project / "recipes/tiny_cpu/generated").exists()
