@@ -106,7 +106,10 @@ def run_resolve(spec: CodegenSpec, log: Log) -> None:
         "model_config_sha256": spec.model_config_sha256,
         "architecture": architectures[0],
     })
-    log(f"source {spec.source.module} sha256 {spec.source.sha256[:12]} "
+    where = f"remote code {spec.source.display_path(spec.model_dir_rel)}" if spec.source.is_remote \
+        else spec.source.module
+    siblings = "".join(f", sibling {name} {sha[:12]}" for name, sha in spec.source.siblings)
+    log(f"source {where} sha256 {spec.source.sha256[:12]}{siblings} "
         f"(transformers {spec.source.transformers_version})")
 
 
@@ -132,19 +135,26 @@ def run_freeze(spec: CodegenSpec, log: Log) -> None:
 
 def run_emit(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.emit.bundle import render_bundle_init
+    from hyper_parallel.codegen.emit.imports import RemoteCode
     from hyper_parallel.codegen.emit.modeling import emit_modeling_source
-    from hyper_parallel.codegen.source.resolver import source_text
+    from hyper_parallel.codegen.source.resolver import sibling_files, source_text
 
     files = StageFiles(spec)
     frozen = read_json(files.frozen)
+    source = spec.source
+    remote = RemoteCode(source.model_type, source.sibling_modules) if source.is_remote else None
     text = emit_modeling_source(
-        source_text=source_text(spec.source), source_module=spec.source.module,
+        source_text=source_text(source, spec.model_dir), source_module=source.module,
         banner=banner_fields(spec, frozen["frozen"]), frozen_plan=frozen["frozen"],
-        replacements=spec.replacements)
+        replacements=spec.replacements, remote=remote)
     outputs = {spec.modeling_file: text.encode(), "__init__.py":
                render_bundle_init(spec, frozen["model_class"]).encode()}
+    # Remote code: the generated file imports its siblings relatively, so the bundle
+    # (a package) carries byte-identical copies of them.
+    outputs.update(sibling_files(source, spec.model_dir))
     _write_staged(spec, "emit", outputs)
-    log(f"{spec.modeling_file}: {len(text.splitlines())} lines")
+    siblings = f" + {len(source.siblings)} sibling(s)" if source.siblings else ""
+    log(f"{spec.modeling_file}: {len(text.splitlines())} lines{siblings}")
 
 
 def run_diff(spec: CodegenSpec, log: Log) -> None:
@@ -152,7 +162,7 @@ def run_diff(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.source.resolver import source_text
 
     generated = (StageFiles(spec).staged / spec.modeling_file).read_text(encoding="utf-8")
-    diff = unified_diff_text(source_text(spec.source), f"transformers/{spec.source.file}",
+    diff = unified_diff_text(source_text(spec.source, spec.model_dir), spec.source.display_path(spec.model_dir_rel),
                              generated, spec.modeling_file)
     _write_staged(spec, "diff", {spec.diff_file: diff.encode()})
     log(f"{spec.diff_file}: {sum(1 for line in diff.splitlines() if line[:1] in '+-')} changed lines")

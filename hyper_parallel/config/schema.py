@@ -70,6 +70,7 @@ class PlanOverride:
     in_dst: Any = None
     out_src: Any = None
     out_dst: Any = None
+    local_map: bool | None = None
 
 
 @dataclass

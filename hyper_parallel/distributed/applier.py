@@ -35,6 +35,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hyper_parallel.distributed.boundary_collectives import (
+    all_reduce_in_backward,
+    all_reduce_in_forward,
+    input_reductions,
+    output_reductions,
+)
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa: F401  (re-exported)
@@ -301,6 +307,13 @@ def _grad_placements(placements, axes, split_axes) -> tuple:
 
 def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes, where: str):
     ndim = value.dim()
+    if local_map and src is not None and not isinstance(value, DTensor):
+        src_placements = _placements(src, axes, ndim)
+        dst_placements = src_placements if dst is None else _placements(dst, axes, ndim)
+        reduce = input_reductions(src_placements, dst_placements,
+                                  _grad_placements(dst_placements, axes, split_axes))
+        if reduce is not None:  # no data moves forward: at most a gradient all-reduce
+            return all_reduce_in_backward(value, _groups(sub_mesh, reduce))
     if not isinstance(value, DTensor):
         if src is None:
             raise PlanApplyError(f"{where} has in_dst {dst} but no in_src, and arrived as a plain tensor")
@@ -310,6 +323,10 @@ def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes,
     if local_map:
         return value.to_local(grad_placements=_grad_placements(value.placements, axes, split_axes))
     return value
+
+
+def _groups(sub_mesh, mesh_dims) -> list:
+    return [sub_mesh.get_group(dim) for dim in mesh_dims if sub_mesh.size(dim) > 1]
 
 
 def _redistribute(value: DTensor, sub_mesh, placements, axes, where: str) -> DTensor:
@@ -352,7 +369,12 @@ def _convert_output(value, src, dst, sub_mesh, axes, where: str):
     if not isinstance(value, DTensor):
         if src is None:
             return value
-        value = DTensor.from_local(value, sub_mesh, _placements(src, axes, ndim), run_check=False)
+        src_placements = _placements(src, axes, ndim)
+        dst_placements = src_placements if dst is None else _placements(dst, axes, ndim)
+        reduce = output_reductions(src_placements, dst_placements)
+        if reduce is not None:  # at most a partial sum reduced: one all-reduce, gradient unchanged
+            return all_reduce_in_forward(value, _groups(sub_mesh, reduce))
+        value = DTensor.from_local(value, sub_mesh, src_placements, run_check=False)
     if dst is not None:
         value = _redistribute(value, sub_mesh, _placements(dst, axes, ndim), axes, where)
     # A partial sum handed on as a local tensor: its gradient is the sum's, on every rank.

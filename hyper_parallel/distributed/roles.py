@@ -16,10 +16,10 @@ arrive (``in_src``), how the module needs them (``in_dst``) and what it hands on
 | projection_norm | replicate                          | shard(-1) -> rep. | replicate -> shard(-1)   |
 | replicate       | replicate                          | unchanged         | unchanged                |
 
-``packed_experts``, ``head_norm``, the fused roles, ``projection_norm`` and
-``replicate`` run as ``local_map``: they compute
-on local tensors, which needs no DTensor support from the ops inside (top-k routing,
-grouped GEMMs, norms).
+Every role but ``vocab_embedding`` (whose out-of-shard ids DTensor masks) and a
+``rowwise`` linear with a bias runs as ``local_map``: it computes on local tensors, which
+needs no DTensor support from the ops inside (top-k routing, grouped GEMMs, norms) and
+costs no DTensor dispatch; the boundary conversions carry the collectives.
 """
 
 from collections.abc import Callable
@@ -53,18 +53,22 @@ def _params(module: nn.Module) -> list[str]:
 
 
 def colwise(module: nn.Module, hints: dict) -> ShardingConfig:
+    # A linear on its weight rows is exact on local tensors (no DTensor dispatch per call).
     return ShardingConfig(
         state_shardings={name: _on_tp(Shard(0)) for name in _params(module)},
         in_src=(_on_tp(Replicate()),), in_dst=(_on_tp(Replicate()),),
-        out_src=(_on_tp(Shard(-1)),), out_dst=(_on_tp(Shard(-1)),))
+        out_src=(_on_tp(Shard(-1)),), out_dst=(_on_tp(Shard(-1)),), local_map=True)
 
 
 def rowwise(module: nn.Module, hints: dict) -> ShardingConfig:
-    states = {name: _on_tp(Shard(1) if name == "weight" else Replicate()) for name in _params(module)}
+    params = _params(module)
+    states = {name: _on_tp(Shard(1) if name == "weight" else Replicate()) for name in params}
+    # Locally each rank would add the replicated bias to its partial sum (tp times in the
+    # sum), so a linear with a bias computes as DTensor, which adds it once.
     return ShardingConfig(
         state_shardings=states,
         in_src=(_on_tp(Shard(-1)),), in_dst=(_on_tp(Shard(-1)),),
-        out_src=(_on_tp(Partial()),), out_dst=(_on_tp(Replicate()),))
+        out_src=(_on_tp(Partial()),), out_dst=(_on_tp(Replicate()),), local_map="bias" not in params)
 
 
 def vocab_embedding(module: nn.Module, hints: dict) -> ShardingConfig:

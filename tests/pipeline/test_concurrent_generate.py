@@ -1,5 +1,5 @@
-"""Two generations of the same recipe started at the same instant in the same project
-both succeed and leave one valid bundle (DESIGN §4: atomic install, sqlite3 doit DB).
+"""Two generations of the same recipe started together in the same project both
+succeed and leave one valid bundle (DESIGN §4: atomic install, sqlite3 doit DB).
 
 Each pair races from a fresh project through every stage: both processes write the
 same workspace files and swap the same bundle in. Stage outputs are written through
@@ -8,7 +8,9 @@ atomic rename/exchange, and doit's sqlite3 DB takes concurrent writers, so neith
 may fail and the result must be the bundle a single run gives.
 
 One round each (the doit pair alone, with its two torchrun preflights and the
-``doit check`` after it, takes over a minute on 2 cores).
+``doit check`` after it, takes over a minute on 2 cores). The bundle signature covers
+the package's own sources, so editing hyper_parallel/ while this runs makes the bundle
+stale and the signature checks fail, as they should.
 """
 
 import os

@@ -4,9 +4,18 @@ The generated file lives outside the transformers package, so ``from ...activati
 import ACT2FN`` must become ``from transformers.activations import ACT2FN``. Only the
 module part of each statement is rewritten; the imported names, their parentheses and
 comments stay as they were.
+
+Remote code (a modeling file shipped in the model folder) imports its siblings
+relatively (``from .configuration_fused import FusedConfig``). The bundle is a package
+holding copies of those siblings, so these imports stay relative; any other relative
+import is resolved as if the file sat in transformers (``transformers/models/<model
+type>/``) and must name a transformers module.
 """
 
+import ast
 import importlib.util
+from collections.abc import Collection
+from dataclasses import dataclass
 
 from hyper_parallel.codegen.astkit import (
     SourceModule,
@@ -15,6 +24,15 @@ from hyper_parallel.codegen.astkit import (
     relative_imports,
     top_level_imports,
 )
+
+
+@dataclass(frozen=True)
+class RemoteCode:
+    """What the emitter needs to know about a remote-code source: its model_type (where
+    it would sit in transformers) and the module names of its siblings."""
+
+    model_type: str
+    siblings: tuple[str, ...] = ()
 
 
 def absolute_import_edits(source: SourceModule, module_name: str) -> list[TextEdit]:
@@ -32,6 +50,47 @@ def absolute_import_edits(source: SourceModule, module_name: str) -> list[TextEd
         start, end = import_from_module_span(source, node)
         edits.append(TextEdit(start, end, absolute, why=f"line {node.lineno}: {relative} -> {absolute}"))
     return edits
+
+
+def remote_import_edits(source: SourceModule, remote: RemoteCode) -> list[TextEdit]:
+    """Edits for a remote modeling file: none for imports of its siblings (module names
+    beside it in the model folder), an absolute transformers path for the others."""
+    anchor = f"transformers.models.{remote.model_type.replace('-', '_')}"
+    siblings = remote.siblings
+    edits = []
+    for node in relative_imports(source.tree):
+        if _imports_siblings(node, siblings):
+            continue
+        relative = "." * node.level + (node.module or "")
+        try:
+            absolute = importlib.util.resolve_name(relative, anchor)
+        except ImportError:
+            absolute = None
+        if absolute is None or not _transformers_module_exists(absolute):
+            raise ValueError(f"{source.name}:{node.lineno}: relative import {relative!r} names neither a "
+                             f"file beside it in the model folder (siblings: {sorted(siblings) or 'none'}) "
+                             f"nor a transformers module (resolved as {absolute!r})")
+        start, end = import_from_module_span(source, node)
+        edits.append(TextEdit(start, end, absolute, why=f"line {node.lineno}: {relative} -> {absolute}"))
+    return edits
+
+
+def _imports_siblings(node: ast.ImportFrom, siblings: Collection[str]) -> bool:
+    """``from .sibling import x`` or ``from . import sibling, other_sibling``."""
+    if node.level != 1:
+        return False
+    if node.module is not None:
+        return node.module.split(".")[0] in siblings
+    return all(alias.name in siblings for alias in node.names)
+
+
+def _transformers_module_exists(name: str) -> bool:
+    if name != "transformers" and not name.startswith("transformers."):
+        return False
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent that is not a package
+        return False
 
 
 def add_imports_edit(source: SourceModule, import_lines: list[str]) -> TextEdit:

@@ -16,7 +16,12 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
 from hyper_parallel.codegen.astkit import SourceModule, apply_text_edits
-from hyper_parallel.codegen.emit.imports import absolute_import_edits, add_imports_edit
+from hyper_parallel.codegen.emit.imports import (
+    RemoteCode,
+    absolute_import_edits,
+    add_imports_edit,
+    remote_import_edits,
+)
 from hyper_parallel.codegen.emit.parallel import check_frozen_plan, render_parallel_section
 from hyper_parallel.codegen.emit.replacement import (
     normalize_replacements,
@@ -35,16 +40,19 @@ _VALUE_COLUMN = len("recorded only:   ")
 
 
 def emit_modeling_source(*, source_text: str, source_module: str, banner: dict[str, Any],
-                         frozen_plan: dict[str, Any], replacements: list[dict[str, Any]]) -> str:
+                         frozen_plan: dict[str, Any], replacements: list[dict[str, Any]],
+                         remote: RemoteCode | None = None) -> str:
     """The generated modeling file for the HF module ``source_module`` (its text is
     ``source_text``). ``banner`` needs :data:`BANNER_KEYS`; ``frozen_plan`` is the
     freeze stage's output; ``replacements`` are ``{match, module_type, exact_type?,
-    target, kwargs, origin?}`` entries. Same inputs give the same bytes."""
+    target, kwargs, origin?}`` entries. ``remote`` is set for remote code from the model
+    folder (``source_module`` is then its module name there, e.g. ``modeling_fused``):
+    imports of its siblings stay relative. Same inputs give the same bytes."""
     check_frozen_plan(frozen_plan)
     entries = normalize_replacements(replacements)
     source = SourceModule.parse(source_text, source_module)
 
-    edits = absolute_import_edits(source, source_module)
+    edits = remote_import_edits(source, remote) if remote else absolute_import_edits(source, source_module)
     edits.append(add_imports_edit(source, [RUNTIME_IMPORT] + ([REPLACEMENTS_IMPORT] if entries else [])))
     if entries:
         edits += replacement_call_edits(source)
@@ -52,7 +60,7 @@ def emit_modeling_source(*, source_text: str, source_module: str, banner: dict[s
     if not body.endswith("\n"):
         body += "\n"
 
-    text = (render_banner(banner, source_module, frozen_plan, has_replacements=bool(entries))
+    text = (render_banner(banner, source_module, frozen_plan, has_replacements=bool(entries), remote=remote)
             + body + render_tail(source_module, entries, frozen_plan))
     try:
         compile(text, f"<generated from {source_module}>", "exec")
@@ -76,11 +84,19 @@ def render_tail(source_module: str, entries: list[dict[str, Any]], plan: dict[st
 
 
 def render_banner(banner: dict[str, Any], source_module: str, plan: dict[str, Any], *,
-                  has_replacements: bool) -> str:
+                  has_replacements: bool, remote: RemoteCode | None = None) -> str:
     _check_banner(banner)
     dims = " ".join(f"{key}={value}" for key, value in banner["parallel_dims"].items())
     recorded = "; ".join(f"{axis} ({why})" for axis, why in plan["recorded_axes"].items()) or "none"
-    edits = ["relative imports made absolute; hyper_parallel runtime import added"]
+    if remote is None:
+        edits = ["relative imports made absolute; hyper_parallel runtime import added"]
+        origin = []
+    else:
+        edits = ["imports of siblings kept relative (the siblings are copied into this folder)",
+                 "other relative imports made absolute; hyper_parallel runtime import added"]
+        siblings = ", ".join(f"{name}.py" for name in remote.siblings) or "none"
+        origin = [f"source origin:   remote code ({source_module}.py in the model folder)",
+                  f"siblings:        {siblings} (copied into this folder unchanged)"]
     if has_replacements:
         edits.append("replace_module entries applied before self.post_init() (HYPER_REPLACEMENTS)")
     edits.append("HYPER_PARALLEL_PLAN and hyper_parallelize() appended")
@@ -91,13 +107,14 @@ def render_banner(banner: dict[str, Any], source_module: str, plan: dict[str, An
         f"recipe:          {banner['recipe']} (relative to this folder)",
         f"signature:       {banner['signature']}",
         f"source module:   {source_module}",
+        *origin,
         f"source sha256:   {banner['source_sha256']}",
         f"transformers:    {banner['transformers_version']}",
         f"parallel dims:   {dims}",
         f"applied axes:    {', '.join(plan['applied_axes']) or 'none'}",
         f"recorded only:   {recorded}",
         f"runtime owns:    {', '.join(RUNTIME_OWNS)}",
-        "edits to the HF source:",
+        "edits to the HF source:" if remote is None else "edits to the remote source:",
         *(f"  - {edit}" for edit in edits),
     ]
     wrapped = [part for line in lines for part in _wrap(line)]

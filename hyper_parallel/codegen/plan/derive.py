@@ -12,15 +12,31 @@ class DeriveError(ValueError):
     """The model cannot be built or planned; names the recipe key or module."""
 
 
-def build_hf_config(spec: CodegenSpec):
+def trusts_remote_code(spec: CodegenSpec) -> bool:
+    """Remote code is the source codegen was pointed at (``auto_map`` in the model
+    folder's config.json): the planner must see the model that code builds. It is read
+    from the local folder only (``resolve`` refuses code in other repositories)."""
+    return spec.source.is_remote
+
+
+def build_hf_config(spec: CodegenSpec, config_class: type | None = None):
+    """The model folder's config with ``model.config_overrides``. ``config_class`` (a
+    bundle's copy of a remote-code config class) reads config.json without running the
+    model folder's code; by default the HF auto class picks the class."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(spec.model_dir))
+    if config_class is not None:
+        config = config_class.from_pretrained(str(spec.model_dir))
+    else:
+        config = AutoConfig.from_pretrained(str(spec.model_dir), trust_remote_code=trusts_remote_code(spec))
     for key, value in spec.config_overrides.items():
         if not hasattr(config, key):
             raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: "
                               f"{type(config).__name__} has no attribute {key!r}")
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)
+        except (TypeError, ValueError) as exc:  # transformers' strict configs validate on set
+            raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: {exc}") from None
     return config
 
 
@@ -28,17 +44,21 @@ def build_meta_model(spec: CodegenSpec, model_class: type | None = None):
     """The model on the meta device (no weights), replacements applied, as training sees it.
 
     ``model_class`` defaults to the HF auto class; preflight passes the generated class
-    (whose ``__init__`` applies the replacements itself)."""
+    (whose ``__init__`` applies the replacements itself). For remote code, a generated
+    class brings its config class along (the bundle's copy of the sibling), so the
+    bundle builds without the model folder's code being imported."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from hyper_parallel.codegen.runtime import hyper_apply_replacements
 
-    config = build_hf_config(spec)
+    bundle_config_class = model_class.config_class if model_class is not None and spec.source.is_remote else None
+    config = build_hf_config(spec, bundle_config_class)
     config._attn_implementation = spec.attn_implementation
     with torch.device("meta"):
         if model_class is None:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn_implementation)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn_implementation,
+                                                     trust_remote_code=trusts_remote_code(spec))
             hyper_apply_replacements(model, spec.replacements)
         else:
             model = model_class(config)
@@ -48,6 +68,7 @@ def build_meta_model(spec: CodegenSpec, model_class: type | None = None):
 def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
     from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
     from hyper_parallel.distributed.plan_format import plan_modules_to_json
+    from hyper_parallel.distributed.plan_lint import lint_plan
     from hyper_parallel.distributed.planner import ShardingPlanner, merge_plan_overrides
 
     model, _ = build_meta_model(spec)
@@ -59,6 +80,7 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
                              loss_parallel=p.loss_parallel).plan()
     modules = merge_plan_overrides(result.modules, placement_overrides(spec), model,
                                    active_axes=dims.active_axes(sequence_parallel=p.sequence_parallel))
+    lint_plan(model, modules, mesh)  # the recipe's overrides pass the same lints as the derived plan
     return {
         "model_class": type(model).__name__,
         "module_names": [name for name, _ in model.named_modules()],

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.hash import implementation_sha256, sha256_bytes, sha256_file, sha256_json
-from hyper_parallel.codegen.source.resolver import read_model_config, resolve_model_source
+from hyper_parallel.codegen.source.resolver import ModelSource, SourceError, read_model_config, resolve_source
 from hyper_parallel.codegen.spec.types import (
     BUNDLE_IMPLEMENTATION,
     STAGE_IMPLEMENTATION,
@@ -55,6 +55,9 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     artifact_dir = (yaml_dir / (config.model.codegen_artifact_dir or "generated")).resolve()
     root = Path(workspace_root) if workspace_root else Path.cwd() / DEFAULT_WORKSPACE
     rid = recipe_id(recipe_path, root.parent)
+    source = resolve_source(model_dir, model_config)
+    modeling_file = modeling_file_name(model_config["model_type"], acc.device_type)
+    _check_sibling_names(source, modeling_file, model_dir)
     return CodegenSpec(
         recipe_path=recipe_path,
         recipe_rel=os.path.relpath(recipe_path, artifact_dir).replace(os.sep, "/"),
@@ -65,15 +68,23 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
         config_overrides=dict(config.model.config_overrides),
         torch_dtype=config.model.torch_dtype,
         attn_implementation=config.model.attn_implementation,
-        source=resolve_model_source(model_config["model_type"]),
+        source=source,
         parallel=parallel,
         plan_overrides=tuple(_normalize_override(o, i, where) for i, o in enumerate(config.plan_overrides)),
         artifact_dir=artifact_dir,
         artifact_dir_rel=os.path.relpath(artifact_dir, yaml_dir).replace(os.sep, "/"),
-        modeling_file=modeling_file_name(model_config["model_type"], acc.device_type),
+        modeling_file=modeling_file,
         workspace=root / rid,
         recipe_id=rid,
     )
+
+
+def _check_sibling_names(source: ModelSource, modeling_file: str, model_dir: Path) -> None:
+    """Siblings are copied into the bundle next to the generated file: names must not clash."""
+    for name, _ in source.siblings:
+        if name == modeling_file:
+            raise SourceError(f"{model_dir / name}: a remote-code sibling has the generated modeling file's "
+                              f"name {modeling_file!r}; rename it (the bundle holds both)")
 
 
 def check_launch_world_size(config: TrainerConfig) -> None:
@@ -103,6 +114,7 @@ def _normalize_override(entry: PlanOverride, index: int, where: str) -> dict[str
         }
         for io in ("in_src", "in_dst", "out_src", "out_dst"):
             out[io] = _normalize_io(getattr(entry, io), f"{key}.{io}")
+        out["local_map"] = entry.local_map
     except PlacementTextError as exc:
         raise RecipeError(f"{where}: {exc}") from None
     return out
