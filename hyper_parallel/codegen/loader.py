@@ -2,7 +2,9 @@
 
 The package name is stable per artifact directory (a hash of its absolute path), so
 two bundles never collide in ``sys.modules`` and re-importing the same bundle reuses
-the module. A failed import leaves nothing behind in ``sys.modules``.
+the module. A failed import leaves nothing behind in ``sys.modules``. Remote-code
+siblings copied into the bundle are submodules of that package, so the generated
+file's ``from .configuration_x import ...`` finds the bundle's copy.
 """
 
 import hashlib

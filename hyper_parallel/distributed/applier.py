@@ -14,7 +14,11 @@ For each planned module:
   sharded on it), what is replicated on that axis gets a ``Partial`` gradient, so
   DTensor sums it across ranks.
 - a parameter whose gradient arrives ``Partial`` (replicated weight, split work) is
-  reduced after accumulation, so ``param.grad`` always has the parameter's placements.
+  reduced when backward ends (``partial_grads``: one all-reduce for all of them), so
+  after ``backward()`` ``param.grad`` has the parameter's placements.
+- conversions that move no data forward (a replicated input to split work, a partial
+  sum reduced on output) take ``boundary_collectives``: one autograd node and one
+  collective, the same gradient semantics as DTensor's from_local/to_local.
 - an output handed on as a local *partial* sum gets the sum's gradient on every rank.
 - a redistribution that splits a dim checks that it divides evenly (e.g. the sequence
   length by cp*tp) and names the module, the dim and the sizes when it does not.
@@ -36,13 +40,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.distributed.boundary_collectives import (
-    all_reduce_in_backward,
+    SharedInputReductions,
     all_reduce_in_forward,
     input_reductions,
     output_reductions,
 )
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
+from hyper_parallel.distributed.partial_grads import reduce_partial_grad
 from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa: F401  (re-exported)
 from hyper_parallel.distributed.placements import as_placement
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
@@ -63,6 +68,9 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
         raise PlanApplyError("apply_sharding_plan needs a DeviceMesh with mesh_dim_names")
     sub_meshes: dict[tuple[str, ...], object] = {}
     sharded: dict[int, nn.Parameter] = {}  # id(original parameter) -> DTensor parameter (tied weights)
+    shared = SharedInputReductions()
+    model.register_forward_pre_hook(shared.clear)
+    model.register_forward_hook(shared.clear, always_call=True)
     for fqn, config in _resolve_targets(model, modules).items():
         owner = _expert_mesh(mesh, fqn) if _names_ep(config) else device_mesh
         owner_axes = tuple(owner.mesh_dim_names)
@@ -74,7 +82,7 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
             sub_meshes[key] = owner[axes[0]] if len(axes) == 1 else owner[axes]
         module = model.get_submodule(fqn)
         _shard_states(module, fqn, config, sub_meshes[key], axes, sharded)
-        _install_hooks(module, fqn, config, sub_meshes[key], axes)
+        _install_hooks(module, fqn, config, sub_meshes[key], axes, shared)
         if _shards_states_on(config, EP_AXIS):
             install_expert_dispatch(module, fqn, owner.get_group(EP_AXIS), owner.size(owner_axes.index(EP_AXIS)))
         if module is _output_embeddings(model):
@@ -204,7 +212,7 @@ def _to_dtensor_parameter(param: nn.Parameter, placements, sub_mesh) -> nn.Param
                                  shape=param.shape, stride=param.stride())
     new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     if new_param.requires_grad:
-        new_param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+        new_param.register_post_accumulate_grad_hook(reduce_partial_grad)
     return new_param
 
 
@@ -226,16 +234,11 @@ def _chunk(tensor: torch.Tensor, dim: int, pieces: int, index: int) -> torch.Ten
     return tensor.narrow(dim, 0, 0)  # torch.chunk gave fewer pieces: this rank's shard is empty
 
 
-def _reduce_partial_grad(param: torch.Tensor) -> None:
-    grad = param.grad
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
 # --- forward hooks ---------------------------------------------------------------------------
 
 
-def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes) -> None:
+def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes,
+                   shared: SharedInputReductions) -> None:
     in_pairs = _pairs(config.in_src, config.in_dst)
     out_pairs = _pairs(config.out_src, config.out_dst)
     arg_names = _positional_names(module)
@@ -252,7 +255,7 @@ def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh
             value = where[key]
             if isinstance(value, torch.Tensor):
                 where[key] = _convert_input(value, src, dst, sub_mesh, axes, config.local_map, split_axes,
-                                            f"{fqn or '<root>'} input {index}")
+                                            f"{fqn or '<root>'} input {index}", shared)
         return tuple(args), kwargs
 
     def post_hook(mod, args, kwargs, output):
@@ -305,7 +308,8 @@ def _grad_placements(placements, axes, split_axes) -> tuple:
                  for p, axis in zip(placements, axes))
 
 
-def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes, where: str):
+def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes, where: str,
+                   shared: SharedInputReductions):
     ndim = value.dim()
     if local_map and src is not None and not isinstance(value, DTensor):
         src_placements = _placements(src, axes, ndim)
@@ -313,7 +317,7 @@ def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes,
         reduce = input_reductions(src_placements, dst_placements,
                                   _grad_placements(dst_placements, axes, split_axes))
         if reduce is not None:  # no data moves forward: at most a gradient all-reduce
-            return all_reduce_in_backward(value, _groups(sub_mesh, reduce))
+            return shared.all_reduce_in_backward(value, _groups(sub_mesh, reduce))
     if not isinstance(value, DTensor):
         if src is None:
             raise PlanApplyError(f"{where} has in_dst {dst} but no in_src, and arrived as a plain tensor")
@@ -439,6 +443,6 @@ def reinstall_grad_hooks(model: nn.Module) -> int:
             # dict survives but the autograd registration behind it does not. Clearing the
             # dict makes the next registration install it again.
             param._post_accumulate_grad_hooks = None
-            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+            param.register_post_accumulate_grad_hook(reduce_partial_grad)
             count += 1
     return count

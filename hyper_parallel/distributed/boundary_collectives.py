@@ -10,9 +10,15 @@ Most boundaries move no data forward and differ only in what the gradient must b
 
 Doing these through DTensor costs three autograd nodes and its placement bookkeeping
 per tensor; these functions do exactly the same collectives with one node.
-``boundary_reductions`` says, per mesh axis, whether a conversion is one of these (or
-moves nothing at all), so the applier can take this path and leave the rest to DTensor.
+``input_reductions`` / ``output_reductions`` say whether a conversion is one of these
+(or moves nothing at all), so the applier takes this path and leaves the rest to DTensor.
+
+One tensor handed to several such modules (the q, k and v projections, gate and up)
+is converted once per forward (``SharedInputReductions``): their gradients add up
+locally and one all-reduce sums the total, instead of one all-reduce each.
 """
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -52,16 +58,36 @@ class _AllReduceInForward(torch.autograd.Function):
         return grad, None
 
 
-def all_reduce_in_backward(tensor: torch.Tensor, groups) -> torch.Tensor:
-    if not groups or not tensor.requires_grad:
-        return tensor
-    return _AllReduceInBackward.apply(tensor, tuple(groups))
-
-
 def all_reduce_in_forward(tensor: torch.Tensor, groups) -> torch.Tensor:
     if not groups:
         return tensor
     return _AllReduceInForward.apply(tensor, tuple(groups))
+
+
+class SharedInputReductions:
+    """Per model: the input tensors converted in this forward, so modules sharing an input
+    share its gradient all-reduce. ``clear`` runs when the model's forward starts and ends."""
+
+    _MAX_ENTRIES = 256  # a model whose root forward never runs must not grow this forever
+
+    def __init__(self):
+        self._entries: dict[tuple, tuple] = {}
+
+    def clear(self, *_args, **_kwargs) -> None:
+        self._entries.clear()
+
+    def all_reduce_in_backward(self, tensor: torch.Tensor, groups) -> torch.Tensor:
+        if not groups or not tensor.requires_grad:
+            return tensor
+        key = (id(tensor), tuple(id(group) for group in groups), torch.is_grad_enabled())
+        hit = self._entries.get(key)
+        if hit is not None and hit[0]() is tensor:  # the same live tensor, not a reused id
+            return hit[1]
+        if len(self._entries) >= self._MAX_ENTRIES:
+            self._entries.clear()
+        converted = _AllReduceInBackward.apply(tensor, tuple(groups))
+        self._entries[key] = (weakref.ref(tensor), converted)
+        return converted
 
 
 def input_reductions(src: tuple, dst: tuple, grad: tuple) -> tuple[int, ...] | None:

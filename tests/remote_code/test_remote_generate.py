@@ -148,3 +148,35 @@ def test_derive_builds_the_remote_model_without_the_network(tmp_path, monkeypatc
     assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
     assert type(config).__name__ == "FusedDecoderConfig"
     assert model.lm_head.weight.device.type == "meta"
+
+
+MIXER = '''
+
+class FusedMixer(nn.Module):
+    """A raw square weight applied with a matmul: nothing says how to shard it."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.mixer = nn.Parameter(torch.eye(size))
+
+    def forward(self, hidden):
+        return hidden @ self.mixer
+
+
+class FusedAttention(nn.Module):'''
+
+
+def test_unclassifiable_remote_module_fails_generation_naming_it(tmp_path):
+    project = make_remote_project(tmp_path / "project")
+    modeling = project / MODEL_DIR / "modeling_fused.py"
+    text = modeling.read_text().replace("\n\nclass FusedAttention(nn.Module):", MIXER, 1)
+    text = text.replace("        self.o_proj = nn.Linear(width, config.hidden_size, bias=False)\n",
+                        "        self.o_proj = nn.Linear(width, config.hidden_size, bias=False)\n"
+                        "        self.mix = FusedMixer(config.hidden_size)\n", 1)
+    assert "self.mix = FusedMixer" in text
+    modeling.write_text(text)
+    proc = cli(project, "generate", "--config", RECIPE, "--skip-preflight", env=OFFLINE_ENV)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "model.layers.0.self_attn.mix" in output and "FusedMixer" in output, output[-3000:]
+    assert not (project / BUNDLE).exists()

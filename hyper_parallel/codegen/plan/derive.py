@@ -65,22 +65,28 @@ def build_meta_model(spec: CodegenSpec, model_class: type | None = None):
     return model, config
 
 
-def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
+def plan_model(model, spec: CodegenSpec):
+    """The planner's result for ``model`` (replacements already applied) under the
+    recipe's parallel dims and overrides, and the offline mesh it planned on. The derive
+    stage and the hf backend's run-time planning both call this."""
     from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-    from hyper_parallel.distributed.plan_format import plan_modules_to_json
-    from hyper_parallel.distributed.plan_lint import lint_plan
-    from hyper_parallel.distributed.planner import ShardingPlanner, merge_plan_overrides
+    from hyper_parallel.distributed.planner import ShardingPlanner
 
-    model, _ = build_meta_model(spec)
     p = spec.parallel
     dims = ParallelDims(dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, pp=p.pp)
     mesh = build_offline_mesh(dims)
-    # The planner reads the HF config's base_model_tp_plan itself, as role hints.
+    # The planner reads the HF config's base_model_tp_plan itself, as role hints, merges
+    # the recipe's overrides (which may specify modules it cannot classify), then lints.
     result = ShardingPlanner(model, dims=dims, mesh=mesh, sequence_parallel=p.sequence_parallel,
-                             loss_parallel=p.loss_parallel).plan()
-    modules = merge_plan_overrides(result.modules, placement_overrides(spec), model,
-                                   active_axes=dims.active_axes(sequence_parallel=p.sequence_parallel))
-    lint_plan(model, modules, mesh)  # the recipe's overrides pass the same lints as the derived plan
+                             loss_parallel=p.loss_parallel, overrides=placement_overrides(spec)).plan()
+    return result, mesh
+
+
+def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
+    from hyper_parallel.distributed.plan_format import plan_modules_to_json
+
+    model, _ = build_meta_model(spec)
+    result, mesh = plan_model(model, spec)
     return {
         "model_class": type(model).__name__,
         "module_names": [name for name, _ in model.named_modules()],
@@ -89,7 +95,7 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
             "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes)},
             "applied_axes": list(result.applied_axes),
             "recorded_axes": dict(result.recorded_axes),
-            "modules": plan_modules_to_json(modules, result.roles),
+            "modules": plan_modules_to_json(result.modules, result.roles),
         },
     }
 

@@ -101,7 +101,9 @@ def modeling_path(model_type: str) -> tuple[str, Path]:
     if not path.is_file():
         raise SourceError(
             f"unknown model_type {model_type!r}: transformers {transformers_version()} has no "
-            f"models/{name}/modeling_{name}.py")
+            f"models/{name}/modeling_{name}.py (a family transformers does not ship can bring its own "
+            f"code: put modeling_*.py beside config.json and name its class in "
+            f"auto_map.{REMOTE_AUTO_CLASS})")
     return f"transformers.models.{name}.modeling_{name}", path
 
 

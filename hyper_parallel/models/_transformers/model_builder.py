@@ -168,22 +168,15 @@ def parallelize_with_planner(model: nn.Module, config: TrainerConfig, mesh_conte
                              workspace_root: str | os.PathLike | None = None) -> nn.Module:
     """The runtime path for HF models: the recipe's ``replace_module`` entries, then the
     same planner + overrides the derive stage runs, applied to the real mesh."""
-    from hyper_parallel.codegen.plan.derive import placement_overrides
+    from hyper_parallel.codegen.plan.derive import plan_model
     from hyper_parallel.codegen.runtime import hyper_apply_replacements
     from hyper_parallel.codegen.spec.project import project_codegen_spec
     from hyper_parallel.distributed.applier import apply_sharding_plan
-    from hyper_parallel.distributed.mesh import build_offline_mesh
-    from hyper_parallel.distributed.planner import ShardingPlanner, merge_plan_overrides
 
     spec = project_codegen_spec(config, workspace_root=workspace_root)
     hyper_apply_replacements(model, spec.replacements)
-    acc = config.accelerator
-    dims = mesh_context.dims
-    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), sequence_parallel=acc.sequence_parallel,
-                             loss_parallel=acc.loss_parallel).plan()
-    modules = merge_plan_overrides(result.modules, placement_overrides(spec), model,
-                                   active_axes=dims.active_axes(sequence_parallel=acc.sequence_parallel))
-    return apply_sharding_plan(model, modules, mesh_context)
+    result, _ = plan_model(model, spec)
+    return apply_sharding_plan(model, result.modules, mesh_context)
 
 
 def parallelize_custom(custom_module: ModuleType, model: nn.Module, config: TrainerConfig,
