@@ -79,7 +79,22 @@ def _cannot_write(target: Path, exc: OSError) -> ArtifactError:
                                     f"model.codegen_artifact_dir in the recipe")
 
 
+def looks_like_bundle(path: Path) -> bool:
+    """True for an empty folder or one codegen wrote (it has a codegen_meta.json, or only
+    files a bundle holds). Install and clean never replace or remove anything else."""
+    if not path.is_dir():
+        return False
+    names = {entry.name for entry in path.iterdir()}
+    if not names or META_FILE in names:
+        return True
+    return all(name in ("__init__.py", "__pycache__") or name.startswith("modeling_") for name in names)
+
+
 def _swap_in(staging: Path, target: Path) -> None:
+    if target.is_dir() and not looks_like_bundle(target):
+        raise ArtifactError(errno.EEXIST, f"cannot install the bundle at {target}: the folder holds files "
+                                          f"codegen did not write; set model.codegen_artifact_dir to a folder "
+                                          f"of its own")
     try:
         os.rename(staging, target)  # no bundle yet (or an empty dir): plain atomic rename
         return

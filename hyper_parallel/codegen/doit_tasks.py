@@ -100,16 +100,11 @@ def check_action(path: str):
 
 
 def clean_action(path: str, what: str) -> None:
-    import shutil
+    from hyper_parallel.codegen.manager import clean_recipe
     try:
-        spec = spec_for(path)
+        clean_recipe(spec_for(path), log=lambda msg: print(f"   {msg}"), what=(what,))
     except Exception as exc:
         print(f"   cannot clean {path}: {exc}")
-        return
-    target = spec.artifact_dir if what == "bundle" else spec.workspace
-    if target.is_dir():
-        shutil.rmtree(target)
-        print(f"   removed {target}")
 
 
 def _failure(exc: Exception, path: str) -> TaskFailed:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from hyper_parallel.codegen.meta import load_codegen_meta
+from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 
 PACKAGE_PREFIX = "hyper_parallel_generated"
 
@@ -23,16 +23,25 @@ class BundleImportError(ImportError):
     """The generated modeling file could not be imported."""
 
 
-def bundle_package_name(artifact_dir: str | Path) -> str:
-    digest = hashlib.sha256(str(Path(artifact_dir).resolve()).encode()).hexdigest()[:16]
-    return f"{PACKAGE_PREFIX}._{digest}"
+def bundle_package_name(artifact_dir: str | Path, signature: str | None = None) -> str:
+    """``hyper_parallel_generated._<folder hash>_<signature>``: stable for one installed
+    bundle; a reinstall with another signature imports afresh instead of reusing the old
+    module. Without ``signature`` it is read from the bundle's meta (when readable)."""
+    artifact_dir = Path(artifact_dir).resolve()
+    digest = hashlib.sha256(str(artifact_dir).encode()).hexdigest()[:16]
+    if signature is None:
+        try:
+            signature = load_codegen_meta(artifact_dir)["signature"]
+        except MetaError:
+            signature = ""
+    return f"{PACKAGE_PREFIX}._{digest}" + (f"_{str(signature)[:12]}" if signature else "")
 
 
 def load_generated_module(artifact_dir: str | Path) -> ModuleType:
     """The bundle's modeling module (e.g. ``modeling_Qwen3_Moe_gen_npu``)."""
     artifact_dir = Path(artifact_dir).resolve()
     meta = load_codegen_meta(artifact_dir)
-    package = bundle_package_name(artifact_dir)
+    package = bundle_package_name(artifact_dir, meta["signature"])
     name = f"{package}.{meta['modeling_file'][:-3]}"
     if name in sys.modules:
         return sys.modules[name]

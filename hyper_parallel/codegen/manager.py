@@ -45,39 +45,68 @@ def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = GENERATE_STAGES, *, 
     return ran
 
 
-def clean_recipe(spec: CodegenSpec, log: Log = print) -> None:
-    """Remove the installed bundle and the recipe's workspace."""
-    for path in (spec.artifact_dir, spec.workspace):
-        if path.is_dir():
-            shutil.rmtree(path)
-            log(f"removed {path}")
+def clean_recipe(spec: CodegenSpec, log: Log = print, *, what: tuple[str, ...] = ("bundle", "workspace")) -> None:
+    """Remove the installed bundle and/or the recipe's workspace (doit and the CLI)."""
+    from hyper_parallel.codegen.artifact import ArtifactError, looks_like_bundle
+
+    if "bundle" in what and spec.artifact_dir.is_dir():
+        if not looks_like_bundle(spec.artifact_dir):
+            raise ArtifactError(f"{spec.artifact_dir}: not removed: it holds files codegen did not write")
+        shutil.rmtree(spec.artifact_dir)
+        log(f"removed {spec.artifact_dir}")
+    if "workspace" in what and spec.workspace.is_dir():
+        shutil.rmtree(spec.workspace)
+        log(f"removed {spec.workspace}")
 
 
 def _failure_marker(spec: CodegenSpec) -> Path:
-    return spec.workspace / "generation-failed.json"
+    """Beside the bundle, which every rank must see (the workspace may be node-local)."""
+    return spec.artifact_dir.parent / f".{spec.artifact_dir.name}.generation-failed.json"
+
+
+def _run_id() -> str:
+    """torchrun's id for this launch: a failure record from an earlier launch is ignored."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
 def ensure_codegen_artifact(config: TrainerConfig, *, rank: int | None = None,
                             timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, poll_s: float = 0.2,
                             workspace_root: str | Path | None = None, log: Log = print) -> CodegenSpec:
-    """Make sure the recipe's bundle is installed and current, coordinating ranks by files.
+    """Make sure the recipe's bundle is installed and current, coordinating ranks.
 
-    Rank 0 runs the stages through install (the torchrun preflight is not nested inside
-    a training job). Other ranks wait, at most ``timeout_s`` seconds, for a meta whose
-    signature equals theirs, or for rank 0's failure record."""
+    Rank 0 reuses a current bundle as is (no planning at training start) or runs the
+    stages through install (the torchrun preflight is not nested inside a training job).
+    Other ranks wait, at most ``timeout_s`` seconds, for a meta whose signature equals
+    theirs, or for rank 0's failure record of this launch. Then, when a process group is
+    up, every rank meets at a barrier, so nobody reads the bundle while rank 0 writes it."""
+    from hyper_parallel.codegen.check.drift import installed_bundle_problems
+
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     spec = project_codegen_spec(config, workspace_root=workspace_root)
     signature = signature_from_spec(spec)
     if rank == 0:
-        try:
-            run_pipeline(spec, STAGES[:-1], log=log)
-        except Exception as exc:
-            write_json(_failure_marker(spec), {"signature": signature, "error": f"{type(exc).__name__}: {exc}"})
-            raise
-        _failure_marker(spec).unlink(missing_ok=True)
-        return spec
-    _wait_for_bundle(spec, signature, timeout_s, poll_s)
+        marker = _failure_marker(spec)
+        marker.unlink(missing_ok=True)
+        if installed_bundle_problems(spec):
+            try:
+                run_pipeline(spec, STAGES[:-1], log=log)
+            except Exception as exc:
+                write_json(marker, {"signature": signature, "run_id": _run_id(),
+                                    "error": f"{type(exc).__name__}: {exc}"})
+                raise
+        else:
+            log(f"reusing {spec.artifact_dir} (signature {signature[:12]})")
+    else:
+        _wait_for_bundle(spec, signature, timeout_s, poll_s)
+    _barrier_if_distributed()
     return spec
+
+
+def _barrier_if_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _wait_for_bundle(spec: CodegenSpec, signature: str, timeout_s: float, poll_s: float) -> None:
@@ -88,7 +117,7 @@ def _wait_for_bundle(spec: CodegenSpec, signature: str, timeout_s: float, poll_s
         if meta and meta.get("signature") == signature:
             return
         failure = read_json(_failure_marker(spec))
-        if failure and failure.get("signature") == signature:
+        if failure and failure.get("signature") == signature and failure.get("run_id", "") == _run_id():
             raise CodegenWaitError(f"rank 0 failed to generate {spec.artifact_dir}: {failure['error']}")
         if time.monotonic() >= deadline:
             found = meta.get("signature") if meta else "no bundle"

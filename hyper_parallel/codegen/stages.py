@@ -126,7 +126,7 @@ def run_derive(spec: CodegenSpec, log: Log) -> None:
 def run_freeze(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.plan.freeze import freeze_plan
 
-    derived = read_json(StageFiles(spec).plan)
+    derived = read_upstream(StageFiles(spec).plan)
     frozen = freeze_plan(derived["plan"], derived["module_names"])
     write_json(StageFiles(spec).frozen, {"signature": expected_signature(spec, "freeze"),
                                          "model_class": derived["model_class"], "frozen": frozen})
@@ -140,7 +140,7 @@ def run_emit(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.source.resolver import sibling_files, source_text
 
     files = StageFiles(spec)
-    frozen = read_json(files.frozen)
+    frozen = read_upstream(files.frozen)
     source = spec.source
     remote = RemoteCode(source.model_type, source.sibling_modules) if source.is_remote else None
     text = emit_modeling_source(
@@ -172,9 +172,9 @@ def run_install(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.meta import build_codegen_meta
 
     files = StageFiles(spec)
-    names = [*read_json(files.emit_stamp)["outputs"], *read_json(files.diff_stamp)["outputs"]]
+    names = [*read_upstream(files.emit_stamp)["outputs"], *read_upstream(files.diff_stamp)["outputs"]]
     payload = {name: (files.staged / name).read_bytes() for name in names}
-    frozen = read_json(files.frozen)
+    frozen = read_upstream(files.frozen)
     meta = build_codegen_meta(spec, signature=signature_from_spec(spec), files=payload,
                               frozen=frozen["frozen"], model_class=frozen["model_class"])
     write_bundle_atomic(spec.artifact_dir, payload, meta)
@@ -223,6 +223,15 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
+
+
+def read_upstream(path: Path) -> dict[str, Any]:
+    """An earlier stage's output, which must exist (doit and run_pipeline order the stages)."""
+    value = read_json(path)
+    if value is None:
+        raise FileNotFoundError(f"{path}: missing or unreadable output of an earlier stage; "
+                                f"run the whole pipeline (`doit generate config=...`)")
+    return value
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:

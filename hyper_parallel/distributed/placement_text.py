@@ -77,6 +77,18 @@ def normalize_named_placement(named: object, *, where: str = "placement") -> dic
     return out
 
 
+def normalize_io_placements(value: object, *, where: str) -> list[dict[str, str] | None] | None:
+    """An ``in_src``/``in_dst``/``out_src``/``out_dst`` value in canonical form: one named
+    placement per positional input/output (a single mapping means the first), None kept."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise PlacementTextError(f"{where}: expected a mapping or a list of mappings, got {value!r}")
+    return [None if v is None else normalize_named_placement(v, where=f"{where}[{i}]") for i, v in enumerate(value)]
+
+
 def _axis_order(axis: str) -> int:
     return MESH_AXES.index(axis) if axis in MESH_AXES else len(MESH_AXES)
 

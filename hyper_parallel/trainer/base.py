@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hyper_parallel.codegen.spec.project import check_launch_world_size
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+from hyper_parallel.models._transformers.model_builder import runtime_device_type
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens
 
 
@@ -36,7 +37,7 @@ class BaseTrainer:
         check_launch_world_size(config)
         acc = config.accelerator
         self.dims = ParallelDims(dp=acc.dp_size, cp=acc.cp_size, tp=acc.tp_size, ep=acc.ep_size, pp=acc.pp_size)
-        self.mesh_context = MeshContext(build_device_mesh(self.dims, _mesh_device(acc.device_type)), self.dims)
+        self.mesh_context = MeshContext(build_device_mesh(self.dims, runtime_device_type(acc.device_type)), self.dims)
         self.rank = dist.get_rank()
         torch.manual_seed(config.training.seed)
         self.model = self._build_model()
@@ -73,11 +74,12 @@ class BaseTrainer:
             start = time.perf_counter()
             batch = global_batch(step, training, dataset, vocab, text)
             parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
-            total = torch.zeros(())
+            total = None
             for micro in parts:
                 loss = self.model(input_ids=micro, labels=micro).loss / len(parts)
                 loss.backward()
-                total += loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+                value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+                total = value if total is None else total + value
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if dp_size > 1:
@@ -94,17 +96,3 @@ class BaseTrainer:
 
 def write_metrics(records: list[StepRecord], path: str | os.PathLike) -> None:
     Path(path).write_text(json.dumps([r.__dict__ for r in records], indent=1) + "\n")
-
-
-def _mesh_device(device_type: str) -> str:
-    """The recipe's device, or CPU/gloo when that accelerator is not present here."""
-    if device_type == "cuda" and torch.cuda.is_available():
-        return "cuda"
-    if device_type == "npu":
-        try:
-            import torch_npu  # noqa: F401  (registers the npu device)
-            if torch.npu.is_available():
-                return "npu"
-        except ImportError:
-            pass
-    return "cpu"

@@ -34,16 +34,17 @@ def copy_project(source: Path, dest: Path) -> Path:
     return dest
 
 
-def fake_meta(files: dict[str, bytes], modeling_file: str) -> bytes:
+def fake_meta(files: dict[str, bytes], modeling_file: str, signature: str = "0" * 64) -> bytes:
     """A codegen_meta.json with every required field, listing ``files`` by sha256."""
     meta = {field: {} for field in REQUIRED_META_FIELDS}
-    meta.update(schema_version=META_SCHEMA_VERSION, signature="0" * 64, recipe="../recipe.yaml",
+    meta.update(schema_version=META_SCHEMA_VERSION, signature=signature, recipe="../recipe.yaml",
                 modeling_file=modeling_file, not_covered=[],
                 outputs={name: sha256_bytes(data) for name, data in sorted(files.items())})
     return (json.dumps(meta, indent=2) + "\n").encode()
 
 
-def install_fake_bundle(artifact_dir: Path, body: str, modeling_file: str = "modeling_fake.py") -> Path:
+def install_fake_bundle(artifact_dir: Path, body: str, modeling_file: str = "modeling_fake.py",
+                        signature: str = "0" * 64) -> Path:
     """A torch-free bundle: ``__init__.py`` and a modeling file holding ``body``."""
     files = {"__init__.py": b'"""fake bundle"""\n', modeling_file: body.encode()}
-    return write_bundle_atomic(artifact_dir, files, fake_meta(files, modeling_file))
+    return write_bundle_atomic(artifact_dir, files, fake_meta(files, modeling_file, signature))

@@ -39,8 +39,8 @@ def _doit_check(project: Path) -> str:
 
 
 def _imported_from(bundle: Path) -> list[str]:
-    package = bundle_package_name(bundle)
-    return [name for name in sys.modules if name == package or name.startswith(package + ".")]
+    package = bundle_package_name(bundle, signature="")  # the folder's prefix, any signature
+    return [name for name in sys.modules if name.startswith(package)]
 
 
 def _preflight_fails(project: Path, signature: str) -> str:

@@ -122,8 +122,7 @@ def test_modeling_source_change_reruns_everything(project, tmp_path):
     out = _ok(doit(project, "install", f"config={TINY_RECIPE}", env={"PYTHONPATH": str(shadow)}))
     assert tasks_ran(out) == THROUGH_INSTALL
     generated = (project / BUNDLE / "modeling_Qwen3_Moe_gen_cpu.py").read_text()
-    assert generated.rstrip().endswith("hyper_parallel.codegen.runtime.hyper_parallelize(model, mesh_context, HYPER_PARALLEL_PLAN)") \
-        or "# one more line" in generated
+    assert "# one more line" in generated  # the bundle is built from the changed source
 
 
 def test_transformers_version_change_reruns_everything(project, tmp_path):

@@ -26,8 +26,8 @@ def forget_test_bundles(tmp_path):
 
 
 def _bundle_modules(bundle: Path) -> list[str]:
-    package = bundle_package_name(bundle)
-    return sorted(n for n in sys.modules if n == package or n.startswith(package + "."))
+    package = bundle_package_name(bundle, signature="")  # the folder's prefix, any signature
+    return sorted(n for n in sys.modules if n.startswith(package))
 
 
 def test_same_directory_gives_the_same_module(tmp_path, monkeypatch):
@@ -89,3 +89,10 @@ def test_missing_bundle_names_the_meta_file(tmp_path):
     with pytest.raises(ValueError, match="codegen_meta.json missing"):
         load_generated_module(tmp_path / "generated")
     assert _bundle_modules(tmp_path / "generated") == []
+
+
+def test_a_reinstalled_bundle_with_a_new_signature_is_imported_afresh(tmp_path):
+    bundle = install_fake_bundle(tmp_path / "generated", "VALUE = 1\n", signature="a" * 64)
+    assert load_generated_module(bundle).VALUE == 1
+    install_fake_bundle(bundle, "VALUE = 2\n", signature="b" * 64)
+    assert load_generated_module(bundle).VALUE == 2

@@ -18,6 +18,9 @@ from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.types import CodegenSpec
 
 
+PREFLIGHT_TIMEOUT_S = 900
+
+
 class PreflightError(RuntimeError):
     """The bundle is not fit to train with; the message says what and how to fix it."""
 
@@ -84,13 +87,20 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
     world = spec.parallel.world_size
     with tempfile.TemporaryDirectory(prefix="hp-preflight-") as tmp:
         report_path = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-               "--nnodes=1", f"--master_port={free_port()}", "-m", "hyper_parallel.codegen.check.preflight_worker",
+        # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               "-m", "hyper_parallel.codegen.check.preflight_worker",
                "--config", str(spec.recipe_path), "--report", str(report_path)]
         log(f"torchrun --nproc_per_node={world} preflight of {spec.artifact_dir}")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HYPER_PARALLEL_WORKSPACE": str(spec.workspace.parent)}
         env.pop("WORLD_SIZE", None)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise PreflightError(f"preflight on {world} ranks for {spec.artifact_dir} did not finish within "
+                                 f"{PREFLIGHT_TIMEOUT_S}s (a rank stuck in a collective?)\n"
+                                 f"  fix: run `{fix_command(spec)}` again; if it repeats, run the worker by hand:"
+                                 f" {' '.join(cmd)}") from None
         report = json.loads(report_path.read_text()) if report_path.is_file() else None
     if proc.returncode != 0 or report is None or not report.get("ok"):
         reason = (report or {}).get("error") or _last_error_line(proc.stderr + proc.stdout)

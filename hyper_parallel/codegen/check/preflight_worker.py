@@ -59,7 +59,7 @@ def _check_rank(config_path: str, rank: int, dist) -> dict:
 
     config = load_training_config(config_path)
     check_launch_world_size(config)
-    spec = project_codegen_spec(config, workspace_root=os.environ.get("HYPER_PARALLEL_WORKSPACE"))
+    spec = project_codegen_spec(config)  # workspace from $HYPER_PARALLEL_WORKSPACE
     fix = f"doit generate config={config_path}"
     report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec), fix=fix)
     module = load_generated_module(spec.artifact_dir)

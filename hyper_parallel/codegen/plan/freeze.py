@@ -12,7 +12,11 @@ import fnmatch
 import re
 from typing import Any
 
-from hyper_parallel.distributed.placement_text import PlacementTextError, normalize_named_placement
+from hyper_parallel.distributed.placement_text import (
+    PlacementTextError,
+    normalize_io_placements,
+    normalize_named_placement,
+)
 
 FROZEN_FORMAT = 1
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
@@ -65,17 +69,8 @@ def _normalize_entry(fqn: str, entry: dict[str, Any]) -> dict[str, Any]:
                 for name, named in sorted(entry.get("state_shardings", {}).items())},
         }
         for key in _IO_KEYS:
-            out[key] = _normalize_io(entry.get(key), f"{fqn}: {key}")
+            out[key] = normalize_io_placements(entry.get(key), where=f"{fqn}: {key}")
     except PlacementTextError as exc:
         raise FreezeError(str(exc)) from None
     out["local_map"] = bool(entry.get("local_map", False))
     return out
-
-
-def _normalize_io(value: Any, where: str) -> Any:
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        value = [value]
-    return [None if v is None else normalize_named_placement(v, where=f"{where}[{i}]")
-            for i, v in enumerate(value)]

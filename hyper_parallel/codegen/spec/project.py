@@ -18,7 +18,11 @@ from hyper_parallel.codegen.spec.types import (
 )
 from hyper_parallel.config.loading import RecipeError
 from hyper_parallel.config.schema import PlanOverride, TrainerConfig
-from hyper_parallel.distributed.placement_text import PlacementTextError, normalize_named_placement
+from hyper_parallel.distributed.placement_text import (
+    PlacementTextError,
+    normalize_io_placements,
+    normalize_named_placement,
+)
 
 SPEC_SCHEMA = 1
 DEFAULT_WORKSPACE = "generated"
@@ -53,8 +57,9 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
                             sequence_parallel=acc.sequence_parallel, loss_parallel=acc.loss_parallel,
                             device_type=acc.device_type)
     artifact_dir = (yaml_dir / (config.model.codegen_artifact_dir or "generated")).resolve()
-    root = Path(workspace_root) if workspace_root else Path.cwd() / DEFAULT_WORKSPACE
+    root = Path(workspace_root).resolve() if workspace_root else default_workspace_root()
     rid = recipe_id(recipe_path, root.parent)
+    _check_artifact_dir(artifact_dir, yaml_dir=yaml_dir, model_dir=model_dir, workspace=root / rid, where=where)
     source = resolve_source(model_dir, model_config)
     modeling_file = modeling_file_name(model_config["model_type"], acc.device_type)
     _check_sibling_names(source, modeling_file, model_dir)
@@ -65,7 +70,7 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
         model_dir_rel=os.path.relpath(model_dir, yaml_dir).replace(os.sep, "/"),
         model_config=model_config,
         model_config_sha256=sha256_file(model_dir / "config.json"),
-        config_overrides=dict(config.model.config_overrides),
+        config_overrides=dict(sorted(config.model.config_overrides.items())),
         torch_dtype=config.model.torch_dtype,
         attn_implementation=config.model.attn_implementation,
         source=source,
@@ -85,6 +90,26 @@ def _check_sibling_names(source: ModelSource, modeling_file: str, model_dir: Pat
         if name == modeling_file:
             raise SourceError(f"{model_dir / name}: a remote-code sibling has the generated modeling file's "
                               f"name {modeling_file!r}; rename it (the bundle holds both)")
+
+
+def default_workspace_root() -> Path:
+    """``$HYPER_PARALLEL_WORKSPACE``, else ``./generated`` (doit runs in the project root)."""
+    env = os.environ.get("HYPER_PARALLEL_WORKSPACE")
+    return Path(env).resolve() if env else Path.cwd().resolve() / DEFAULT_WORKSPACE
+
+
+def _check_artifact_dir(artifact_dir: Path, *, yaml_dir: Path, model_dir: Path, workspace: Path, where: str) -> None:
+    """The bundle folder is replaced wholesale on install and removed by clean: it must be
+    a folder of its own, never one that holds the recipe, the model or the workspace."""
+    def inside(path: Path, folder: Path) -> bool:
+        return path == folder or folder in path.parents
+
+    clash = ("the recipe's folder" if inside(yaml_dir, artifact_dir) else
+             "the model folder" if inside(model_dir, artifact_dir) or inside(artifact_dir, model_dir) else
+             "the pipeline workspace" if inside(workspace, artifact_dir) or inside(artifact_dir, workspace) else None)
+    if clash:
+        raise RecipeError(f"{where}: model.codegen_artifact_dir: the bundle folder {artifact_dir} would contain or "
+                          f"overlap {clash}; expected a folder of its own (default: generated/ beside the recipe)")
 
 
 def check_launch_world_size(config: TrainerConfig) -> None:
@@ -107,39 +132,18 @@ def _normalize_override(entry: PlanOverride, index: int, where: str) -> dict[str
             "exact_type": entry.exact_type,
             "when": entry.when,
             "replace_module": None if entry.replace_module is None else {
-                "target": entry.replace_module.target, "kwargs": dict(entry.replace_module.kwargs)},
+                "target": entry.replace_module.target,
+                "kwargs": dict(sorted(entry.replace_module.kwargs.items()))},
             "params": None if entry.params is None else {
-                name: _named_placement(p, f"{key}.params.{name}")
+                name: normalize_named_placement(p, where=f"{key}.params.{name}")
                 for name, p in sorted(entry.params.items())},
         }
         for io in ("in_src", "in_dst", "out_src", "out_dst"):
-            out[io] = _normalize_io(getattr(entry, io), f"{key}.{io}")
+            out[io] = normalize_io_placements(getattr(entry, io), where=f"{key}.{io}")
         out["local_map"] = entry.local_map
     except PlacementTextError as exc:
         raise RecipeError(f"{where}: {exc}") from None
     return out
-
-
-def _normalize_io(value: Any, where: str) -> Any:
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return [_named_placement(value, where)]
-    if isinstance(value, list):
-        return [None if v is None else _named_placement(v, f"{where}[{i}]")
-                for i, v in enumerate(value)]
-    raise PlacementTextError(f"{where}: expected a mapping or a list of mappings, got {value!r}")
-
-
-def _named_placement(value: Any, where: str) -> dict[str, str]:
-    """normalize_named_placement, with every error naming the recipe key (a bad
-    placement string like ``shard(x)`` is reported without it otherwise)."""
-    try:
-        return normalize_named_placement(value, where=where)
-    except PlacementTextError as exc:
-        if str(exc).startswith(where):
-            raise
-        raise PlacementTextError(f"{where}: {exc}") from None
 
 
 # --- signatures ---------------------------------------------------------------------------

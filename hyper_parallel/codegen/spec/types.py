@@ -14,7 +14,7 @@ STAGE_IMPLEMENTATION = {
     "resolve": ("codegen/source", "codegen/spec", "codegen/hash.py"),
     "derive": ("codegen/plan", "codegen/runtime.py", "distributed", "protocols", "models", "components"),
     "freeze": ("codegen/plan/freeze.py", "distributed/placement_text.py"),
-    "emit": ("codegen/emit", "codegen/astkit", "codegen/meta.py"),
+    "emit": ("codegen/emit", "codegen/astkit", "codegen/meta.py", "codegen/stages.py"),
     "diff": ("codegen/emit/diff.py",),
     "install": ("codegen/artifact.py",),
     "preflight": ("codegen/check", "codegen/loader.py", "codegen/runtime.py", "distributed"),

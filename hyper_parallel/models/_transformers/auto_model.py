@@ -88,7 +88,7 @@ def check_mesh_matches_recipe(config: TrainerConfig, mesh_context: MeshContext) 
 
 def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretrained: bool, rank: int | None,
            timeout_s: float | None, workspace_root: str | os.PathLike | None) -> nn.Module:
-    workspace_root = workspace_root or os.environ.get("HYPER_PARALLEL_WORKSPACE") or None
+    workspace_root = workspace_root or None  # None: default_workspace_root() decides
     if mesh_context is not None:
         check_mesh_matches_recipe(config, mesh_context)
     hf_config = mb.build_hf_config(config)

@@ -44,17 +44,19 @@ def torch_dtype_of(config: TrainerConfig) -> torch.dtype:
 
 
 def build_hf_config(config: TrainerConfig) -> Any:
-    """The model folder's HF config with ``model.config_overrides`` and the attention kernel."""
-    from transformers import AutoConfig
+    """The model folder's HF config with ``model.config_overrides`` (the same function the
+    derive stage uses, remote code included) and the recipe's attention kernel."""
+    from hyper_parallel.codegen.plan.derive import build_hf_config as build_recipe_hf_config
+    from hyper_parallel.codegen.spec.project import project_codegen_spec
 
-    hf_config = AutoConfig.from_pretrained(str(recipe_model_dir(config)))
-    for key, value in config.model.config_overrides.items():
-        if not hasattr(hf_config, key):
-            raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.config_overrides.{key}: "
-                                  f"{type(hf_config).__name__} has no attribute {key!r}")
-        setattr(hf_config, key, value)
+    hf_config = build_recipe_hf_config(project_codegen_spec(config))
     hf_config._attn_implementation = config.model.attn_implementation
     return hf_config
+
+
+def _is_remote(hf_config: Any) -> bool:
+    """The model folder's own code (``auto_map``) built this config: its model needs it too."""
+    return bool(getattr(hf_config, "auto_map", None))
 
 
 def has_safetensors(model_dir: Path) -> bool:
@@ -135,10 +137,12 @@ def build_hf_model(hf_config: Any, config: TrainerConfig, *, with_weights: bool)
 
     if with_weights:
         model = AutoModelForCausalLM.from_pretrained(str(recipe_model_dir(config)), config=hf_config,
+                                                     trust_remote_code=_is_remote(hf_config),
                                                      dtype=torch_dtype_of(config),
                                                      attn_implementation=config.model.attn_implementation)
         return model.train()
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=config.model.attn_implementation,
+    model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=_is_remote(hf_config),
+                                             attn_implementation=config.model.attn_implementation,
                                              dtype=torch_dtype_of(config))
     return model.train()
 
@@ -187,8 +191,27 @@ def parallelize_custom(custom_module: ModuleType, model: nn.Module, config: Trai
 
 
 def target_device(config: TrainerConfig) -> torch.device:
-    """Where this rank's model lives: the CPU, or the accelerator of LOCAL_RANK."""
-    kind = config.accelerator.device_type
+    """Where this rank's model lives: the recipe's accelerator of LOCAL_RANK, or the CPU
+    when that accelerator is not present here (the mesh then uses gloo too)."""
+    kind = runtime_device_type(config.accelerator.device_type)
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def runtime_device_type(device_type: str) -> str:
+    """The recipe's device type if this machine has it, else "cpu" (with a warning)."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return "cuda"
+    if device_type == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device; only on NPU machines)
+            if torch.npu.is_available():
+                return "npu"
+        except ImportError:
+            pass
+    if device_type != "cpu":
+        import warnings
+        warnings.warn(f"accelerator.device_type {device_type!r} is not available here; using the CPU (gloo)",
+                      UserWarning, stacklevel=2)
+    return "cpu"

@@ -1,0 +1,38 @@
+"""Install and clean only ever replace or remove a bundle folder, never user files."""
+
+import pytest
+import yaml
+
+from hyper_parallel.codegen.artifact import ArtifactError, write_bundle_atomic
+from hyper_parallel.codegen.manager import clean_recipe, load_spec
+from hyper_parallel.config import RecipeError
+from tests.project_fixtures import TINY_RECIPE
+
+
+def test_install_refuses_a_folder_holding_other_files(tmp_path):
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="holds files codegen did not write"):
+        write_bundle_atomic(target, {"modeling_x.py": b"X = 1\n"}, b"{}")
+    assert (target / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no staging left behind
+
+
+@pytest.mark.parametrize("artifact_dir", [".", "..", "models", "models/tiny-qwen3-moe"])
+def test_artifact_dir_overlapping_recipe_or_model_is_rejected(project, artifact_dir):
+    recipe = project / TINY_RECIPE
+    data = yaml.safe_load(recipe.read_text())
+    data["model"]["codegen_artifact_dir"] = artifact_dir
+    recipe.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError, match=r"model\.codegen_artifact_dir: .* would contain or overlap"):
+        load_spec(recipe, project / "generated")
+
+
+def test_clean_leaves_a_foreign_folder_alone(project):
+    spec = load_spec(project / TINY_RECIPE, project / "generated")
+    spec.artifact_dir.mkdir()
+    (spec.artifact_dir / "notes.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="not removed"):
+        clean_recipe(spec, log=lambda msg: None)
+    assert (spec.artifact_dir / "notes.txt").exists()
