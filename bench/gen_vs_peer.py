@@ -1,13 +1,13 @@
 """Benchmark: our generated bundle vs transformers' own tensor parallel, world 2 on CPU.
 
-    python bench/gen_vs_peer.py [--steps 20] [--json]
+    python bench/gen_vs_peer.py [--steps 20] [--repeats N] [--json PATH]
 
 Copies dodo.py and recipes/ into a temp folder and generates the tiny recipe's bundle
 with the CLI (``--skip-preflight``). Then, on the same tiny qwen3_moe checkpoint, two
 torchrun runs (world 2, gloo, OMP_NUM_THREADS=1):
 
-- gen:  import the bundle (``load_generated_module``), build its model class, load the
-        weights, ``hyper_parallelize`` it;
+- gen:  import the bundle (``load_generated_module``), build its model class on the meta
+        device, ``hyper_parallelize`` it, read each rank's slices of the checkpoint;
 - peer: ``AutoModelForCausalLM.from_pretrained(dir, tp_plan="auto")``.
 
 Each trains with AdamW (forward + backward + step) and reports the wall time from the
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,31 +61,22 @@ def generate_bundle(project: Path) -> float:
     return time.perf_counter() - start
 
 
-def save_checkpoint(model_dir: Path, weights: Path) -> None:
-    """The same random weights twice: an HF checkpoint for the peer (save_pretrained writes
-    the hub layout, per-expert tensors) and the model's own state dict for the gen path
-    (checkpoint conversion is not codegen's job, DESIGN §9)."""
+def save_checkpoint(model_dir: Path) -> None:
+    """Random weights as an HF checkpoint (``save_pretrained``: the hub's per-expert layout),
+    read by both paths."""
     import torch
     import transformers
-    from safetensors.torch import save_file
 
     config = transformers.AutoConfig.from_pretrained(TINY_CONFIG)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(model_dir)
-    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(weights))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
-
-def launch(path: str, args, bundle: Path, model_dir: Path, weights: Path, out: Path) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(Path(__file__).resolve()), "--worker", path,
-               "--bundle", str(bundle), "--model-dir", str(model_dir), "--weights", str(weights),
+def launch(path: str, args, bundle: Path, model_dir: Path, out: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(Path(__file__).resolve()), "--worker", path,
+               "--bundle", str(bundle), "--model-dir", str(model_dir),
                "--steps", str(args.steps), "--out", str(out), "--t0", repr(time.time())]
     proc = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -99,13 +89,13 @@ def run_benchmark(args) -> dict:
         tmp = Path(tmp)
         project = make_project(tmp / "project")
         generate_s = generate_bundle(project)
-        model_dir, weights = tmp / "tiny-qwen3-moe", tmp / "state_dict.safetensors"
-        save_checkpoint(model_dir, weights)
+        model_dir = tmp / "tiny-qwen3-moe"
+        save_checkpoint(model_dir)
         runs: dict[str, list[dict]] = {path: [] for path in PATHS}
         for repeat in range(args.repeats):
             for path in PATHS:
                 runs[path].append(launch(path, args, project / "recipes/tiny_cpu/generated", model_dir,
-                                         weights, tmp / f"{path}{repeat}.json"))
+                                         tmp / f"{path}{repeat}.json"))
     report = {"world_size": 2, "steps": args.steps, "repeats": args.repeats, "generate_s": round(generate_s, 3)}
     for path in PATHS:
         report[path] = {
@@ -132,24 +122,27 @@ def print_table(report: dict) -> None:
 # --- worker (runs under torchrun) ------------------------------------------------------------
 
 
-def build_gen(bundle: str, model_dir: str, weights: str):
-    import torch
+def build_gen(bundle: str, model_dir: str):
+    """What HyperAutoModel's gen path does: the bundle's class on the meta device, its
+    hyper_parallelize(), then only this rank's slices read from the checkpoint."""
+    import accelerate
     import transformers
-    from safetensors.torch import load_file
 
     from hyper_parallel.codegen.loader import load_generated_module
     from hyper_parallel.codegen.meta import load_codegen_meta
     from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+    from hyper_parallel.distributed.sharded_load import materialize_and_load
 
     dims = ParallelDims(tp=2)
     mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
     module = load_generated_module(bundle)
     config = transformers.AutoConfig.from_pretrained(model_dir)
     config._attn_implementation = "eager"
-    with torch.device("cpu"):
+    with accelerate.init_empty_weights(include_buffers=False):
         model = getattr(module, load_codegen_meta(bundle)["model"]["model_class"])(config)
-    model.load_state_dict(load_file(weights), strict=True)
-    return module.hyper_parallelize(model, mesh_context)
+    module.hyper_parallelize(model, mesh_context)
+    materialize_and_load(model, model_dir)
+    return model
 
 
 def build_peer(model_dir: str):
@@ -164,7 +157,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    model = build_gen(args.bundle, args.model_dir, args.weights) if args.worker == "gen" else build_peer(args.model_dir)
+    model = build_gen(args.bundle, args.model_dir) if args.worker == "gen" else build_peer(args.model_dir)
     batch = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step_times, first_loss, first_loss_at = [], None, None
@@ -191,9 +184,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps after the first (>= 20)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per path (medians are reported)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON here")
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
-    for hidden in ("--bundle", "--model-dir", "--weights", "--out"):
+    for hidden in ("--bundle", "--model-dir", "--out"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -203,10 +196,9 @@ def main() -> None:
     if args.steps < 20:
         parser.error(f"--steps must be >= 20, got {args.steps}")
     report = run_benchmark(args)
+    print_table(report)
     if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print_table(report)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -82,11 +81,8 @@ def main() -> None:
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(model_dir / "model.safetensors"))
         del model
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.tp}",
-                        f"--master_port={port}", str(Path(__file__).resolve()), "--worker", str(model_dir), tmp],
+                        "--standalone", str(Path(__file__).resolve()), "--worker", str(model_dir), tmp],
                        check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
         rows = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.tp)]
     for row in rows:

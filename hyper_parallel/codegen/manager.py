@@ -19,7 +19,6 @@ from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TrainerConfig
 
 Log = Callable[[str], None]
-GENERATE_STAGES = STAGES  # through the torchrun preflight
 DEFAULT_WAIT_TIMEOUT_S = 600.0
 
 
@@ -31,7 +30,7 @@ def load_spec(config_path: str | Path, workspace_root: str | Path | None = None)
     return project_codegen_spec(load_training_config(config_path), workspace_root=workspace_root)
 
 
-def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = GENERATE_STAGES, *, force: bool = False,
+def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bool = False,
                  log: Log = print) -> list[str]:
     """Run every stale stage in order; return the names of the stages that ran."""
     ran = []

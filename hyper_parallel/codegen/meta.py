@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.artifact import META_FILE
-from hyper_parallel.codegen.hash import sha256_bytes
+from hyper_parallel.codegen.hash import sha256_bytes, sha256_json
 from hyper_parallel.codegen.spec.types import CodegenSpec
 
 META_SCHEMA_VERSION = 1
@@ -39,7 +39,7 @@ def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, by
         "outputs": {name: sha256_bytes(data) for name, data in sorted(files.items())},
         "plan": {"entries": len(frozen["modules"]), "applied_axes": frozen["applied_axes"],
                  "recorded_axes": frozen["recorded_axes"],
-                 "sha256": sha256_bytes(json.dumps(frozen, sort_keys=True).encode())},
+                 "sha256": sha256_json(frozen)},
         "covered": {"sharding_plan": bool(frozen["modules"]),
                     "module_overrides": bool(spec.replacements)},
         "not_covered": list(NOT_COVERED),

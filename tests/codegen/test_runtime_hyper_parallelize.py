@@ -12,7 +12,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -56,11 +55,6 @@ def frozen_tp2_plan() -> dict:
                        [name for name, _ in model.named_modules()])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_generated_hyper_parallelize_matches_hf_under_torchrun(tmp_path):
     plan = frozen_tp2_plan()
@@ -75,8 +69,7 @@ def test_generated_hyper_parallelize_matches_hf_under_torchrun(tmp_path):
     reference = transformers.AutoModelForCausalLM.from_config(tiny_config())
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(tmp_path / "w.safetensors"))
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", "-m", "tests.codegen.test_runtime_hyper_parallelize",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.codegen.test_runtime_hyper_parallelize",
                "--generated", str(generated), "--weights", str(tmp_path / "w.safetensors"), "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

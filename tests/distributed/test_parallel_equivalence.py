@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.distributed.test_tp_equivalence import CONFIG_DIR, REPO, _free_port, _save_random_weights
+from tests.distributed.test_tp_equivalence import CONFIG_DIR, REPO, _save_random_weights
 
 # id: (world size, worker flags, applied axes, local logits shape for a [2, 12] batch,
 #      local shape of an experts down_proj [experts, hidden, intermediate])
@@ -35,8 +35,7 @@ def weights(tmp_path_factory):
 
 def launch_worker(world: int, flags: list[str], weights, out) -> subprocess.CompletedProcess:
     command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", "-m", "tests.distributed.tp_equivalence_worker",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--standalone", "-m", "tests.distributed.tp_equivalence_worker",
         "--config-dir", str(CONFIG_DIR), "--weights", str(weights), "--out", str(out), *flags,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -10,7 +10,6 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from hyper_parallel.codegen.check.preflight import free_port
 from tests.project_fixtures import REPO, run
 
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
@@ -46,8 +45,7 @@ def test_tp2_sharded_load_equals_hf_and_reads_less(tmp_path, layout):
     save_file(state, str(model_dir / "reference.safetensors.ref"))
     save_file(_per_expert(state) if layout == "per_expert" else state, str(model_dir / "model.safetensors"))
 
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}", "-m", "tests.distributed.sharded_load_worker",
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.distributed.sharded_load_worker",
                 "--model-dir", str(model_dir), "--out", str(tmp_path)], cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):

@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +14,6 @@ from safetensors.torch import save_file
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _save_random_weights(path: Path) -> None:
@@ -33,8 +27,7 @@ def test_tp2_loss_grads_and_step_match_single_process(tmp_path):
     weights = tmp_path / "weights.safetensors"
     _save_random_weights(weights)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", "-m", "tests.distributed.tp_equivalence_worker",
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.distributed.tp_equivalence_worker",
         "--config-dir", str(CONFIG_DIR), "--weights", str(weights), "--out", str(tmp_path),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +17,6 @@ FORMS = {"tp2": False, "tp2-sp": True}  # form name -> sequence_parallel
 UNSEEN_FAMILY = "fused_decoder"  # tests/families/custom_decoder.py, a family no planner table knows
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def save_random_hf_weights(config_dir: Path, path: Path, seed: int = 1234) -> Path:
     config = transformers.AutoConfig.from_pretrained(config_dir)
@@ -36,8 +30,7 @@ def run_cases(cases: list[dict], out: Path, timeout: int = 300) -> dict[str, lis
     """Run every case in one torchrun (world 2); returns ``{name: [rank0 result, rank1 result]}``."""
     cases_file = out / "cases.json"
     cases_file.write_text(json.dumps(cases, indent=1))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "tests.families.family_worker",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.families.family_worker",
                "--cases", str(cases_file), "--out", str(out)]
     run = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=timeout)

@@ -7,7 +7,6 @@ import json
 import math
 import sys
 
-from hyper_parallel.codegen.check.preflight import free_port
 from tests.models.model_helpers import GROUPED_EXPERTS_FACTORY, save_random_hf_weights, tiny_project_recipe
 from tests.project_fixtures import REPO, run
 
@@ -21,8 +20,7 @@ def test_from_pretrained_with_a_tp2_mesh_equals_single_process_hf(tmp_path):
                                                                                      "nproc_per_node: 2"))
     save_random_hf_weights(recipe.parent / "models/tiny-qwen3-moe", seed=4321)
 
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}", "-m", "tests.models.auto_model_tp_worker",
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.models.auto_model_tp_worker",
                 "--recipe", str(recipe), "--workspace", str(tmp_path / "project/generated"),
                 "--out", str(tmp_path), "--backends", ",".join(BACKENDS)], cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -11,7 +11,7 @@ import sys
 import torch
 import transformers
 
-from tests.families.family_cases import REPO, free_port
+from tests.families.family_cases import REPO
 
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
@@ -22,8 +22,7 @@ def test_transformers_tp_plan_auto_agrees_with_one_process_and_with_us(tmp_path)
     config = transformers.AutoConfig.from_pretrained(CONFIG_DIR)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "tests.peer.peer_worker",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.peer.peer_worker",
                "--model-dir", str(model_dir), "--out", str(tmp_path)]
     run = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=300)

@@ -9,7 +9,6 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from hyper_parallel.codegen.check.preflight import free_port
 from tests.project_fixtures import REPO, TINY_RECIPE, cli, run
 
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
@@ -26,8 +25,7 @@ def test_generated_bundle_at_tp2_equals_single_process_hf(project, tmp_path):
     weights = tmp_path / "weights.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
 
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}", "-m", "tests.pipeline.generated_tp_worker",
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.pipeline.generated_tp_worker",
                 "--bundle", str(bundle), "--config-dir", str(CONFIG_DIR), "--weights", str(weights),
                 "--out", str(tmp_path)], cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

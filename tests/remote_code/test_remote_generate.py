@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hyper_parallel.codegen.check.preflight import PreflightError, free_port, preflight_integrity_check
+from hyper_parallel.codegen.check.preflight import PreflightError, preflight_integrity_check
 from hyper_parallel.codegen.hash import sha256_file
 from hyper_parallel.codegen.loader import bundle_package_name, load_generated_module
 from hyper_parallel.codegen.manager import load_spec
@@ -97,8 +97,7 @@ def test_generated_model_at_tp2_equals_single_process_remote_model(generated, tm
     weights = tmp_path / "weights.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(weights))
 
-    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "tests.remote_code.remote_tp_worker",
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.remote_code.remote_tp_worker",
                "--bundle", str(project / BUNDLE), "--model-dir", str(model_dir), "--weights", str(weights),
                "--out", str(tmp_path)], cwd=REPO, env=OFFLINE_ENV)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -11,7 +11,6 @@ import transformers
 import yaml
 from safetensors.torch import save_file
 
-from hyper_parallel.codegen.check.preflight import free_port
 from hyper_parallel.config import load_training_config
 from hyper_parallel.trainer.data import global_batch, micro_batches
 from tests.project_fixtures import TINY_RECIPE, run
@@ -69,7 +68,7 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
 
     metrics = tmp_path / "metrics.json"
     proc = run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "hyper_parallel.trainer",
+                "--standalone", "-m", "hyper_parallel.trainer",
                 "--config", str(recipe), "--metrics", str(metrics)], cwd=project)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"step {STEPS}/{STEPS}" in proc.stdout

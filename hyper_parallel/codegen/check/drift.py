@@ -54,10 +54,10 @@ def installed_bundle_problems(spec: CodegenSpec) -> list[str]:
     expected = signature_from_spec(spec)
     if meta["signature"] != expected:
         problems.append(
-            f"{spec.artifact_dir / 'codegen_meta.json'}: signature mismatch: the recipe "
+            f"{spec.artifact_dir / META_FILE}: signature mismatch: the recipe "
             f"{spec.recipe_path.name} now gives {expected}, the bundle was built for {meta['signature']} "
             f"(a codegen input changed since generation)")
     if meta.get("modeling_file") != spec.modeling_file:
-        problems.append(f"{spec.artifact_dir / 'codegen_meta.json'}: modeling_file: expected "
+        problems.append(f"{spec.artifact_dir / META_FILE}: modeling_file: expected "
                         f"{spec.modeling_file!r}, got {meta.get('modeling_file')!r}")
     return problems + bundle_file_problems(spec.artifact_dir, meta)

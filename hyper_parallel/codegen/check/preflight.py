@@ -3,7 +3,6 @@
 import fnmatch
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -11,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.codegen.artifact import META_FILE
 from hyper_parallel.codegen.check.drift import bundle_file_problems, fix_command
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
-from hyper_parallel.codegen.artifact import META_FILE
 from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.types import CodegenSpec
 
@@ -110,11 +109,6 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
         f"bundle digest {report['digest'][:12]} identical on every rank")
     return report
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _last_error_line(output: str) -> str:

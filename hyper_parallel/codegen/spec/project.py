@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.hash import implementation_sha256, sha256_bytes, sha256_file, sha256_json
+from hyper_parallel.codegen.hash import implementation_sha256, sha256_file, sha256_json
 from hyper_parallel.codegen.source.resolver import ModelSource, SourceError, read_model_config, resolve_source
 from hyper_parallel.codegen.spec.types import (
     BUNDLE_IMPLEMENTATION,
@@ -179,12 +179,8 @@ def stage_signature(spec: CodegenSpec, stage: str, upstream: dict[str, str]) -> 
         "freeze": lambda: {},
         "emit": lambda: {"bundle_signature": signature_from_spec(spec), "modeling_file": spec.modeling_file},
         "diff": lambda: {"modeling_file": spec.modeling_file},
-        "install": lambda: {"artifact_dir": spec.artifact_dir_rel},
         "preflight": lambda: {"world_size": spec.parallel.world_size},
     }[stage]()
     return sha256_json({"stage": stage, "inputs": own, "upstream": upstream,
                         "implementation_sha256": implementation_sha256(STAGE_IMPLEMENTATION[stage])})
 
-
-def text_sha256(text: str) -> str:
-    return sha256_bytes(text.encode("utf-8"))
