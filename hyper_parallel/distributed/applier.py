@@ -47,6 +47,7 @@ from hyper_parallel.distributed.boundary_collectives import (
 )
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
+from hyper_parallel.distributed.model_parts import output_embeddings
 from hyper_parallel.distributed.partial_grads import reduce_partial_grad
 from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa: F401  (re-exported)
 from hyper_parallel.distributed.placements import as_placement
@@ -85,7 +86,7 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
         _install_hooks(module, fqn, config, sub_meshes[key], axes, shared)
         if _shards_states_on(config, EP_AXIS):
             install_expert_dispatch(module, fqn, owner.get_group(EP_AXIS), owner.size(owner_axes.index(EP_AXIS)))
-        if module is _output_embeddings(model):
+        if module is output_embeddings(model):
             _install_sharded_loss(model, fqn, config, sub_meshes[key], axes)
     return model
 
@@ -407,14 +408,6 @@ def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axe
 
 
 # --- loss on sharded logits ------------------------------------------------------------------
-
-
-def _output_embeddings(model: nn.Module):
-    getter = getattr(model, "get_output_embeddings", None)
-    try:
-        return getter() if getter else None
-    except (NotImplementedError, AttributeError):
-        return None
 
 
 def _install_sharded_loss(model: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes) -> None:

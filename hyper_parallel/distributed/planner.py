@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
+from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility, lint_plan
 from hyper_parallel.distributed.plan_overrides import merge_plan_overrides, overridden_modules
-from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.roles import (
     COLWISE_NAMES,
     FUSED_GATE_UP_NAMES,
@@ -132,10 +133,10 @@ class ShardingPlanner:
 
     def _structural_role(self, fqn: str, module: nn.Module) -> str:
         name = fqn.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Embedding) and module is _input_embeddings(self.model):
+        if isinstance(module, nn.Embedding) and module is input_embeddings(self.model):
             return "vocab_embedding"
         if isinstance(module, nn.Linear):
-            if module is _output_embeddings(self.model):
+            if module is output_embeddings(self.model):
                 return "lm_head"
             if name in COLWISE_NAMES:
                 return "colwise"
@@ -220,19 +221,3 @@ def _model_tp_hints(model: nn.Module) -> dict[str, str]:
     if prefix and hasattr(model, prefix):
         base = {f"{prefix}.{key}": style for key, style in base.items()}
     return {**base, **dict(getattr(type(model), "_tp_plan", None) or {})}
-
-
-def _input_embeddings(model: nn.Module):
-    getter = getattr(model, "get_input_embeddings", None)
-    try:
-        return getter() if getter else None
-    except (NotImplementedError, AttributeError):
-        return None
-
-
-def _output_embeddings(model: nn.Module):
-    getter = getattr(model, "get_output_embeddings", None)
-    try:
-        return getter() if getter else None
-    except (NotImplementedError, AttributeError):
-        return None

@@ -5,8 +5,6 @@ from typing import Any
 
 from hyper_parallel.codegen.emit.literal import render_literal
 
-PLAN_FORMAT = 1
-_PLAN_KEYS = ("format", "mesh", "applied_axes", "recorded_axes", "modules")
 
 HYPER_PARALLELIZE_DEF = '''
 
@@ -22,20 +20,10 @@ def hyper_parallelize(model, mesh_context):
 
 
 def check_frozen_plan(plan: Any) -> None:
-    """The shape the emitter relies on (the freeze stage validates the details)."""
-    if not isinstance(plan, dict):
-        raise ValueError(f"frozen_plan: expected a mapping, got {type(plan).__name__}")
-    missing = [key for key in _PLAN_KEYS if key not in plan]
-    if missing:
-        raise ValueError(f"frozen_plan: missing keys {missing}; expected {list(_PLAN_KEYS)}")
-    if plan["format"] != PLAN_FORMAT:
-        raise ValueError(f"frozen_plan.format: expected {PLAN_FORMAT}, got {plan['format']!r}")
-    mesh = plan["mesh"]
-    if not isinstance(mesh, dict) or len(mesh.get("axes", ())) != len(mesh.get("sizes", ())):
-        raise ValueError(f"frozen_plan.mesh: expected {{'axes': [...], 'sizes': [...]}} of equal length, got {mesh!r}")
-    if not isinstance(plan["modules"], dict):
-        raise ValueError(f"frozen_plan.modules: expected a mapping of module pattern to entry, "
-                         f"got {type(plan['modules']).__name__}")
+    """The shape the emitter relies on: the plan document format (one validator for it)."""
+    from hyper_parallel.distributed.plan_format import plan_from_json
+
+    plan_from_json(plan, where="frozen_plan")
 
 
 def render_parallel_section(plan: dict[str, Any]) -> str:
