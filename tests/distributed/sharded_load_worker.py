@@ -5,7 +5,6 @@ from safetensors; the result must equal the single-process HF model.
         --model-dir DIR --out OUT_DIR
 """
 
-import argparse
 import json
 from pathlib import Path
 
@@ -16,25 +15,20 @@ import transformers
 from safetensors.torch import load_file
 
 from hyper_parallel.distributed.applier import apply_sharding_plan
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
+from hyper_parallel.distributed.mesh import build_offline_mesh
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.distributed.sharded_load import materialize_and_load
-from tests.distributed.tp_equivalence_worker import compare_grads, loss_of
+from tests.distributed.tp_equivalence_worker import compare_grads, loss_of, start_tp2_worker
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-
-    dims = ParallelDims(tp=2)
-    mesh = build_device_mesh(dims, "cpu")
+    args, mesh_context = start_tp2_worker("--model-dir", "--out")
+    dims = mesh_context.dims
     config = transformers.AutoConfig.from_pretrained(args.model_dir)
     with accelerate.init_empty_weights(include_buffers=False):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     plan = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan()
-    apply_sharding_plan(model, plan.modules, MeshContext(mesh, dims))
+    apply_sharding_plan(model, plan.modules, mesh_context)
     report = materialize_and_load(model, args.model_dir)
 
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)

@@ -53,6 +53,16 @@ def compress_to_globs(plan_json: dict) -> dict:
     return out
 
 
+def start_tp2_worker(*flags: str) -> tuple[argparse.Namespace, MeshContext]:
+    """The common start of the world-2 workers: their (required) flags, then a tp 2 mesh."""
+    parser = argparse.ArgumentParser()
+    for flag in flags:
+        parser.add_argument(flag, required=True)
+    args = parser.parse_args()
+    dims = ParallelDims(tp=2)
+    return args, MeshContext(build_device_mesh(dims, "cpu"), dims)
+
+
 def loss_of(model, batch):
     return model(input_ids=batch, labels=batch).loss
 

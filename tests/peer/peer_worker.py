@@ -5,7 +5,6 @@ same tiny checkpoint, in the same run.
     python -m torch.distributed.run --nproc_per_node=2 -m tests.peer.peer_worker --model-dir D --out OUT_DIR
 """
 
-import argparse
 import json
 from pathlib import Path
 
@@ -14,8 +13,9 @@ import torch.distributed as dist
 import transformers
 
 from hyper_parallel.distributed.applier import apply_sharding_plan
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
+from hyper_parallel.distributed.mesh import MeshContext, build_offline_mesh
 from hyper_parallel.distributed.planner import ShardingPlanner
+from tests.distributed.tp_equivalence_worker import loss_of, start_tp2_worker
 
 
 def load(model_dir: str, **kwargs):
@@ -23,28 +23,19 @@ def load(model_dir: str, **kwargs):
                                                              dtype=torch.float32, **kwargs)
 
 
-def loss_of(model, batch) -> torch.Tensor:
-    return model(input_ids=batch, labels=batch).loss
-
-
-def ours(model_dir: str, dims: ParallelDims, device_mesh):
+def ours(model_dir: str, mesh_context: MeshContext):
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    dims = mesh_context.dims
     plan = ShardingPlanner(meta, dims=dims, mesh=build_offline_mesh(dims)).plan()
-    return apply_sharding_plan(load(model_dir), plan.modules, MeshContext(device_mesh, dims))
+    return apply_sharding_plan(load(model_dir), plan.modules, mesh_context)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-
-    dims = ParallelDims(tp=2)
-    device_mesh = build_device_mesh(dims, "cpu")
+    args, mesh_context = start_tp2_worker("--model-dir", "--out")
     peer = load(args.model_dir, tp_plan="auto")
-    parallel = ours(args.model_dir, dims, device_mesh)
+    parallel = ours(args.model_dir, mesh_context)
     reference = load(args.model_dir)
 
     vocab = reference.config.vocab_size

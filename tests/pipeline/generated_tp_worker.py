@@ -5,7 +5,6 @@ hyper_parallelize(), vs the single-process HF model on the same weights.
         --bundle B --config-dir C --weights W.safetensors --out OUT_DIR
 """
 
-import argparse
 import json
 from pathlib import Path
 
@@ -16,18 +15,11 @@ from safetensors.torch import load_file
 
 from hyper_parallel.codegen.loader import load_generated_module
 from hyper_parallel.codegen.meta import load_codegen_meta
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
-from tests.distributed.tp_equivalence_worker import build_model, compare_grads, loss_of
+from tests.distributed.tp_equivalence_worker import build_model, compare_grads, loss_of, start_tp2_worker
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    for flag in ("--bundle", "--config-dir", "--weights", "--out"):
-        parser.add_argument(flag, required=True)
-    args = parser.parse_args()
-
-    dims = ParallelDims(tp=2)
-    device_mesh = build_device_mesh(dims, "cpu")
+    args, mesh_context = start_tp2_worker("--bundle", "--config-dir", "--weights", "--out")
     config = transformers.AutoConfig.from_pretrained(args.config_dir)
     config._attn_implementation = "eager"
     weights = load_file(args.weights)
@@ -36,7 +28,7 @@ def main() -> None:
     model_class = getattr(module, load_codegen_meta(args.bundle)["model"]["model_class"])
     generated = model_class(config)
     generated.load_state_dict(weights, strict=True)
-    module.hyper_parallelize(generated, MeshContext(device_mesh, dims))
+    module.hyper_parallelize(generated, mesh_context)
     reference = build_model(config, weights)
 
     batch = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(11))

@@ -5,7 +5,6 @@ hyper_parallelize(), vs the single-process remote model on the same weights.
         --bundle B --model-dir M --weights W.safetensors --out OUT_DIR
 """
 
-import argparse
 import json
 from pathlib import Path
 
@@ -16,8 +15,7 @@ from safetensors.torch import load_file
 
 from hyper_parallel.codegen.loader import load_generated_module
 from hyper_parallel.codegen.meta import load_codegen_meta
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
-from tests.distributed.tp_equivalence_worker import compare_grads, loss_of
+from tests.distributed.tp_equivalence_worker import compare_grads, loss_of, start_tp2_worker
 
 
 def build_remote_model(model_dir: str, weights: dict | None = None):
@@ -32,13 +30,7 @@ def build_remote_model(model_dir: str, weights: dict | None = None):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    for flag in ("--bundle", "--model-dir", "--weights", "--out"):
-        parser.add_argument(flag, required=True)
-    args = parser.parse_args()
-
-    dims = ParallelDims(tp=2)
-    device_mesh = build_device_mesh(dims, "cpu")
+    args, mesh_context = start_tp2_worker("--bundle", "--model-dir", "--weights", "--out")
     weights = load_file(args.weights)
     reference, config = build_remote_model(args.model_dir, weights)
 
@@ -46,7 +38,7 @@ def main() -> None:
     model_class = getattr(module, load_codegen_meta(args.bundle)["model"]["model_class"])
     generated = model_class(config)
     generated.load_state_dict(weights, strict=True)
-    module.hyper_parallelize(generated, MeshContext(device_mesh, dims))
+    module.hyper_parallelize(generated, mesh_context)
 
     batch = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(11))
     ref_loss = loss_of(reference, batch)
