@@ -12,6 +12,8 @@ from hyper_parallel.components.modules.grouped_experts import (
     grouped_experts_class_for,
     replace_qwen3_moe_grouped_experts,
 )
+from hyper_parallel.components.modules import routed_experts
+from hyper_parallel.components.modules.routed_experts import ExpertRoutes, ExpertRows
 from hyper_parallel.distributed.roles import is_packed_experts
 from tests.models.model_helpers import TINY_MODEL_DIR
 
@@ -54,10 +56,10 @@ def run_with_grads(module, hidden, index, weights, grad_out):
     return out, hidden.grad, weights.grad, module.gate_up_proj.grad, module.down_proj.grad
 
 
-@pytest.mark.parametrize("max_padding_ratio", [2.0, 0.0], ids=["padded-bmm", "per-expert"])
-def test_matches_hf_experts_forward_and_backward(config, max_padding_ratio):
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_matches_hf_experts_forward_and_backward(config, layout):
     reference = hf_experts(config)
-    grouped = replace_qwen3_moe_grouped_experts(reference, max_padding_ratio=max_padding_ratio)
+    grouped = replace_qwen3_moe_grouped_experts(reference, layout=layout)
     hidden, index, weights = routing(config, hot_experts=5)  # experts 5, 6, 7 get no token
     assert set(index.unique().tolist()) <= {0, 1, 2, 3, 4}
     grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(2))
@@ -72,22 +74,43 @@ def test_matches_hf_experts_forward_and_backward(config, max_padding_ratio):
     assert torch.count_nonzero(actual[3][:5]) > 0
 
 
-def test_skewed_routing_takes_the_per_expert_path_and_still_matches(config):
-    """All tokens on one expert: padding would be 8x the rows, so rows run per expert."""
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_skewed_routing_matches(config, layout):
+    """All tokens on one expert (padding 8x the rows in the padded layout)."""
     reference = hf_experts(config)
-    grouped = replace_qwen3_moe_grouped_experts(reference)
+    grouped = replace_qwen3_moe_grouped_experts(reference, layout=layout)
     hidden, _, weights = routing(config, hot_experts=5)
     index = torch.stack([torch.full((TOKENS,), 3), torch.arange(TOKENS) % 2], dim=-1)  # expert 3 + experts 0/1
-    torch.testing.assert_close(grouped(hidden, index, weights), reference(hidden, index, weights), **TOLERANCE)
+    grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    expected = run_with_grads(reference, hidden, index, weights, grad_out)
+    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
+    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_auto_layout_packs_on_cpu_and_pads_elsewhere_while_padding_is_bounded(config):
+    grouped = replace_qwen3_moe_grouped_experts(hf_experts(config))
+    even = ExpertRoutes.of(torch.arange(16).reshape(8, 2) % 8, config.num_experts)  # 2 rows per expert
+    skewed = ExpertRoutes.of(torch.stack([torch.full((8,), 3), torch.arange(8) % 2], -1), config.num_experts)
+    assert not grouped._pads(even, torch.device("cpu"))
+    assert grouped._pads(even, torch.device("cuda"))
+    assert not grouped._pads(skewed, torch.device("cuda"))  # 8 experts x 8 rows for 16 routed rows
+    with pytest.raises(ValueError, match="layout 'dense'"):
+        replace_qwen3_moe_grouped_experts(hf_experts(config), layout="dense")
 
 
 def test_sentinel_expert_ids_select_nothing(config):
     """Id == num_experts (HF's expert-parallel sentinel) contributes nothing, as in HF."""
     reference = hf_experts(config)
-    grouped = replace_qwen3_moe_grouped_experts(reference)
     hidden, index, weights = routing(config, hot_experts=5)
     index[::3, 1] = config.num_experts
-    torch.testing.assert_close(grouped(hidden, index, weights), reference(hidden, index, weights), **TOLERANCE)
+    grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    expected = run_with_grads(reference, hidden, index, weights, grad_out)
+    for layout in ("packed", "padded"):
+        actual = run_with_grads(replace_qwen3_moe_grouped_experts(reference, layout=layout), hidden, index, weights,
+                                grad_out)
+        for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
+            torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{layout} {name}: {m}")
 
 
 def test_no_routed_tokens_gives_zeros(config):
@@ -183,3 +206,64 @@ def test_replacement_class_is_a_subclass_of_the_replaced_class():
     assert issubclass(grouped_class, CopiedExperts) and issubclass(grouped_class, GroupedExperts)
     assert grouped_experts_class_for(CopiedExperts) is grouped_class  # one class per original
     assert grouped_class.forward is GroupedExperts.forward
+
+
+@pytest.mark.parametrize("block_bytes", [1, 6000], ids=["one-expert-per-block", "few-experts-per-block"])
+def test_blocks_of_experts_match(config, monkeypatch, block_bytes):
+    """Rows walked a block of whole experts at a time (one expert per block when a single
+    row exceeds the budget) give the same outputs and gradients."""
+    monkeypatch.setattr(routed_experts, "BLOCK_BYTES", block_bytes)
+    reference = hf_experts(config)
+    grouped = replace_qwen3_moe_grouped_experts(reference, layout="packed")
+    hidden, index, weights = routing(config, hot_experts=6)
+    routes = ExpertRoutes.of(index, config.num_experts)
+    row_bytes = 4 * (3 * config.hidden_size + 4 * config.moe_intermediate_size)
+    blocks = ExpertRows.packed(routes).blocks(row_bytes)
+    assert len(blocks) > 1 and sum(block.count for block in blocks) == routes.count
+    assert [size for block in blocks for size in block.sizes] == routes.counts_list
+    grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(5))
+    expected = run_with_grads(reference, hidden, index, weights, grad_out)
+    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
+    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_without_grad_and_with_frozen_routing_weights(config, layout):
+    """No autograd (nothing kept for backward) and routing weights that need no gradient
+    (the unweighted output not kept) still match, and the parameters' gradients too."""
+    reference = hf_experts(config)
+    grouped = replace_qwen3_moe_grouped_experts(reference, layout=layout)
+    hidden, index, weights = routing(config, hot_experts=6)
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(hidden, index, weights), reference(hidden, index, weights), **TOLERANCE)
+    for module in (reference, grouped):
+        module.zero_grad(set_to_none=True)
+        module(hidden, index, weights).square().sum().backward()
+    torch.testing.assert_close(grouped.gate_up_proj.grad, reference.gate_up_proj.grad, **TOLERANCE)
+    torch.testing.assert_close(grouped.down_proj.grad, reference.down_proj.grad, **TOLERANCE)
+
+
+def test_other_activations_take_their_derivative_from_autograd(config):
+    config.hidden_act = "gelu"
+    reference = hf_experts(config)
+    grouped = replace_qwen3_moe_grouped_experts(reference)
+    hidden, index, weights = routing(config, hot_experts=6)
+    grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(6))
+    expected = run_with_grads(reference, hidden, index, weights, grad_out)
+    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
+    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_bfloat16_matches_hf_in_bfloat16(config):
+    reference = hf_experts(config).to(torch.bfloat16)
+    grouped = replace_qwen3_moe_grouped_experts(reference)
+    hidden, index, weights = routing(config, hot_experts=6)
+    hidden, weights = hidden.to(torch.bfloat16), weights.to(torch.bfloat16)
+    grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    expected = run_with_grads(reference, hidden, index, weights, grad_out)
+    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
+    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3, msg=lambda m, name=name: f"{name}: {m}")

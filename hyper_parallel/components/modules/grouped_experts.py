@@ -6,10 +6,10 @@ the same parameters (``gate_up_proj`` [E, 2I, H] packing gate and up along dim 1
 top_k_weights)`` and the same result. HF's eager forward loops over the experts in
 Python, gathers each expert's tokens with ``torch.where`` and slices the stacked
 weights per expert (whose backward allocates a full-size gradient per expert).
-Here the (token, expert) pairs are sorted by expert once and every expert runs in
-one padded ``bmm`` per projection; when routing is so uneven that padding would
-more than double the work, each expert's contiguous run of rows is multiplied
-on its own instead (still one sort, one gather and one scatter).
+Here the (token, expert) pairs are sorted by expert once and the experts run as
+grouped matmuls with a hand-written backward (``routed_experts``): on CPU one ``mm``
+per expert over its contiguous rows, elsewhere one padded ``bmm`` per projection
+unless routing is so uneven that padding would more than double the work.
 
 Sizes come from the parameter tensors at every call, never from a config: under the
 applier's ``local_map`` the module runs on tensor-parallel local shards
@@ -27,9 +27,12 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-# Pad every expert to the busiest one's row count while that costs at most this
-# many times the routed rows; beyond it the per-expert path wastes less.
+from hyper_parallel.components.modules.routed_experts import ExpertRoutes, ExpertRows, routed_experts
+
+# Off CPU, pad every expert to the busiest one's row count while that costs at most
+# this many times the routed rows; beyond it the packed layout wastes less.
 DEFAULT_MAX_PADDING_RATIO = 2.0
+LAYOUTS = ("auto", "packed", "padded")
 
 
 class GroupedExperts(nn.Module):
@@ -41,7 +44,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, *,
                  activation: str = "silu", initializer_range: float = 0.02,
-                 max_padding_ratio: float = DEFAULT_MAX_PADDING_RATIO,
+                 max_padding_ratio: float = DEFAULT_MAX_PADDING_RATIO, layout: str = "auto",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         # nn.Module.__init__ rather than super().__init__(): a grouped_experts_class_for()
         # class must not run the replaced class's __init__ (it allocates its own parameters).
@@ -53,6 +56,9 @@ class GroupedExperts(nn.Module):
         self.act_fn = ACT2FN[activation]
         self.initializer_range = initializer_range
         self.max_padding_ratio = max_padding_ratio
+        if layout not in LAYOUTS:
+            raise ValueError(f"GroupedExperts: layout {layout!r} is not one of {LAYOUTS}")
+        self.layout = layout
         # The attributes HF's @use_experts_implementation gives its experts, so code that
         # inspects an experts module (the planner's packed_experts role) reads the layout.
         self.is_transposed = False
@@ -73,89 +79,28 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
-                f"intermediate_dim={self.intermediate_dim}, activation={self.activation}")
+                f"intermediate_dim={self.intermediate_dim}, activation={self.activation}, layout={self.layout}")
 
+    # Eager under torch.compile: the row counts are data (one host sync per call), so
+    # a traced graph would be specialized to, and recompiled for, every routing.
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """``hidden_states`` [T, H], ``top_k_index`` / ``top_k_weights`` [T, K] → [T, H]."""
-        gate_up, down = self.gate_up_proj, self.down_proj
-        routes = ExpertRoutes.of(top_k_index, gate_up.shape[0])
-        out = torch.zeros_like(hidden_states)
+        routes = ExpertRoutes.of(top_k_index, self.gate_up_proj.shape[0])
         if routes.count == 0:
-            return out
-        rows = hidden_states[routes.token]
-        if routes.padded_size <= self.max_padding_ratio * routes.count:
-            expert_out = _padded_experts(rows, routes, gate_up, down, self.act_fn)
+            return torch.zeros_like(hidden_states)
+        if self._pads(routes, hidden_states.device):
+            rows = ExpertRows.padded_to_capacity(routes, hidden_states.shape[0], top_k_index.numel())
         else:
-            expert_out = _per_expert(rows, routes, gate_up, down, self.act_fn)
-        weighted = expert_out * top_k_weights.reshape(-1)[routes.pair, None]
-        # Rows are in expert order, so each token sums its experts in ascending expert
-        # order, the summation order of HF's per-expert index_add_.
-        out.index_add_(0, routes.token, weighted.to(out.dtype))
-        return out
+            rows = ExpertRows.packed(routes)
+        return routed_experts(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, rows, self.act_fn)
 
-
-class ExpertRoutes:
-    """The routed (token, expert) pairs sorted by expert; ``counts`` rows per expert."""
-
-    def __init__(self, pair: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
-                 counts: torch.Tensor, counts_list: list[int]) -> None:
-        self.pair = pair  # index into the flattened [T*K] routing arrays
-        self.token = token
-        self.expert = expert
-        self.counts = counts
-        self.counts_list = counts_list
-        self.count = sum(counts_list)
-        self.capacity = max(counts_list, default=0)
-
-    @classmethod
-    def of(cls, top_k_index: torch.Tensor, num_experts: int) -> "ExpertRoutes":
-        flat = top_k_index.reshape(-1)
-        # Stable: within an expert, pairs keep token order (HF's torch.where order).
-        expert, pair = torch.sort(flat, stable=True)
-        counts = torch.bincount(flat.clamp(max=num_experts), minlength=num_experts + 1)[:num_experts]
-        counts_list = counts.tolist()  # one host sync: the row counts size everything below
-        routed = sum(counts_list)
-        pair, expert = pair[:routed], expert[:routed]  # sentinels (id >= E) sort last
-        return cls(pair, pair // top_k_index.shape[-1], expert, counts, counts_list)
-
-    @property
-    def padded_size(self) -> int:
-        return len(self.counts_list) * self.capacity
-
-    def padded_slots(self) -> torch.Tensor:
-        """Each pair's row in an [E * capacity] buffer (expert e owns rows e*C .. e*C+C)."""
-        starts = torch.cumsum(self.counts, 0) - self.counts
-        rank_in_expert = torch.arange(self.count, device=self.expert.device) - starts[self.expert]
-        return self.expert * self.capacity + rank_in_expert
-
-
-def _padded_experts(rows: torch.Tensor, routes: ExpertRoutes, gate_up: torch.Tensor,
-                    down: torch.Tensor, act_fn) -> torch.Tensor:
-    """Every expert at once: rows scattered into [E, capacity, H], two bmm's, gathered back.
-    Padding rows are zero, so they add nothing to any gradient."""
-    num_experts = gate_up.shape[0]
-    slots = routes.padded_slots()
-    padded = rows.new_zeros(num_experts * routes.capacity, rows.shape[-1]).index_copy(0, slots, rows)
-    gate_up_out = torch.bmm(padded.view(num_experts, routes.capacity, -1), gate_up.transpose(1, 2))
-    gate, up = gate_up_out.chunk(2, dim=-1)
-    out = torch.bmm(act_fn(gate) * up, down.transpose(1, 2))
-    return out.reshape(num_experts * routes.capacity, -1).index_select(0, slots)
-
-
-def _per_expert(rows: torch.Tensor, routes: ExpertRoutes, gate_up: torch.Tensor,
-                down: torch.Tensor, act_fn) -> torch.Tensor:
-    """Each expert's contiguous run of rows on its own; only experts with rows run.
-    ``unbind`` gives all experts' weights through one autograd node (HF's per-expert
-    indexing allocates a full [E, ...] gradient for each expert)."""
-    gate_up_of, down_of = gate_up.unbind(0), down.unbind(0)
-    outs = []
-    for expert, chunk in enumerate(rows.split(routes.counts_list)):
-        if chunk.shape[0] == 0:
-            continue
-        gate, up = nn.functional.linear(chunk, gate_up_of[expert]).chunk(2, dim=-1)
-        outs.append(nn.functional.linear(act_fn(gate) * up, down_of[expert]))
-    return torch.cat(outs)
+    def _pads(self, routes: ExpertRoutes, device: torch.device) -> bool:
+        if self.layout != "auto":
+            return self.layout == "padded"
+        # On CPU a loop of mm's runs at the matmul rate already; padding only adds work.
+        return device.type != "cpu" and routes.padded_size <= self.max_padding_ratio * routes.count
 
 
 def grouped_experts_class_for(experts_class: type[nn.Module]) -> type[GroupedExperts]:
@@ -188,11 +133,11 @@ def replace_qwen3_moe_grouped_experts(module: nn.Module, **kwargs) -> GroupedExp
     (see :func:`grouped_experts_class_for`), on ``module``'s device and dtype, with its
     weights unless they are on the meta device. ``module`` is a ``Qwen3MoeExperts`` (HF's
     or a generated copy); sizes come from its tensors, so local shards work too.
-    ``kwargs``: ``max_padding_ratio``."""
-    unknown = sorted(set(kwargs) - {"max_padding_ratio"})
+    ``kwargs``: ``max_padding_ratio``, ``layout`` (``auto``, ``packed``, ``padded``)."""
+    unknown = sorted(set(kwargs) - {"max_padding_ratio", "layout"})
     if unknown:
         raise TypeError(f"replace_qwen3_moe_grouped_experts: unknown static argument(s) {unknown}; "
-                        f"expected only 'max_padding_ratio'")
+                        f"expected only 'max_padding_ratio' and 'layout'")
     params = dict(module.named_parameters(recurse=False))
     if set(params) != {"gate_up_proj", "down_proj"} or not hasattr(module, "act_fn"):
         raise TypeError(f"replace_qwen3_moe_grouped_experts: {type(module).__name__} has parameters "
