@@ -48,11 +48,21 @@ def _reference_losses(recipe_path) -> list[float]:
     return losses
 
 
+# Both Qwen3-MoE replacements, lowered into the generated model.
+REPLACEMENTS = [
+    {"match": "*.self_attn", "replace_module": {
+        "_target_": "hyper_parallel.models.qwen3_moe.adapter.replacements.replace_qwen3_moe_flash_attention"}},
+    {"match": "*.mlp.experts", "replace_module": {
+        "_target_": "hyper_parallel.models.qwen3_moe.adapter.replacements.replace_qwen3_moe_grouped_experts"}},
+]
+
 LAYOUTS = {
     "tp2": {"nproc_per_node": 2, "tp_size": 2},
     "dp2_fsdp2": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1},
     "tp2_cp2_ep2_sp_lp": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
                           "sequence_parallel": True, "loss_parallel": True},
+    "tp2_cp2_ep2_sp_lp_replaced": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
+                                   "sequence_parallel": True, "loss_parallel": True, "replacements": True},
 }
 
 
@@ -60,8 +70,11 @@ LAYOUTS = {
 def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layout):
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
-    data["accelerator"].update(LAYOUTS[layout])
-    world = LAYOUTS[layout]["nproc_per_node"]
+    accelerator = dict(LAYOUTS[layout])
+    if accelerator.pop("replacements", False):
+        data["plan_overrides"] = REPLACEMENTS
+    data["accelerator"].update(accelerator)
+    world = accelerator["nproc_per_node"]
     data["training"].update(steps=STEPS, global_batch_size=4, micro_batch_size=2, seq_len=12)
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     _save_weights(recipe.parent / data["model"]["pretrained_model_name_or_path"])
@@ -72,6 +85,9 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
                 "--config", str(recipe), "--metrics", str(metrics)], cwd=project)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"step {STEPS}/{STEPS}" in proc.stdout
+    if "plan_overrides" in data:  # the generated model applies the replacements
+        modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
+        assert "replace_qwen3_moe_grouped_experts" in modeling and "replace_qwen3_moe_flash_attention" in modeling
     got = [r["loss"] for r in json.loads(metrics.read_text())]
     want = _reference_losses(recipe)
     assert len(got) == STEPS
