@@ -9,14 +9,34 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def fully_shard_over_dp(model: nn.Module, dp_mesh) -> nn.Module:
+def expert_parallel_modules(layer: nn.Module) -> list[nn.Module]:
+    """Modules whose own parameters the plan placed on the expert mesh (an ``ep`` axis)."""
+    found = []
+    for module in layer.modules():
+        meshes = [getattr(param, "device_mesh", None) for param in module.parameters(recurse=False)]
+        if any(mesh is not None and "ep" in (mesh.mesh_dim_names or ()) for mesh in meshes):
+            found.append(module)
+    return found
+
+
+def fully_shard_over_dp(model: nn.Module, dp_mesh, expert_dp_mesh=None) -> nn.Module:
     """FSDP2 ``fully_shard`` over the dp mesh: each decoder layer, then the root.
 
     Gradients are averaged over dp, so with equal-sized per-rank batches the result is
-    the gradient of the global-batch mean loss."""
+    the gradient of the global-batch mean loss. Expert-parallel modules are sharded on
+    their own over ``expert_dp_mesh`` (the expert mesh's ``edp`` axis: the dp*cp ranks
+    that hold the same experts), since their ranks may overlap the dp mesh's. Their
+    gradients already sum the tokens of every rank of their ep group, so the reduction
+    over edp divides by dp, as for every other parameter."""
     from torch.distributed.fsdp import fully_shard
 
+    dp_size = dp_mesh.size()
     for layer in decoder_layers(model):
+        for experts in expert_parallel_modules(layer):
+            if expert_dp_mesh is None:
+                raise ValueError(f"{type(experts).__name__} is expert parallel; fully_shard_over_dp needs the "
+                                 "expert mesh's edp axis (expert_dp_mesh)")
+            fully_shard(experts, mesh=expert_dp_mesh).set_gradient_divide_factor(float(dp_size))
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model

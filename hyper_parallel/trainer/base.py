@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hyper_parallel.codegen.spec.project import check_launch_world_size
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.distributed.grad_norm import global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.models._transformers.model_builder import runtime_device_type
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens
@@ -26,6 +27,7 @@ from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_t
 class StepRecord:
     step: int
     loss: float
+    grad_norm: float
     tokens_per_s: float
     seconds: float
 
@@ -80,16 +82,18 @@ class BaseTrainer:
                 loss.backward()
                 value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
                 total = value if total is None else total + value
+            grad_norm = global_grad_norm(self.model.parameters())
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if dp_size > 1:
                 dist.all_reduce(total, group=self.mesh_context.device_mesh.get_group("dp"))
                 total /= dp_size
             seconds = time.perf_counter() - start
-            record = StepRecord(step + 1, total.item(), batch.numel() / seconds, seconds)
+            record = StepRecord(step + 1, total.item(), grad_norm, batch.numel() / seconds, seconds)
             records.append(record)
             if self.rank == 0 and (record.step % training.log_every == 0 or record.step == training.steps):
                 self.log(f"step {record.step}/{training.steps} | loss {record.loss:.6f} | "
+                         f"grad norm {record.grad_norm:.4f} | "
                          f"{record.tokens_per_s:,.0f} tok/s | {seconds:.2f}s")
         return records
 

@@ -1,5 +1,5 @@
 """The tiny recipe trains under torchrun with the gen backend, and its per-step losses
-equal single-process HF training on the same data and weights."""
+and gradient norms equal single-process HF training on the same data and weights."""
 
 import json
 import math
@@ -25,7 +25,8 @@ def _save_weights(model_dir) -> None:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(model_dir / "model.safetensors"))
 
 
-def _reference_losses(recipe_path) -> list[float]:
+def _reference_run(recipe_path) -> tuple[list[float], list[float]]:
+    """Per-step losses and gradient norms of single-process HF training."""
     config = load_training_config(recipe_path)
     model_dir = recipe_path.parent / config.model.pretrained_model_name_or_path
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
@@ -33,7 +34,7 @@ def _reference_losses(recipe_path) -> list[float]:
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                   weight_decay=opt.weight_decay, foreach=False)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(STEPS):
         batch = global_batch(step, config.training, config.dataset, model.config.vocab_size)
         parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "ref"))
@@ -42,10 +43,11 @@ def _reference_losses(recipe_path) -> list[float]:
             loss = model(input_ids=micro, labels=micro).loss / len(parts)
             loss.backward()
             total += loss.item()
+        grad_norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
-    return losses
+    return losses, grad_norms
 
 
 # Both Qwen3-MoE replacements, lowered into the generated model.
@@ -61,6 +63,10 @@ LAYOUTS = {
     "dp2_fsdp2": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1},
     "tp2_cp2_ep2_sp_lp": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
                           "sequence_parallel": True, "loss_parallel": True},
+    # ep over the dp ranks themselves (experts sharded by FSDP2 over edp = 1) ...
+    "dp2_ep2_fsdp2": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1, "ep_size": 2},
+    # ... and over the cp ranks, with each expert held by the 2 dp ranks (edp = 2).
+    "dp2_cp2_ep2_fsdp2": {"nproc_per_node": 4, "dp_size": 2, "cp_size": 2, "tp_size": 1, "ep_size": 2},
     "tp2_cp2_ep2_sp_lp_replaced": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
                                    "sequence_parallel": True, "loss_parallel": True, "replacements": True},
 }
@@ -88,9 +94,13 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
     if "plan_overrides" in data:  # the generated model applies the replacements
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
         assert "replace_qwen3_moe_grouped_experts" in modeling and "replace_qwen3_moe_flash_attention" in modeling
-    got = [r["loss"] for r in json.loads(metrics.read_text())]
-    want = _reference_losses(recipe)
+    records = json.loads(metrics.read_text())
+    got, got_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
+    want, want_norms = _reference_run(recipe)
     assert len(got) == STEPS
     assert got[-1] < got[0]  # it trains
     for step, (a, b) in enumerate(zip(got, want), start=1):
         assert math.isclose(a, b, rel_tol=1e-4), (step, got, want)
+    # AdamW hardly sees a gradient's scale; the norm does.
+    for step, (a, b) in enumerate(zip(got_norms, want_norms), start=1):
+        assert math.isclose(a, b, rel_tol=1e-4), (step, got_norms, want_norms)

@@ -183,7 +183,9 @@ def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
     if mesh_context is not None and config.accelerator.dp_size > 1:
         from hyper_parallel.distributed.fsdp import fully_shard_over_dp
 
-        fully_shard_over_dp(model, mesh_context.device_mesh["dp"])
+        expert_mesh = mesh_context.expert_mesh
+        fully_shard_over_dp(model, mesh_context.device_mesh["dp"],
+                            expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None)
     if training.compile:
         model.compile()
     return model

@@ -1,0 +1,34 @@
+"""The global gradient norm of a model spread over ranks."""
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def global_grad_norm(parameters) -> float:
+    """L2 norm of all gradients, as one process holding the whole model would compute it.
+
+    Every rank holds a part of every parameter (SPMD): a DTensor's local shard, or a
+    plain tensor replicated on all ranks. A part is held by ``world / (ways it is
+    sharded)`` ranks, so each rank adds its parts' squared norms divided by that count,
+    and one all-reduce sums them. Partial gradients are reduced first."""
+    world = dist.get_world_size()
+    total = torch.zeros((), dtype=torch.float64)
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        copies = world
+        if isinstance(grad, DTensor):
+            if any(placement.is_partial() for placement in grad.placements):
+                grad = grad.redistribute(placements=[Replicate() if placement.is_partial() else placement
+                                                     for placement in grad.placements])
+            # Every placement left is a shard of some kind (Shard, _StridedShard, ...).
+            ways = math.prod(grad.device_mesh.size(dim) for dim, placement in enumerate(grad.placements)
+                             if not placement.is_replicate())
+            copies, grad = world // ways, grad.to_local()
+        total += grad.detach().double().pow(2).sum().cpu() / copies
+    dist.all_reduce(total)
+    return math.sqrt(total.item())
