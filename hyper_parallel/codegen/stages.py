@@ -177,8 +177,22 @@ def run_install(spec: CodegenSpec, log: Log) -> None:
     frozen = read_upstream(files.frozen)
     meta = build_codegen_meta(spec, signature=signature_from_spec(spec), files=payload,
                               frozen=frozen["frozen"], model_class=frozen["model_class"])
+    replaced = installed_recipe(spec.artifact_dir)
+    if replaced is not None and replaced != spec.recipe_rel:
+        log(f"warning: {spec.artifact_dir} held the bundle of {replaced}; it now holds {spec.recipe_rel}'s. "
+            f"Recipes that share a folder share one bundle: give each its own model.codegen_artifact_dir")
     write_bundle_atomic(spec.artifact_dir, payload, meta)
     log(f"installed {spec.artifact_dir}")
+
+
+def installed_recipe(artifact_dir: Path) -> str | None:
+    """The recipe (relative to the bundle) the installed bundle was built from, if readable."""
+    from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
+
+    try:
+        return load_codegen_meta(artifact_dir).get("recipe")
+    except MetaError:
+        return None
 
 
 def run_preflight(spec: CodegenSpec, log: Log) -> None:

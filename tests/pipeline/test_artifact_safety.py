@@ -4,7 +4,8 @@ import pytest
 import yaml
 
 from hyper_parallel.codegen.artifact import ArtifactError, write_bundle_atomic
-from hyper_parallel.codegen.manager import clean_recipe, load_spec
+from hyper_parallel.codegen.manager import clean_recipe, load_spec, run_pipeline
+from hyper_parallel.codegen.spec.types import STAGES
 from hyper_parallel.config import RecipeError
 from tests.project_fixtures import TINY_RECIPE
 
@@ -36,3 +37,23 @@ def test_clean_leaves_a_foreign_folder_alone(project):
     with pytest.raises(ArtifactError, match="not removed"):
         clean_recipe(spec, log=lambda msg: None)
     assert (spec.artifact_dir / "notes.txt").exists()
+
+
+def test_installing_over_another_recipes_bundle_warns(project):
+    """Two recipes in one folder share its generated/ bundle (the seed's layout): the
+    second install says whose bundle it replaced and how to keep both."""
+    first = project / TINY_RECIPE
+    second = first.with_name("qwen3_moe_tiny_tp1.yaml")
+    data = yaml.safe_load(first.read_text())
+    data["accelerator"].update(nproc_per_node=1, tp_size=1)
+    second.write_text(yaml.safe_dump(data, sort_keys=False))
+    until_install = STAGES[:STAGES.index("install") + 1]
+    logs = []
+    for recipe in (first, first, second):
+        logs.append([])
+        run_pipeline(load_spec(recipe, project / "generated"), until_install, log=logs[-1].append)
+    assert not any("warning" in line for line in logs[0] + logs[1])
+    warnings = [line for line in logs[2] if "warning" in line]
+    assert len(warnings) == 1
+    assert "held the bundle of ../qwen3_moe_tiny.yaml; it now holds ../qwen3_moe_tiny_tp1.yaml's" in warnings[0]
+    assert "model.codegen_artifact_dir" in warnings[0]
