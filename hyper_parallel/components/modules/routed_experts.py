@@ -6,11 +6,14 @@ expert and projection, stacks the per-expert weight gradients at the end and sav
 every intermediate; HF's eager loop is worse still (indexing the stacked weights per
 expert gives each expert a full-size ``[E, ...]`` gradient to zero-fill and add).
 Here forward and backward each walk the rows once, write the weight gradients in
-place, and save only the gate/up projection and the activation.
+place, and keep only the gate/up projection, act(gate) and, when the routing weights
+need a gradient, the unweighted expert output. The arithmetic follows HF's autograd
+op for op, and the rows keep HF's order (by expert, then k, then token), so fp32
+outputs and parameter gradients are bit-identical to HF's eager experts.
 
 Two layouts of the same rows (``ExpertRows``):
 
-* packed: exactly the routed (token, expert) pairs sorted by expert; each expert's run
+* packed: exactly the routed (token, expert) pairs, grouped by expert; each expert's run
   of rows is one ``mm``. No wasted flops; the default on CPU, where a loop of ``mm``
   calls runs at the machine's matmul rate and padding would only add work.
 * padded: every expert gets ``capacity`` rows and each projection is one ``bmm`` over
