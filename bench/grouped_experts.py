@@ -40,7 +40,7 @@ from hyper_parallel.components.modules.routed_experts import ExpertRoutes
 GOAL_SPEEDUP = 2.0
 SHAPES = {"tiny": (64, 32), "small": (256, 128), "qwen3-30b-a3b": (2048, 768)}
 # A training step of the model-sized layer takes seconds with the eager loop.
-DEFAULT_REPEATS = {"tiny": 15, "small": 15, "qwen3-30b-a3b": 5}
+DEFAULT_REPEATS = {"tiny": 31, "small": 31, "qwen3-30b-a3b": 5}
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--repeats", type=int, help="timed repeats per shape (default: 15, 5 for qwen3-30b-a3b)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per shape (default: 31, 5 for qwen3-30b-a3b)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-implementation", default="eager", choices=("eager", "batched_mm", "grouped_mm"),
@@ -141,7 +141,7 @@ def bench_shape(args: argparse.Namespace, name: str, hidden_size: int, intermedi
     inputs = make_inputs(args, hidden_size)
     with torch.no_grad():
         max_diff = (hf(*inputs) - grouped(*inputs)).abs().max().item()
-    repeats = args.repeats or DEFAULT_REPEATS.get(name, 15)
+    repeats = args.repeats or DEFAULT_REPEATS.get(name, 31)
     result = {"shape": {"hidden": hidden_size, "intermediate": intermediate}, "repeats": repeats,
               "max_abs_diff_forward": max_diff}
     for phase, backward in (("forward", False), ("training_step", True)):
