@@ -12,11 +12,12 @@ standard library and torch; the applier is imported when it is first needed.
 import fnmatch
 import importlib
 import json
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
+
+from hyper_parallel.class_paths import class_paths
 
 # Set on every module a replacement produced: the keys of the entries applied to it.
 # A later call (the head model's __init__ after the base model's) skips those modules.
@@ -128,10 +129,10 @@ def _check_module_type(module: nn.Module, name: str, entry: Mapping[str, Any], o
     exact = bool(entry.get("exact_type"))
     classes = [type(module)] if exact else type(module).__mro__
     expected_class = _import_class(expected)
-    if any(cls is expected_class or expected in _class_paths(cls) for cls in classes):
+    if any(cls is expected_class or expected in class_paths(cls) for cls in classes):
         return
     hint = "" if expected_class is not None else "; note: module_type does not import"
-    raise ReplacementError(f"{origin}: module {name} is {_class_paths(type(module))[0]}, expected "
+    raise ReplacementError(f"{origin}: module {name} is {class_paths(type(module))[0]}, expected "
                            f"{'exactly ' if exact else ''}{expected} (match {entry['match']!r}){hint}")
 
 
@@ -144,16 +145,6 @@ def _import_class(dotted: str) -> type | None:
     except (ImportError, AttributeError, ValueError):
         return None
     return found if isinstance(found, type) else None
-
-
-def _class_paths(cls: type) -> list[str]:
-    """The dotted names ``cls`` answers to: its own, and for a class defined in a
-    generated modeling file, the same class in the HF module it was generated from."""
-    paths = [f"{cls.__module__}.{cls.__qualname__}"]
-    source = getattr(sys.modules.get(cls.__module__), "HYPER_SOURCE_MODULE", None)
-    if isinstance(source, str):
-        paths.append(f"{source}.{cls.__qualname__}")
-    return paths
 
 
 def _origin(entry: Mapping[str, Any], index: int) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
+from hyper_parallel.class_paths import class_paths
 from hyper_parallel.distributed.placement_text import PlacementTextError
 from hyper_parallel.distributed.placements import named_placement_from_text
 from hyper_parallel.distributed.plan_lint import PlanError
@@ -102,15 +103,15 @@ def _matching_modules(model: nn.Module, entry, where: str) -> list[str]:
 
 
 def _dotted(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return class_paths(cls)[0]
 
 
 def _is_subclass_of(module: nn.Module, dotted: str) -> bool:
-    return any(_dotted(cls) == dotted for cls in type(module).__mro__)
+    return any(dotted in class_paths(cls) for cls in type(module).__mro__)
 
 
 def _is_exactly(module: nn.Module, dotted: str) -> bool:
-    return _dotted(type(module)) == dotted
+    return dotted in class_paths(type(module))
 
 
 def _merge_into(config: ShardingConfig, entry, module: nn.Module, where: str, fqn: str) -> None:

@@ -12,12 +12,13 @@ STAGES = ("resolve", "derive", "freeze", "emit", "diff", "install", "preflight")
 # A change to one of these files reruns that stage; nothing else does.
 STAGE_IMPLEMENTATION = {
     "resolve": ("codegen/source", "codegen/spec", "codegen/hash.py"),
-    "derive": ("codegen/plan", "codegen/runtime.py", "distributed", "protocols", "models", "components"),
+    "derive": ("codegen/plan", "codegen/runtime.py", "class_paths.py", "distributed", "protocols", "models",
+               "components"),
     "freeze": ("codegen/plan/freeze.py", "distributed/placement_text.py"),
     "emit": ("codegen/emit", "codegen/astkit", "codegen/meta.py", "codegen/stages.py"),
     "diff": ("codegen/emit/diff.py",),
     "install": ("codegen/artifact.py",),
-    "preflight": ("codegen/check", "codegen/loader.py", "codegen/runtime.py", "distributed"),
+    "preflight": ("codegen/check", "codegen/loader.py", "codegen/runtime.py", "class_paths.py", "distributed"),
 }
 BUNDLE_IMPLEMENTATION = tuple(sorted({p for parts in STAGE_IMPLEMENTATION.values() for p in parts}))
 
