@@ -3,8 +3,11 @@
 All files are written into a hidden sibling temp directory, ``codegen_meta.json``
 last, then the directory is swapped in. With an existing bundle the swap is one
 ``renameat2(RENAME_EXCHANGE)`` call, so a reader sees the old complete bundle or the
-new complete one — even if this process is killed at any instant. Leftover temp
-directories from a killed run are removed by the next install.
+new complete one — even if this process is killed at any instant. Where the file
+system or the OS has no exchange (NFS, some overlay file systems, non-Linux), the old
+bundle is renamed aside and the new one renamed in: a reader may then briefly find no
+bundle, never a mixed one. Leftover temp directories from a killed run are removed by
+the next install.
 """
 
 import ctypes
@@ -105,16 +108,40 @@ def _swap_in(staging: Path, target: Path) -> None:
                                            f"model.codegen_artifact_dir in the recipe") from None
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR):
             raise
-    _exchange(staging, target)  # staging now holds the old bundle; the caller removes it
+    try:
+        _exchange(staging, target)  # staging now holds the old bundle; the caller removes it
+    except ExchangeUnsupported:
+        _replace_by_two_renames(staging, target)
+
+
+class ExchangeUnsupported(OSError):
+    """This file system or OS cannot exchange two paths in one call."""
 
 
 def _exchange(a: Path, b: Path) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        raise ExchangeUnsupported(errno.ENOSYS, "no renameat2 in this C library")
     at_fdcwd = -100
-    rc = libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc != 0:
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
         err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise ExchangeUnsupported(err, os.strerror(err))
         raise ArtifactError(err, f"cannot swap the new bundle into {b}: {os.strerror(err)}")
+
+
+def _replace_by_two_renames(staging: Path, target: Path) -> None:
+    """The old bundle aside (named like a staging dir, so a killed run's is cleaned up
+    by the next install), the new one in, the old one removed."""
+    aside = staging.with_name(staging.name + "-old")
+    os.rename(target, aside)
+    try:
+        os.rename(staging, target)
+    except OSError as exc:
+        os.rename(aside, target)  # put the old bundle back
+        raise ArtifactError(exc.errno, f"cannot move the new bundle into {target}: {exc.strerror}") from None
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -1,8 +1,13 @@
 """Install and clean only ever replace or remove a bundle folder, never user files."""
 
+import errno
+import subprocess
+import sys
+
 import pytest
 import yaml
 
+from hyper_parallel.codegen import artifact
 from hyper_parallel.codegen.artifact import ArtifactError, write_bundle_atomic
 from hyper_parallel.codegen.manager import clean_recipe, load_spec, run_pipeline
 from hyper_parallel.codegen.spec.types import STAGES
@@ -57,3 +62,36 @@ def test_installing_over_another_recipes_bundle_warns(project):
     assert len(warnings) == 1
     assert "held the bundle of ../qwen3_moe_tiny.yaml; it now holds ../qwen3_moe_tiny_tp1.yaml's" in warnings[0]
     assert "model.codegen_artifact_dir" in warnings[0]
+
+
+def test_without_rename_exchange_the_bundle_is_replaced_in_two_renames(tmp_path, monkeypatch):
+    """NFS and some overlay file systems refuse RENAME_EXCHANGE (EINVAL): the old bundle
+    goes aside, the new one in, and nothing is left behind."""
+    target = tmp_path / "generated"
+    write_bundle_atomic(target, {"modeling_x.py": b"X = 1\n"}, b'{"n": 1}\n')
+    calls = []
+
+    def refuse(a, b):
+        calls.append((a, b))
+        raise artifact.ExchangeUnsupported(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(artifact, "_exchange", refuse)
+    write_bundle_atomic(target, {"modeling_x.py": b"X = 2\n"}, b'{"n": 2}\n')
+    assert len(calls) == 1
+    assert (target / "modeling_x.py").read_bytes() == b"X = 2\n"
+    assert (target / "codegen_meta.json").read_bytes() == b'{"n": 2}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["generated"]
+
+
+def test_a_run_killed_between_the_two_renames_is_recovered_by_the_next_install(tmp_path):
+    """Killed with the old bundle aside and the new one not yet in: the next install
+    writes the bundle and removes the old one (its writer is dead)."""
+    target = tmp_path / "generated"
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    aside = tmp_path / f".hp-bundle-generated-{proc.pid}-0badc0de-old"
+    aside.mkdir()
+    (aside / "modeling_x.py").write_text("X = 1\n")
+    write_bundle_atomic(target, {"modeling_x.py": b"X = 2\n"}, b"{}\n")
+    assert (target / "modeling_x.py").read_bytes() == b"X = 2\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["generated"]
