@@ -19,15 +19,20 @@ outputs. Placements follow torchtitan's tensor/sequence parallel styles on ``tp`
 - embedding: vocab-parallel (weight ``Shard(0)``, output ``Partial`` → residual layout).
 - output (lm_head): colwise; logits ``Shard(-1)`` with loss parallel, else ``Replicate``.
 - MoE (not in the RFC's list; needed by every Qwen3-MoE layer): input gathered to
-  ``Replicate``; router and experts replicated over ``tp`` and run on local tensors
-  (``local_map``; their routing ops have no DTensor rules); expert parallelism, which
-  would shard the experts, is outside these helpers.
+  ``Replicate``; the router replicated over ``tp``; the experts tensor parallel like a
+  colwise/rowwise pair: each rank keeps its slice of the intermediate dim in both the
+  gate and the up half of ``gate_up_proj`` (``_StridedShard(1, split_factor=2)``, so the
+  local ``chunk(2)`` still pairs gate with up) and in ``down_proj`` (``Shard(2)``), and
+  the experts' output, a partial sum over ``tp``, is reduced to ``Replicate``. Both run
+  on local tensors (``local_map``; their routing ops have no DTensor rules). Expert
+  parallelism, which would split the experts themselves, is outside these helpers.
 
 Activation placements name only the ``tp`` axis: context parallel needs attention to
 gather K/V, which these components do not do yet.
 """
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.models.common.attention import GQAttention
 from hyper_parallel.models.common.decoder import Decoder
@@ -137,9 +142,10 @@ def _set_moe_sharding(moe_cfg: MoE.Config, *, x_placement: NamedPlacement, enabl
         local_map=True,
     )
     moe_cfg.experts.sharding_config = ShardingConfig(
-        state_shardings=_replicated_state("gate_up_proj", "down_proj"),
+        state_shardings={"gate_up_proj": dense_param_placement(tp=_StridedShard(1, split_factor=2)),
+                         "down_proj": dense_param_placement(tp=Shard(2))},
         in_src=(replicate, replicate, replicate), in_dst=(replicate, replicate, replicate),
-        out_src=replicate, out_dst=replicate, local_map=True,
+        out_src=_tp(Partial()), out_dst=replicate, local_map=True,
     )
     if isinstance(moe_cfg, SharedExpertMoE.Config):
         set_dense_ffn_sharding(moe_cfg.shared_expert, attn_x_placement=replicate, enable_sp=False)

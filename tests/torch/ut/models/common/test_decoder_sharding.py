@@ -3,6 +3,7 @@ sub-module config of a Decoder (written out literally here, not recomputed)."""
 
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.models.common import (
     SharedExpertMoE,
@@ -77,9 +78,10 @@ def expected_plan(*, loss_parallel: bool, enable_sp: bool) -> dict[str, Sharding
         "layers.1.moe": ShardingConfig(in_src=x, in_dst=R, out_src=R, out_dst=x),
         "layers.1.moe.router": ShardingConfig(state_shardings={"weight": R}, in_src=R, in_dst=R,
                                               out_src=(R, R, R), out_dst=(R, R, R), local_map=True),
-        "layers.1.moe.experts": ShardingConfig(state_shardings={"gate_up_proj": R, "down_proj": R},
-                                               in_src=(R, R, R), in_dst=(R, R, R), out_src=R, out_dst=R,
-                                               local_map=True),
+        # each rank: its slice of the intermediate dim in gate and up, and in down
+        "layers.1.moe.experts": ShardingConfig(
+            state_shardings={"gate_up_proj": tp(_StridedShard(1, split_factor=2)), "down_proj": tp(Shard(2))},
+            in_src=(R, R, R), in_dst=(R, R, R), out_src=tp(Partial()), out_dst=R, local_map=True),
     })
     return plan
 

@@ -49,12 +49,14 @@ def parallel_loss(model, ids, labels, mesh, loss_parallel_on: bool):
 
 def check_local_shapes(model, tp: int, where: str) -> list[str]:
     """The plan really split the tensor-parallel weights (not just replicated them)."""
-    attention = model.layers[0].attention
+    attention, experts = model.layers[0].attention, model.layers[0].moe.experts
     expected = {
         "tok_embeddings.weight": (model.tok_embeddings.weight, 0),
         "q_proj.weight": (attention.q_proj.weight, 0),
         "o_proj.weight": (attention.o_proj.weight, 1),
         "output.weight": (model.output.weight, 0),
+        "experts.gate_up_proj": (experts.gate_up_proj, 1),  # this rank's slice of gate and of up
+        "experts.down_proj": (experts.down_proj, 2),
     }
     errors = []
     for name, (param, dim) in expected.items():
