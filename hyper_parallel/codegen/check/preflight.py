@@ -112,6 +112,10 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
 
 
 def _last_error_line(output: str) -> str:
+    """The failing rank's own error (``[rankN]: SomeError: ...``) rather than torchrun's
+    ChildFailedError summary, which says only that a child failed."""
     lines = [ln for ln in output.splitlines() if ln.strip() and not ln.startswith(("W1", "I1", "*"))]
-    errors = [ln for ln in lines if "Error" in ln]
-    return (errors or lines or ["(no output)"])[-1]
+    errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+    from_ranks = [ln for ln in errors if ln.startswith("[rank") and "ChildFailedError" not in ln]
+    own = [ln for ln in errors if "ChildFailedError" not in ln and "elastic" not in ln]
+    return (from_ranks or own or errors or lines or ["(no output)"])[-1]

@@ -1,0 +1,24 @@
+"""A failed torchrun preflight reports the failing rank's own error, not torchrun's
+summary that only says a child failed."""
+
+import sys
+
+from hyper_parallel.codegen.check.preflight import _last_error_line
+from tests.project_fixtures import run
+
+
+def test_the_ranks_error_is_reported_not_torchruns_summary(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text("raise ValueError('bundle digest 1 differs from rank 0s 2')\n")
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)],
+               cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "ChildFailedError" in proc.stderr + proc.stdout  # what the old report showed
+    assert _last_error_line(proc.stderr + proc.stdout) == "ValueError: bundle digest 1 differs from rank 0s 2"
+
+
+def test_rank_prefixed_errors_win():
+    output = "\n".join(["[rank1]: Traceback (most recent call last):",
+                        "[rank1]: RuntimeError: local shard shape (2, 3) on rank 1",
+                        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"])
+    assert _last_error_line(output) == "[rank1]: RuntimeError: local shard shape (2, 3) on rank 1"
