@@ -66,6 +66,25 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
         if entry.when is not None and entry.when not in OVERRIDE_AXES:
             raise RecipeError(f"{where}: plan_overrides[{i}].when: expected one of "
                               f"{', '.join(OVERRIDE_AXES)}, got {entry.when!r}")
+    _validate_training(config, where)
+
+
+def _validate_training(config: TrainerConfig, where: str) -> None:
+    training, optimizer = config.training, config.optimizer
+    for key, least in (("steps", 1), ("global_batch_size", 1), ("micro_batch_size", 1), ("log_every", 1),
+                       ("seq_len", 2)):  # next-token loss needs two tokens
+        if getattr(training, key) < least:
+            raise RecipeError(f"{where}: training.{key}: expected an integer >= {least}, "
+                              f"got {getattr(training, key)}")
+    if training.max_grad_norm is not None and not training.max_grad_norm > 0:
+        raise RecipeError(f"{where}: training.max_grad_norm: expected a number > 0 (or null: no clipping), "
+                          f"got {training.max_grad_norm}")
+    if not optimizer.lr > 0:
+        raise RecipeError(f"{where}: optimizer.lr: expected a number > 0, got {optimizer.lr}")
+    if optimizer.weight_decay < 0:
+        raise RecipeError(f"{where}: optimizer.weight_decay: expected a number >= 0, got {optimizer.weight_decay}")
+    if len(optimizer.betas) != 2 or not all(0 <= beta < 1 for beta in optimizer.betas):
+        raise RecipeError(f"{where}: optimizer.betas: expected two numbers in [0, 1), got {optimizer.betas}")
 
 
 def _build(cls: type, data: Any, where: str, key: str) -> Any:

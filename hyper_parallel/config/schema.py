@@ -83,6 +83,7 @@ class TrainingConfig:
     log_every: int = 1
     activation_checkpointing: bool = False
     compile: bool = False
+    max_grad_norm: float | None = None  # clip the global gradient norm to this; None: no clipping
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The global gradient norm of a model spread over ranks."""
+"""The global gradient norm of a model spread over ranks, and clipping to it."""
 
 import math
 
@@ -32,3 +32,15 @@ def global_grad_norm(parameters) -> float:
         total += grad.detach().double().pow(2).sum().cpu() / copies
     dist.all_reduce(total)
     return math.sqrt(total.item())
+
+
+def clip_grads_to(parameters, total_norm: float, max_norm: float) -> None:
+    """Scale every gradient by ``max_norm / total_norm`` when the norm exceeds it, as
+    ``torch.nn.utils.clip_grad_norm_`` does (same coefficient, same epsilon)."""
+    coefficient = max_norm / (total_norm + 1e-6)
+    if coefficient >= 1.0:
+        return
+    with torch.no_grad():
+        for param in parameters:
+            if param.grad is not None:
+                param.grad.mul_(coefficient)

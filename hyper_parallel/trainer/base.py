@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hyper_parallel.codegen.spec.project import check_launch_world_size
 from hyper_parallel.config.schema import TrainerConfig
-from hyper_parallel.distributed.grad_norm import global_grad_norm
+from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.models._transformers.model_builder import runtime_device_type
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens
@@ -83,6 +83,8 @@ class BaseTrainer:
                 value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
                 total = value if total is None else total + value
             grad_norm = global_grad_norm(self.model.parameters())
+            if training.max_grad_norm is not None:
+                clip_grads_to(self.model.parameters(), grad_norm, training.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if dp_size > 1:

@@ -44,6 +44,8 @@ def _reference_run(recipe_path) -> tuple[list[float], list[float]]:
             loss.backward()
             total += loss.item()
         grad_norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        if config.training.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.training.max_grad_norm, foreach=False)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
@@ -59,12 +61,13 @@ REPLACEMENTS = [
 ]
 
 LAYOUTS = {
-    "tp2": {"nproc_per_node": 2, "tp_size": 2},
+    # Gradient norms are about 2.5 here: max_grad_norm 1.0 clips every step.
+    "tp2_clipped": {"nproc_per_node": 2, "tp_size": 2, "max_grad_norm": 1.0},
     "dp2_fsdp2": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1},
     "tp2_cp2_ep2_sp_lp": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
                           "sequence_parallel": True, "loss_parallel": True},
     # ep over the dp ranks themselves (experts sharded by FSDP2 over edp = 1) ...
-    "dp2_ep2_fsdp2": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1, "ep_size": 2},
+    "dp2_ep2_fsdp2_clipped": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1, "ep_size": 2, "max_grad_norm": 1.0},
     # ... and over the cp ranks, with each expert held by the 2 dp ranks (edp = 2).
     "dp2_cp2_ep2_fsdp2": {"nproc_per_node": 4, "dp_size": 2, "cp_size": 2, "tp_size": 1, "ep_size": 2},
     "tp2_cp2_ep2_sp_lp_replaced": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
@@ -79,9 +82,11 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
     accelerator = dict(LAYOUTS[layout])
     if accelerator.pop("replacements", False):
         data["plan_overrides"] = REPLACEMENTS
+    max_grad_norm = accelerator.pop("max_grad_norm", None)
     data["accelerator"].update(accelerator)
     world = accelerator["nproc_per_node"]
-    data["training"].update(steps=STEPS, global_batch_size=4, micro_batch_size=2, seq_len=12)
+    data["training"].update(steps=STEPS, global_batch_size=4, micro_batch_size=2, seq_len=12,
+                            max_grad_norm=max_grad_norm)
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     _save_weights(recipe.parent / data["model"]["pretrained_model_name_or_path"])
 
