@@ -1,21 +1,49 @@
 """``python -m torch.distributed.run --nproc_per_node=N -m hyper_parallel.trainer --config X.yaml``"""
 
 import argparse
+import os
 import sys
 
 import torch.distributed as dist
 
-from hyper_parallel.config import load_training_config
+from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.trainer.base import BaseTrainer, write_metrics
 
 
+EPILOG = """\
+example:
+  python -m torch.distributed.run --nproc_per_node=2 -m hyper_parallel.trainer \\
+      --config recipes/tiny_cpu/qwen3_moe_tiny.yaml
+
+The recipe's accelerator section sets the parallel sizes (their product is the number
+of processes to launch), modeling_backend / codegen pick the model (hf, custom, or the
+generated bundle, which rank 0 generates or reuses before training), and its training
+section sets steps, global_batch_size, micro_batch_size, seq_len, seed, log_every,
+activation_checkpointing, compile and max_grad_norm; optimizer sets AdamW's lr, betas
+and weight_decay; dataset is synthetic tokens or a local text file (kind: text, path).
+Rank 0 prints one line per log_every steps: loss, gradient norm, tokens/s.
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.trainer",
-                                     description="Train a recipe under torchrun (gloo on CPU).")
+    parser = argparse.ArgumentParser(
+        prog="python -m hyper_parallel.trainer", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a recipe under torchrun (gloo on CPU, nccl/hccl on accelerators).",
+        epilog=EPILOG)
     parser.add_argument("--config", required=True, help="the training recipe (YAML)")
-    parser.add_argument("--metrics", help="rank 0 writes per-step loss and tokens/s here (JSON)")
+    parser.add_argument("--metrics", help="rank 0 writes per-step loss, gradient norm and tokens/s here (JSON)")
     args = parser.parse_args(argv)
-    config = load_training_config(args.config)
+    try:
+        config = load_training_config(args.config)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ:
+        world = config.accelerator.nproc_per_node
+        print(f"error: {args.config}: the trainer runs under torchrun (this recipe needs {world} process(es) "
+              f"per node); run: python -m torch.distributed.run --nproc_per_node={world} "
+              f"-m hyper_parallel.trainer --config {args.config}", file=sys.stderr)
+        return 2
     trainer = BaseTrainer(config)
     records = trainer.train()
     if args.metrics and trainer.rank == 0:
