@@ -69,6 +69,8 @@ LAYOUTS = {
     # ep over the dp ranks themselves (experts sharded by FSDP2 over edp = 1) ...
     "dp2_ep2_fsdp2_clipped": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1, "ep_size": 2, "max_grad_norm": 1.0},
     # ... and over the cp ranks, with each expert held by the 2 dp ranks (edp = 2).
+    # FSDP2 over dp on top of tp (2D), with both replacements.
+    "dp2_tp2_fsdp2_replaced": {"nproc_per_node": 4, "dp_size": 2, "tp_size": 2, "replacements": True},
     "dp2_cp2_ep2_fsdp2": {"nproc_per_node": 4, "dp_size": 2, "cp_size": 2, "tp_size": 1, "ep_size": 2},
     "tp2_cp2_ep2_sp_lp_replaced": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
                                    "sequence_parallel": True, "loss_parallel": True, "replacements": True},
