@@ -116,11 +116,18 @@ def test_sentinel_expert_ids_select_nothing(config):
             torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{layout} {name}: {m}")
 
 
-def test_no_routed_tokens_gives_zeros(config):
-    grouped = replace_qwen3_moe_grouped_experts(hf_experts(config))
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_no_routed_tokens_gives_zeros_and_zero_gradients(config, layout):
+    """An expert-parallel rank may receive no tokens: its output is zero and its weights
+    get zero gradients, not none (data-parallel reductions expect one on every rank)."""
+    grouped = replace_qwen3_moe_grouped_experts(hf_experts(config), layout=layout)
     hidden, _, weights = routing(config, hot_experts=5)
     index = torch.full((TOKENS, config.num_experts_per_tok), config.num_experts)
-    assert torch.equal(grouped(hidden, index, weights), torch.zeros_like(hidden))
+    out, d_hidden, d_weights, d_gate_up, d_down = run_with_grads(grouped, hidden, index, weights,
+                                                                  torch.ones(TOKENS, config.hidden_size))
+    assert torch.equal(out, torch.zeros_like(hidden))
+    for grad in (d_hidden, d_weights, d_gate_up, d_down):
+        assert grad is not None and torch.count_nonzero(grad) == 0
 
 
 def test_factory_copies_weights_and_keeps_the_hf_identity(config):

@@ -87,9 +87,10 @@ class GroupedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """``hidden_states`` [T, H], ``top_k_index`` / ``top_k_weights`` [T, K] → [T, H]."""
+        # No early return when nothing is routed here: the result stays on the autograd
+        # graph, so the weights get zero gradients rather than none (a rank whose
+        # gradient is missing would skip the data-parallel reduction its peers wait in).
         routes = ExpertRoutes.of(top_k_index, self.gate_up_proj.shape[0])
-        if routes.count == 0:
-            return torch.zeros_like(hidden_states)
         if self._pads(routes, hidden_states.device):
             rows = ExpertRows.padded_to_capacity(routes, hidden_states.shape[0], top_k_index.numel())
         else:
