@@ -18,7 +18,7 @@ from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.mesh import build_offline_mesh
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.distributed.sharded_load import materialize_and_load
-from tests.distributed.tp_equivalence_worker import compare_grads, loss_of, start_tp2_worker
+from tests.distributed.tp_equivalence_worker import one_step_against_reference, start_tp2_worker
 
 
 def main() -> None:
@@ -33,12 +33,8 @@ def main() -> None:
 
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     reference.load_state_dict(load_file(str(Path(args.model_dir) / "reference.safetensors.ref")))
-    batch = torch.randint(0, config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
-    ref_loss = loss_of(reference, batch)
-    ref_loss.backward()
-    loss = loss_of(model, batch)
-    loss.backward()
-    failures, checked = compare_grads(reference, model)
+    ref_loss, loss, failures, checked = one_step_against_reference(reference, model, config.vocab_size,
+                                                                   seq_len=10, seed=3)
     full_bytes = sum(p.nbytes for p in reference.parameters())
     result = {"ref_loss": ref_loss.item(), "loss": loss.item(), "grad_failures": failures, "grads_checked": checked,
               "bytes_read": report.bytes_read, "full_param_bytes": full_bytes,

@@ -67,6 +67,18 @@ def loss_of(model, batch):
     return model(input_ids=batch, labels=batch).loss
 
 
+def one_step_against_reference(reference, model, vocab_size: int, *, seq_len: int, seed: int):
+    """Loss and backward of both models on one random batch; then their gradients
+    compared. Returns (reference loss, model loss, gradient failures, gradients checked)."""
+    batch = torch.randint(0, vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seed))
+    ref_loss = loss_of(reference, batch)
+    ref_loss.backward()
+    loss = loss_of(model, batch)
+    loss.backward()
+    failures, checked = compare_grads(reference, model)
+    return ref_loss, loss, failures, checked
+
+
 class DataParallelLoss:
     """The trainer's side of dp: each dp rank takes its rows of the global batch and
     normalises by the global number of label tokens, so the dp ranks' losses sum to

@@ -56,6 +56,18 @@ def run_with_grads(module, hidden, index, weights, grad_out):
     return out, hidden.grad, weights.grad, module.gate_up_proj.grad, module.down_proj.grad
 
 
+RESULTS = ("output", "d_hidden", "d_weights", "d_gate_up", "d_down")
+
+
+def assert_same_results(reference, grouped, hidden, index, weights, grad_out, **tolerance):
+    """Output and the four gradients of both modules agree; returns (expected, actual)."""
+    expected = run_with_grads(reference, hidden, index, weights, grad_out)
+    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
+    for name, want, got in zip(RESULTS, expected, actual):
+        torch.testing.assert_close(got, want, **(tolerance or TOLERANCE), msg=lambda m, name=name: f"{name}: {m}")
+    return expected, actual
+
+
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_matches_hf_experts_forward_and_backward(config, layout):
     reference = hf_experts(config)
@@ -64,11 +76,7 @@ def test_matches_hf_experts_forward_and_backward(config, layout):
     assert set(index.unique().tolist()) <= {0, 1, 2, 3, 4}
     grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(2))
 
-    expected = run_with_grads(reference, hidden, index, weights, grad_out)
-    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
-
-    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
-        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+    expected, actual = assert_same_results(reference, grouped, hidden, index, weights, grad_out)
     if layout == "packed":  # HF's rows in HF's order through HF's arithmetic: the same bits
         for index, name in ((0, "output"), (3, "d_gate_up"), (4, "d_down")):
             assert torch.equal(actual[index], expected[index]), name
@@ -85,10 +93,7 @@ def test_skewed_routing_matches(config, layout):
     hidden, _, weights = routing(config, hot_experts=5)
     index = torch.stack([torch.full((TOKENS,), 3), torch.arange(TOKENS) % 2], dim=-1)  # expert 3 + experts 0/1
     grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(3))
-    expected = run_with_grads(reference, hidden, index, weights, grad_out)
-    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
-    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
-        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+    assert_same_results(reference, grouped, hidden, index, weights, grad_out)
 
 
 def test_auto_layout_packs_on_cpu_and_pads_elsewhere_while_padding_is_bounded(config):
@@ -108,12 +113,9 @@ def test_sentinel_expert_ids_select_nothing(config):
     hidden, index, weights = routing(config, hot_experts=5)
     index[::3, 1] = config.num_experts
     grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(4))
-    expected = run_with_grads(reference, hidden, index, weights, grad_out)
     for layout in ("packed", "padded"):
-        actual = run_with_grads(replace_qwen3_moe_grouped_experts(reference, layout=layout), hidden, index, weights,
-                                grad_out)
-        for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
-            torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{layout} {name}: {m}")
+        grouped = replace_qwen3_moe_grouped_experts(reference, layout=layout)
+        assert_same_results(reference, grouped, hidden, index, weights, grad_out)
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
@@ -232,10 +234,7 @@ def test_blocks_of_experts_match(config, monkeypatch, block_bytes):
     assert len(blocks) > 1 and sum(block.count for block in blocks) == routes.count
     assert [size for block in blocks for size in block.sizes] == routes.counts_list
     grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(5))
-    expected = run_with_grads(reference, hidden, index, weights, grad_out)
-    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
-    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
-        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+    assert_same_results(reference, grouped, hidden, index, weights, grad_out)
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
@@ -260,10 +259,7 @@ def test_other_activations_take_their_derivative_from_autograd(config):
     grouped = replace_qwen3_moe_grouped_experts(reference)
     hidden, index, weights = routing(config, hot_experts=6)
     grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(6))
-    expected = run_with_grads(reference, hidden, index, weights, grad_out)
-    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
-    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
-        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+    assert_same_results(reference, grouped, hidden, index, weights, grad_out)
 
 
 def test_bfloat16_matches_hf_in_bfloat16(config):
@@ -272,8 +268,5 @@ def test_bfloat16_matches_hf_in_bfloat16(config):
     hidden, index, weights = routing(config, hot_experts=6)
     hidden, weights = hidden.to(torch.bfloat16), weights.to(torch.bfloat16)
     grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
-    expected = run_with_grads(reference, hidden, index, weights, grad_out)
-    actual = run_with_grads(grouped, hidden, index, weights, grad_out)
-    for name, want, got in zip(("output", "d_hidden", "d_weights", "d_gate_up", "d_down"), expected, actual):
-        assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3, msg=lambda m, name=name: f"{name}: {m}")
+    _, actual = assert_same_results(reference, grouped, hidden, index, weights, grad_out, rtol=2e-2, atol=2e-3)
+    assert all(got.dtype == torch.bfloat16 for got in actual)

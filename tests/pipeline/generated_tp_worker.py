@@ -8,14 +8,13 @@ hyper_parallelize(), vs the single-process HF model on the same weights.
 import json
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
 
 from hyper_parallel.codegen.loader import load_generated_module
 from hyper_parallel.codegen.meta import load_codegen_meta
-from tests.distributed.tp_equivalence_worker import build_model, compare_grads, loss_of, start_tp2_worker
+from tests.distributed.tp_equivalence_worker import build_model, one_step_against_reference, start_tp2_worker
 
 
 def main() -> None:
@@ -31,12 +30,8 @@ def main() -> None:
     module.hyper_parallelize(generated, mesh_context)
     reference = build_model(config, weights)
 
-    batch = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(11))
-    ref_loss = loss_of(reference, batch)
-    ref_loss.backward()
-    gen_loss = loss_of(generated, batch)
-    gen_loss.backward()
-    failures, checked = compare_grads(reference, generated)
+    ref_loss, gen_loss, failures, checked = one_step_against_reference(reference, generated, config.vocab_size,
+                                                                       seq_len=12, seed=11)
     result = {
         "rank": dist.get_rank(),
         "generated_class_module": type(generated).__module__,

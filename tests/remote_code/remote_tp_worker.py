@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from hyper_parallel.codegen.loader import load_generated_module
 from hyper_parallel.codegen.meta import load_codegen_meta
-from tests.distributed.tp_equivalence_worker import compare_grads, loss_of, start_tp2_worker
+from tests.distributed.tp_equivalence_worker import one_step_against_reference, start_tp2_worker
 
 
 def build_remote_model(model_dir: str, weights: dict | None = None):
@@ -40,12 +40,8 @@ def main() -> None:
     generated.load_state_dict(weights, strict=True)
     module.hyper_parallelize(generated, mesh_context)
 
-    batch = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(11))
-    ref_loss = loss_of(reference, batch)
-    ref_loss.backward()
-    gen_loss = loss_of(generated, batch)
-    gen_loss.backward()
-    failures, checked = compare_grads(reference, generated)
+    ref_loss, gen_loss, failures, checked = one_step_against_reference(reference, generated, config.vocab_size,
+                                                                       seq_len=12, seed=11)
     qkv = generated.get_submodule("model.layers.1.self_attn.qkv_proj").weight
     result = {
         "rank": dist.get_rank(),
