@@ -31,8 +31,13 @@ def task_diff():
     yield from tasks.stage_tasks("diff")
 
 
+def task_verify():
+    """run the staged bundle at the recipe's world size on a shrunk probe; compare with one process"""
+    yield from tasks.stage_tasks("verify")
+
+
 def task_install():
-    """swap the staged bundle into <recipe dir>/generated/ atomically"""
+    """swap the verified staged bundle into <recipe dir>/generated/ atomically"""
     yield from tasks.stage_tasks("install")
 
 
@@ -47,5 +52,5 @@ def task_generate():
 
 
 def task_check():
-    """verify the installed bundle against the recipe, then run the torchrun preflight"""
+    """installed bundle matches the recipe; verify it against one process; torchrun preflight"""
     yield from tasks.check_tasks()

@@ -18,9 +18,11 @@ EPILOG = """examples:
   python -m hyper_parallel.codegen --verbose check --config recipes/qwen3_moe.yaml
   python -m hyper_parallel.codegen clean --config recipes/qwen3_moe.yaml
 
-generate runs the stale stages (resolve, derive, freeze, emit, diff, install, preflight)
-and installs the bundle into <recipe folder>/generated/. check verifies the installed
-bundle against the recipe and runs the torchrun preflight. clean removes the bundle and
+generate runs the stale stages (resolve, derive, freeze, emit, diff, verify, install,
+preflight) and installs the bundle into <recipe folder>/generated/ only after verify ran
+it at the recipe's world size and matched one process (loss and every gradient). check
+compares the installed bundle with the recipe, verifies it again and runs the torchrun
+preflight. clean removes the bundle and
 the recipe's workspace under ./generated/. Under torchrun, rank 0 generates and the
 other ranks wait for it; every rank then runs the integrity preflight."""
 
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="print per-stage progress and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("generate", "build the bundle (only stale stages run)"),
-                       ("check", "verify the installed bundle and run the torchrun preflight"),
+                       ("check", "check the installed bundle, verify it against one process, run the preflight"),
                        ("clean", "remove the installed bundle and the workspace")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("--config", required=True, help="the training recipe (YAML)")
@@ -78,6 +80,9 @@ def _dispatch(args: argparse.Namespace, log) -> int:
     if problems:
         print("\n".join(problems) + f"\n  fix: doit generate config={args.config}", file=sys.stderr)
         return 1
+    from hyper_parallel.codegen.stages import verify_installed
+
+    verify_installed(spec, log)
     run_pipeline(spec, ["preflight"], force=True, log=log)
     print(f"{spec.artifact_dir}: check passed")
     return 0

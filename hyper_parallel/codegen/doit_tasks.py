@@ -38,7 +38,9 @@ _DOC = {
     "freeze": "validate, normalize and pattern-compress the plan",
     "emit": "write the generated modeling file and __init__.py (staged)",
     "diff": "diff the generated file against the HF source (staged)",
-    "install": "swap the staged bundle into <recipe dir>/generated/ atomically",
+    "verify": "run the staged bundle at the recipe's world size on a shrunk probe; compare loss and gradients "
+              "with one process",
+    "install": "swap the verified staged bundle into <recipe dir>/generated/ atomically",
     "preflight": "torchrun across the recipe's world size: apply the plan, check shards and digests",
 }
 
@@ -87,12 +89,13 @@ def run_stage_action(stage: str, path: str):
 
 def check_action(path: str):
     from hyper_parallel.codegen.check.drift import fix_command, installed_bundle_problems
-    from hyper_parallel.codegen.stages import run_stage
+    from hyper_parallel.codegen.stages import run_stage, verify_installed
     try:
         spec = spec_for(path)
         problems = installed_bundle_problems(spec)
         if problems:
             return TaskFailed("\n".join(problems) + f"\n  fix: {fix_command(spec)}")
+        verify_installed(spec, log=lambda msg: print(f"   {msg}", flush=True))
         run_stage(spec, "preflight", log=lambda msg: print(f"   {msg}", flush=True))
     except Exception as exc:
         return _failure(exc, path)
@@ -117,9 +120,10 @@ def _workspace_file(path: str, name: str) -> str:
 
 
 _OUTPUTS = {"resolve": "source.json", "derive": "plan.json", "freeze": "frozen.json",
-            "emit": "emit.json", "diff": "diff.json"}
+            "emit": "emit.json", "diff": "diff.json", "verify": "verify.json"}
 _FILE_DEP = {"derive": ["resolve"], "freeze": ["derive"], "emit": ["freeze", "resolve"],
-             "diff": ["emit", "resolve"], "install": ["emit", "diff"]}
+             "diff": ["emit", "resolve"], "verify": ["emit"],
+             "install": ["emit", "diff", "verify"]}
 
 
 def stage_tasks(stage: str):
@@ -151,5 +155,5 @@ def generate_tasks():
 
 def check_tasks():
     for path in selected_recipes():
-        yield {"name": _rid(path), "doc": "installed bundle matches the recipe; torchrun preflight",
+        yield {"name": _rid(path), "doc": "installed bundle matches the recipe; verify; torchrun preflight",
                "actions": [(check_action, [path])], "uptodate": [False], "verbosity": 2}

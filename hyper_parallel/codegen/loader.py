@@ -41,18 +41,26 @@ def load_generated_module(artifact_dir: str | Path) -> ModuleType:
     """The bundle's modeling module (e.g. ``modeling_Qwen3_Moe_gen_npu``)."""
     artifact_dir = Path(artifact_dir).resolve()
     meta = load_codegen_meta(artifact_dir)
-    package = bundle_package_name(artifact_dir, meta["signature"])
-    name = f"{package}.{meta['modeling_file'][:-3]}"
+    return load_bundle_module(artifact_dir, meta["modeling_file"], meta["signature"])
+
+
+def load_bundle_module(bundle_dir: str | Path, modeling_file: str, key: str) -> ModuleType:
+    """The modeling module of a bundle folder, installed or staged (no meta yet): ``key``
+    (the bundle's signature, or a hash of the staged files) names the package, so other
+    bytes in the same folder import afresh."""
+    bundle_dir = Path(bundle_dir).resolve()
+    package = bundle_package_name(bundle_dir, key)
+    name = f"{package}.{modeling_file[:-3]}"
     if name in sys.modules:
         return sys.modules[name]
     _ensure_root_package()
     try:
-        _import_package(package, artifact_dir)
+        _import_package(package, bundle_dir)
         return importlib.import_module(name)
     except Exception as exc:
         for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
             del sys.modules[key]
-        raise BundleImportError(f"{artifact_dir / meta['modeling_file']}: import failed: "
+        raise BundleImportError(f"{bundle_dir / modeling_file}: import failed: "
                                 f"{type(exc).__name__}: {exc}") from exc
 
 

@@ -10,7 +10,7 @@ from hyper_parallel.codegen.spec.types import CodegenSpec
 
 META_SCHEMA_VERSION = 1
 REQUIRED_META_FIELDS = ("schema_version", "signature", "recipe", "source", "model", "parallel",
-                        "modeling_file", "outputs", "plan", "covered", "not_covered")
+                        "modeling_file", "outputs", "plan", "verified", "covered", "not_covered")
 NOT_COVERED = (
     "checkpoint_transforms: weight mapping and checkpoint conversion stay with the runtime (TODO)",
     "pipeline_parallel: pp_size is recorded; PP splitting is done by the trainer",
@@ -24,7 +24,7 @@ class MetaError(ValueError):
 
 
 def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, bytes],
-                       frozen: dict[str, Any], model_class: str) -> bytes:
+                       frozen: dict[str, Any], model_class: str, verified: dict[str, Any]) -> bytes:
     meta = {
         "schema_version": META_SCHEMA_VERSION,
         "signature": signature,
@@ -40,6 +40,7 @@ def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, by
         "plan": {"entries": len(frozen["modules"]), "applied_axes": frozen["applied_axes"],
                  "recorded_axes": frozen["recorded_axes"],
                  "sha256": sha256_json(frozen)},
+        "verified": verified,
         "covered": {"sharding_plan": bool(frozen["modules"]),
                     "module_overrides": bool(spec.replacements)},
         "not_covered": list(NOT_COVERED),

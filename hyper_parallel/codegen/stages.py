@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.artifact import META_FILE, write_bundle_atomic
-from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
+from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
 
@@ -53,19 +53,24 @@ class StageFiles:
         return self.spec.workspace / "diff.json"
 
     @property
+    def verify_stamp(self) -> Path:
+        return self.spec.workspace / "verify.json"
+
+    @property
     def preflight_stamp(self) -> Path:
         return self.spec.workspace / "preflight.json"
 
     def output(self, stage: str) -> Path:
         return {"resolve": self.source, "derive": self.plan, "freeze": self.frozen,
-                "emit": self.emit_stamp, "diff": self.diff_stamp,
+                "emit": self.emit_stamp, "diff": self.diff_stamp, "verify": self.verify_stamp,
                 "install": self.spec.artifact_dir / META_FILE,
                 "preflight": self.preflight_stamp}[stage]
 
     def upstream(self, stage: str) -> list[Path]:
         return {"resolve": [], "derive": [self.source], "freeze": [self.plan],
                 "emit": [self.frozen, self.source], "diff": [self.emit_stamp, self.source],
-                "install": [self.emit_stamp, self.diff_stamp],
+                "verify": [self.emit_stamp],
+                "install": [self.emit_stamp, self.diff_stamp, self.verify_stamp],
                 "preflight": [self.spec.artifact_dir / META_FILE]}[stage]
 
 
@@ -168,15 +173,60 @@ def run_diff(spec: CodegenSpec, log: Log) -> None:
     log(f"{spec.diff_file}: {sum(1 for line in diff.splitlines() if line[:1] in '+-')} changed lines")
 
 
+def run_verify(spec: CodegenSpec, log: Log) -> None:
+    from hyper_parallel.codegen.check.verify import verify_bundle
+
+    files = StageFiles(spec)
+    emitted = read_upstream(files.emit_stamp)["outputs"]
+    _check_staged(spec, emitted, "verify")
+    model_class = read_upstream(files.frozen)["model_class"]
+    report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], model_class, log)
+    write_json(files.verify_stamp, {"signature": expected_signature(spec, "verify"), "outputs": emitted,
+                                    "report": report})
+
+
+def _check_staged(spec: CodegenSpec, expected: dict[str, str], stage: str) -> None:
+    """The staged files are the bytes the earlier stage recorded (not edited since)."""
+    staged = StageFiles(spec).staged
+    for name, sha in expected.items():
+        path = staged / name
+        actual = sha256_file(path) if path.is_file() else "missing"
+        if actual != sha:
+            raise RuntimeError(f"{path}: changed since it was staged (sha256 {actual}, staged {sha}); {stage} "
+                               f"refuses it: run `doit generate config={spec.recipe_path}` to rebuild it")
+
+
+def verify_installed(spec: CodegenSpec, log: Log) -> dict[str, Any]:
+    """``doit check``: run verify on the installed bundle (what training will import)."""
+    from hyper_parallel.codegen.check.verify import verify_bundle
+    from hyper_parallel.codegen.meta import load_codegen_meta
+
+    meta = load_codegen_meta(spec.artifact_dir)
+    return verify_bundle(spec, spec.artifact_dir, meta["signature"], meta["model"]["model_class"],
+                         lambda msg: log(f"[verify] {msg}"))
+
+
+def verified_record(report: dict[str, Any]) -> dict[str, Any]:
+    """What codegen_meta.json says about the verify run (no timings: the meta is committed)."""
+    return {key: report[key] for key in ("mode", "world", "steps", "max_loss_rel", "max_grad_rel")}
+
+
 def run_install(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.meta import build_codegen_meta
 
     files = StageFiles(spec)
-    names = [*read_upstream(files.emit_stamp)["outputs"], *read_upstream(files.diff_stamp)["outputs"]]
+    emitted = read_upstream(files.emit_stamp)["outputs"]
+    verified = read_upstream(files.verify_stamp)
+    if verified.get("outputs") != emitted:
+        raise RuntimeError(f"{files.verify_stamp}: verified other staged bytes than {files.emit_stamp} lists; "
+                           f"run `doit generate config={spec.recipe_path}`")
+    names = [*emitted, *read_upstream(files.diff_stamp)["outputs"]]
+    _check_staged(spec, {**emitted, **read_upstream(files.diff_stamp)["outputs"]}, "install")
     payload = {name: (files.staged / name).read_bytes() for name in names}
     frozen = read_upstream(files.frozen)
     meta = build_codegen_meta(spec, signature=signature_from_spec(spec), files=payload,
-                              frozen=frozen["frozen"], model_class=frozen["model_class"])
+                              frozen=frozen["frozen"], model_class=frozen["model_class"],
+                              verified=verified_record(verified["report"]))
     replaced = installed_recipe(spec.artifact_dir)
     if replaced is not None and replaced != spec.recipe_rel:
         log(f"warning: {spec.artifact_dir} held the bundle of {replaced}; it now holds {spec.recipe_rel}'s. "
@@ -205,7 +255,7 @@ def run_preflight(spec: CodegenSpec, log: Log) -> None:
 
 STAGE_RUNNERS: dict[str, Callable[[CodegenSpec, Log], None]] = {
     "resolve": run_resolve, "derive": run_derive, "freeze": run_freeze, "emit": run_emit,
-    "diff": run_diff, "install": run_install, "preflight": run_preflight,
+    "diff": run_diff, "verify": run_verify, "install": run_install, "preflight": run_preflight,
 }
 assert tuple(STAGE_RUNNERS) == STAGES
 

@@ -133,6 +133,19 @@ def _resolve_targets(model: nn.Module, modules: Mapping) -> dict[str, ShardingCo
     return resolved
 
 
+def plan_entry_for(fqn: str, modules: Mapping) -> tuple[str, object] | None:
+    """``(key, entry)`` the applier uses for module ``fqn``: its exact key, else the last
+    glob that matches it (``_resolve_targets``' precedence); None when nothing matches.
+    Checks and reports use this, so they name the entry that was applied."""
+    if fqn in modules:
+        return fqn, modules[fqn]
+    found = None
+    for key, entry in modules.items():
+        if _is_glob(key) and fnmatch.fnmatchcase(fqn, key):
+            found = (key, entry)
+    return found
+
+
 def _is_glob(key: str) -> bool:
     return any(ch in key for ch in "*?[")
 
@@ -207,7 +220,7 @@ def _to_dtensor_parameter(param: nn.Parameter, placements, sub_mesh) -> nn.Param
     coords = sub_mesh.get_coordinate()
     local = param.detach()
     for placement, coord, mesh_dim in zip(placements, coords, range(sub_mesh.ndim)):
-        local = _local_piece(local, placement, sub_mesh.size(mesh_dim), coord)
+        local = local_piece(local, placement, sub_mesh.size(mesh_dim), coord)
     local = local.clone()  # own the shard's memory rather than view the full tensor
     dtensor = DTensor.from_local(local, sub_mesh, placements, run_check=False,
                                  shape=param.shape, stride=param.stride())
@@ -217,7 +230,10 @@ def _to_dtensor_parameter(param: nn.Parameter, placements, sub_mesh) -> nn.Param
     return new_param
 
 
-def _local_piece(tensor: torch.Tensor, placement, pieces: int, index: int) -> torch.Tensor:
+def local_piece(tensor: torch.Tensor, placement, pieces: int, index: int) -> torch.Tensor:
+    """The piece ``index`` of ``pieces`` that ``placement`` gives one mesh dim's rank. Applied
+    mesh dim by mesh dim, outermost first, this is the layout DTensor and FSDP2 use
+    (a ``_StridedShard`` is split inside the blocks of the shard applied after it)."""
     if isinstance(placement, _StridedShard):
         blocks = tensor.chunk(placement.split_factor, dim=placement.dim)
         return torch.cat([_chunk(block, placement.dim, pieces, index) for block in blocks], dim=placement.dim)

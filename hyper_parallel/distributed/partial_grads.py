@@ -8,11 +8,20 @@ group, so ``param.grad`` has the parameter's placements before ``backward()`` re
 with one collective instead of one per parameter.
 """
 
+import threading
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-_pending: list[torch.Tensor] = []
+# Per thread: each rank of a threaded (simulated) world runs its own backward.
+_local = threading.local()
+
+
+def _pending_params() -> list[torch.Tensor]:
+    if not hasattr(_local, "pending"):
+        _local.pending = []
+    return _local.pending
 
 
 def reduce_partial_grad(param: torch.Tensor) -> None:
@@ -20,9 +29,10 @@ def reduce_partial_grad(param: torch.Tensor) -> None:
     grad = param.grad
     if not isinstance(grad, DTensor) or tuple(grad.placements) == tuple(param.placements):
         return
-    if not _pending:
+    pending = _pending_params()
+    if not pending:
         torch.autograd.Variable._execution_engine.queue_callback(_reduce_pending)
-    _pending.append(param)
+    pending.append(param)
 
 
 def _summed_dims(grad_placements, param_placements) -> tuple[int, ...] | None:
@@ -40,8 +50,9 @@ def _summed_dims(grad_placements, param_placements) -> tuple[int, ...] | None:
 
 
 def _reduce_pending() -> None:
-    params = list(_pending)
-    _pending.clear()
+    pending = _pending_params()
+    params = list(pending)
+    pending.clear()
     buckets: dict[tuple, tuple[list, list]] = {}
     for param in params:
         grad = param.grad

@@ -3,7 +3,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.distributed.applier import _local_piece
+from hyper_parallel.distributed.applier import local_piece
 from hyper_parallel.distributed.placement_text import PlacementTextError, local_shard_shape
 from hyper_parallel.distributed.placements import (
     named_from_placements,
@@ -47,9 +47,9 @@ def test_packed_shard_slices_every_block():
     # the HF gate_up layout: [gate | up]; each rank keeps its half of both
     full = torch.arange(8)
     packed = _StridedShard(0, split_factor=2)
-    assert _local_piece(full, packed, 2, 0).tolist() == [0, 1, 4, 5]
-    assert _local_piece(full, packed, 2, 1).tolist() == [2, 3, 6, 7]
-    assert _local_piece(full, Shard(0), 2, 1).tolist() == [4, 5, 6, 7]
+    assert local_piece(full, packed, 2, 0).tolist() == [0, 1, 4, 5]
+    assert local_piece(full, packed, 2, 1).tolist() == [2, 3, 6, 7]
+    assert local_piece(full, Shard(0), 2, 1).tolist() == [4, 5, 6, 7]
 
 
 @pytest.mark.parametrize("shape, named, coords, expected", [

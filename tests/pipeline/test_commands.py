@@ -4,7 +4,7 @@ import sys
 
 from tests.project_fixtures import TINY_RECIPE, cli, doit, run
 
-STAGES = ["resolve", "derive", "freeze", "emit", "diff", "install", "preflight"]
+STAGES = ["resolve", "derive", "freeze", "emit", "diff", "verify", "install", "preflight"]
 
 
 def test_doit_list_shows_every_stage_and_the_entry_points(project):

@@ -1,6 +1,5 @@
 """Preflight (DESIGN §7): per-rank integrity checks and the torchrun launcher."""
 
-import fnmatch
 import json
 import os
 import subprocess
@@ -60,16 +59,9 @@ def bundle_digest(artifact_dir: Path, meta: dict[str, Any]) -> str:
     return sha256_bytes("\n".join(parts).encode())
 
 
-def plan_entry_for(module_fqn: str, modules: dict[str, Any]) -> tuple[str, dict] | None:
-    if module_fqn in modules:
-        return module_fqn, modules[module_fqn]
-    for key, entry in modules.items():
-        if fnmatch.fnmatchcase(module_fqn, key):
-            return key, entry
-    return None
-
-
 def uncovered_parameters(model: Any, modules: dict[str, Any]) -> list[str]:
+    from hyper_parallel.distributed.applier import plan_entry_for
+
     missing = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -82,8 +74,13 @@ def uncovered_parameters(model: Any, modules: dict[str, Any]) -> list[str]:
 
 
 def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dict[str, Any]:
-    """Run the preflight worker on ``world_size`` ranks with torchrun (gloo on CPU)."""
+    """Run the preflight worker on ``world_size`` ranks with torchrun (gloo on CPU); above
+    verify's process cap, in this one process (``preflight_in_process``)."""
+    from hyper_parallel.codegen.check.verify import max_processes
+
     world = spec.parallel.world_size
+    if world > max_processes():
+        return preflight_in_process(spec, log)
     with tempfile.TemporaryDirectory(prefix="hp-preflight-") as tmp:
         report_path = Path(tmp) / "report.json"
         # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
@@ -109,6 +106,45 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
         f"bundle digest {report['digest'][:12]} identical on every rank")
     return report
 
+
+
+def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[str, Any]:
+    """For a world larger than the host may start: integrity, import and plan coverage on
+    the full-size meta-device model, and each rank's shard of every parameter computed from
+    the plan (none may be empty). The plan itself ran at this world size in verify; the
+    bundle digests are compared across ranks when training starts."""
+    from hyper_parallel.codegen.loader import load_generated_module
+    from hyper_parallel.codegen.plan.derive import build_meta_model
+    from hyper_parallel.codegen.spec.project import signature_from_spec
+    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims, expert_mesh_layout, mesh_layout
+    from hyper_parallel.distributed.placement_text import local_shard_shape
+
+    fix = fix_command(spec)
+    report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec), fix=fix)
+    module = load_generated_module(spec.artifact_dir)
+    meta = load_codegen_meta(spec.artifact_dir)
+    model, _ = build_meta_model(spec, getattr(module, meta["model"]["model_class"]))
+    preflight_integrity_check(spec.artifact_dir, model=model, fix=fix)
+    p = spec.parallel
+    dims = ParallelDims(dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, pp=p.pp)
+    layouts = {"main": mesh_layout(dims), "expert": expert_mesh_layout(dims)}
+    checked = 0
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        key, entry = plan_entry_for(owner, module.HYPER_PARALLEL_PLAN["modules"])
+        placement = entry["state_shardings"][leaf]
+        axes, sizes = layouts["expert" if "ep" in placement else "main"]
+        for rank in range(p.world_size):
+            coords = list(OfflineMesh(tuple(axes), tuple(sizes)).coordinates(rank))
+            shape = local_shard_shape(tuple(param.shape), placement, list(axes), list(sizes), coords)
+            if 0 in shape and 0 not in param.shape:
+                raise PreflightError(f"{name}: plan entry {key!r} leaves rank {rank} an empty shard {shape} of "
+                                     f"{tuple(param.shape)}\n  fix: {fix}")
+        checked += 1
+    log(f"ok in one process for {p.world_size} ranks (above the process cap): {checked} parameters' shards "
+        f"computed for every rank; bundle digest {report['digest'][:12]} (compared across ranks at training start)")
+    return {**report, "params_checked": checked, "world_size": p.world_size, "mode": "in_process"}
 
 
 def _last_error_line(output: str) -> str:

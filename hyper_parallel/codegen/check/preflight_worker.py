@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_rank(config_path: str, rank: int, dist) -> dict:
-    from hyper_parallel.codegen.check.preflight import PreflightError, plan_entry_for, preflight_integrity_check
+    from hyper_parallel.codegen.check.preflight import PreflightError, preflight_integrity_check
+    from hyper_parallel.distributed.applier import plan_entry_for
     from hyper_parallel.codegen.loader import load_generated_module
     from hyper_parallel.codegen.meta import load_codegen_meta
     from hyper_parallel.codegen.plan.derive import build_meta_model

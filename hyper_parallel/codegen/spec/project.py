@@ -179,6 +179,7 @@ def stage_signature(spec: CodegenSpec, stage: str, upstream: dict[str, str]) -> 
         "freeze": lambda: {},
         "emit": lambda: {"bundle_signature": signature_from_spec(spec), "modeling_file": spec.modeling_file},
         "diff": lambda: {"modeling_file": spec.modeling_file},
+        "verify": lambda: {"parallel": spec.parallel.as_dict(), "attn_implementation": spec.attn_implementation},
         "preflight": lambda: {"world_size": spec.parallel.world_size},
     }[stage]()
     return sha256_json({"stage": stage, "inputs": own, "upstream": upstream,

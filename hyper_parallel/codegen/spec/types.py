@@ -6,7 +6,7 @@ from typing import Any
 
 from hyper_parallel.codegen.source.resolver import ModelSource
 
-STAGES = ("resolve", "derive", "freeze", "emit", "diff", "install", "preflight")
+STAGES = ("resolve", "derive", "freeze", "emit", "diff", "verify", "install", "preflight")
 
 # Which parts of the package each stage's output depends on (relative to hyper_parallel/).
 # A change to one of these files reruns that stage; nothing else does.
@@ -17,7 +17,9 @@ STAGE_IMPLEMENTATION = {
     "freeze": ("codegen/plan/freeze.py", "distributed/placement_text.py"),
     "emit": ("codegen/emit", "codegen/astkit", "codegen/meta.py", "codegen/stages.py"),
     "diff": ("codegen/emit/diff.py",),
-    "install": ("codegen/artifact.py",),
+    "verify": ("codegen/check", "codegen/loader.py", "codegen/runtime.py", "codegen/plan/derive.py", "class_paths.py",
+               "distributed", "protocols", "models", "components"),
+    "install": ("codegen/artifact.py", "codegen/meta.py"),
     "preflight": ("codegen/check", "codegen/loader.py", "codegen/runtime.py", "class_paths.py", "distributed"),
 }
 BUNDLE_IMPLEMENTATION = tuple(sorted({p for parts in STAGE_IMPLEMENTATION.values() for p in parts}))

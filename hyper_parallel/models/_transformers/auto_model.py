@@ -156,9 +156,28 @@ def prepare_codegen_artifact(config: TrainerConfig, *, rank: int | None = None, 
 
     spec = ensure_codegen_artifact(config, rank=rank, workspace_root=workspace_root, log=_LOG.info,
                                    timeout_s=DEFAULT_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
-    preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
-                              fix=fix_command(spec))
+    report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
+                                       fix=fix_command(spec))
+    _check_digests_agree(report["digest"], spec.artifact_dir, fix_command(spec))
     return spec.artifact_dir, load_generated_module(spec.artifact_dir), load_codegen_meta(spec.artifact_dir)
+
+
+def _check_digests_agree(digest: str, artifact_dir: Path, fix: str) -> None:
+    """Every rank imports the same bytes: a rank that sees another bundle (a stale copy on
+    a node-local disk) fails the start, named."""
+    import torch.distributed as dist
+
+    from hyper_parallel.codegen.check.preflight import PreflightError
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
+    if differing:
+        raise PreflightError(f"{artifact_dir}: bundle digest differs across ranks: rank 0 has {digests[0][:12]}, "
+                             f"rank(s) {differing} have {[digests[r][:12] for r in differing]}\n  fix: {fix} "
+                             f"and make the folder the same on every node")
 
 
 def _check_plan_covers(model: nn.Module, module: Any, artifact_dir: Path) -> None:

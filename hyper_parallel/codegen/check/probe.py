@@ -1,0 +1,181 @@
+"""The verify stage's probe: the recipe's model config shrunk so that the generated model
+runs in seconds on a CPU, keeping every property the frozen plan depends on.
+
+The rules (docs/guide/codegen.md, "What verify proves") are:
+
+- heads: kv heads become ``tp`` when they divide by tp (else they stay as they are); query
+  heads keep their ratio to kv heads; ``head_dim`` is kept as is;
+- widths: ``hidden_size`` 64 (or heads x head_dim where the config derives head_dim from
+  it), intermediate sizes 32, vocabulary 256 — each rounded up to a multiple of ``tp``;
+- experts: at least 2 per ep rank and at least top-k, a multiple of ``ep`` (and of the
+  router's group count); top-k is kept;
+- depth: the shortest prefix of the layers that holds every distinct layer kind the full
+  model has (a kind = the layer's module types and parameter shapes, and its attention
+  type: sliding vs full, dense vs sparse MLP, shared experts...); per-layer lists in the
+  config (``layer_types``) are cut to that prefix;
+- sliding windows shrink below the probe's sequence, so the window is exercised.
+
+Everything else (biases, tied embeddings, norms, rotary settings, activation) is the
+recipe's. A config that cannot be shrunk this way is refused, naming the config key.
+"""
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+HIDDEN = 64
+INTERMEDIATE = 32
+VOCAB = 256
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k")
+INTERMEDIATE_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "ffn_hidden_size", "expert_intermediate_size")
+TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id")
+# Attributes of a layer's modules that make two layers of equal structure different kinds.
+KIND_ATTRIBUTES = ("sliding_window", "is_sliding", "attention_type", "use_sliding_window", "is_causal")
+
+
+class ProbeError(ValueError):
+    """The model config cannot be shrunk faithfully; names the config key."""
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    """How the probe is run: one sequence of ``seq_len`` tokens per data-parallel rank."""
+
+    seq_len: int
+    batch: int
+
+
+def probe_shape(dp: int, cp: int, tp: int) -> ProbeShape:
+    """The sequence splits evenly over cp (in 2*cp load-balancing chunks) and tp (sequence
+    parallel): 4*cp*tp tokens, at least 8."""
+    return ProbeShape(seq_len=max(8, 4 * cp * tp), batch=dp)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _first_key(config: Any, keys: tuple[str, ...]) -> str | None:
+    return next((k for k in keys if isinstance(getattr(config, k, None), int)
+                 and not isinstance(getattr(config, k), bool)), None)
+
+
+def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) -> Any:
+    """A copy of ``config`` with the probe's widths (full depth); see the module docstring."""
+    probe = copy.deepcopy(config)
+    values: dict[str, Any] = {}
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        raise ProbeError(f"{where}: num_attention_heads: expected a positive integer to shrink the verify "
+                         f"probe by, got {heads!r}")
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv:
+        raise ProbeError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    head_dim = getattr(config, "head_dim", None)
+    kv_probe = tp if kv % tp == 0 and kv > tp else kv
+    values["num_attention_heads"] = kv_probe * (heads // kv)
+    if getattr(config, "num_key_value_heads", None) is not None:
+        values["num_key_value_heads"] = kv_probe
+    if isinstance(head_dim, int) and head_dim > 0:
+        values["hidden_size"] = _round_up(HIDDEN, tp)
+    else:  # head_dim derives from hidden_size / heads: keep the original head width
+        if config.hidden_size % heads:
+            raise ProbeError(f"{where}: hidden_size={config.hidden_size} is not a multiple of "
+                             f"num_attention_heads={heads}, and the config has no head_dim")
+        values["hidden_size"] = values["num_attention_heads"] * (config.hidden_size // heads)
+    for key in INTERMEDIATE_KEYS:
+        if isinstance(getattr(config, key, None), int) and getattr(config, key) > 0:
+            values[key] = _round_up(INTERMEDIATE, tp)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        values["vocab_size"] = _round_up(VOCAB, tp)
+    values.update(_expert_counts(config, ep, where))
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        values["sliding_window"] = max(2, seq_len // 2)
+    for key, value in values.items():
+        _set(probe, key, value, where)
+    for key in TOKEN_ID_KEYS:  # special tokens must stay inside the smaller vocabulary
+        token = getattr(probe, key, None)
+        if isinstance(token, int) and token >= values.get("vocab_size", math.inf):
+            _set(probe, key, values["vocab_size"] - 1 - TOKEN_ID_KEYS.index(key), where)
+    return probe
+
+
+def _expert_counts(config: Any, ep: int, where: str) -> dict[str, int]:
+    key = _first_key(config, EXPERT_COUNT_KEYS)
+    if key is None or getattr(config, key) <= 1:
+        return {}
+    experts = getattr(config, key)
+    top_k_key = _first_key(config, TOP_K_KEYS)
+    top_k = getattr(config, top_k_key) if top_k_key else 1
+    groups = getattr(config, "n_group", None) or 1
+    multiple = math.lcm(ep, groups)
+    if experts % multiple:
+        raise ProbeError(f"{where}: {key}={experts} is not a multiple of ep_size={ep} and n_group={groups}")
+    probe_experts = min(experts, _round_up(max(2 * ep, top_k, 4), multiple))
+    return {key: probe_experts}
+
+
+def _set(config: Any, key: str, value: Any, where: str) -> None:
+    try:
+        setattr(config, key, value)
+    except (TypeError, ValueError) as exc:  # strict configs validate on set
+        raise ProbeError(f"{where}: {key}: cannot shrink to {value!r} for the verify probe: {exc}") from None
+
+
+def cut_depth(config: Any, layers: int, where: str) -> Any:
+    """A copy of ``config`` with its first ``layers`` layers; per-layer lists cut alike."""
+    probe = copy.deepcopy(config)
+    full = config.num_hidden_layers
+    per_layer = {key: value[:layers] for key, value in vars(config).items()
+                 if isinstance(value, (list, tuple)) and len(value) == full and full > 1
+                 and key not in ("architectures",)}
+    # Set the lists and the depth together: strict configs check their lengths agree.
+    try:
+        probe.__dict__.update(per_layer)
+        probe.num_hidden_layers = layers
+    except (TypeError, ValueError) as exc:
+        raise ProbeError(f"{where}: num_hidden_layers: cannot cut to {layers} for the verify probe: {exc}") from None
+    return probe
+
+
+def layer_kinds(model: Any, config: Any) -> list[tuple]:
+    """One hashable kind per decoder layer: its modules' types and parameter shapes, the
+    kind attributes of its modules, and its entry in the config's ``layer_types``."""
+    layers = decoder_layers(model, config.num_hidden_layers)
+    types = getattr(config, "layer_types", None)
+    kinds = []
+    for index, layer in enumerate(layers):
+        parts = []
+        for name, module in layer.named_modules():
+            attrs = tuple((a, repr(getattr(module, a))) for a in KIND_ATTRIBUTES if hasattr(module, a))
+            params = tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False))
+            parts.append((name, type(module).__name__, params, attrs))
+        layer_type = types[index] if isinstance(types, (list, tuple)) and index < len(types) else None
+        kinds.append((layer_type, tuple(parts)))
+    return kinds
+
+
+def decoder_layers(model: Any, count: int) -> list[Any]:
+    """The model's repeated decoder blocks: the shallowest ModuleList of ``count`` entries."""
+    from torch import nn
+
+    lists = [(name.count("."), name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) and len(module) == count]
+    if not lists:
+        raise ProbeError(f"{type(model).__name__}: no ModuleList of num_hidden_layers={count} decoder layers")
+    return list(min(lists, key=lambda item: item[:2])[2])
+
+
+def shortest_faithful_depth(full_kinds: list[tuple]) -> int:
+    """The fewest leading layers that hold every kind of the full model."""
+    wanted = set(full_kinds)
+    seen: set = set()
+    for index, kind in enumerate(full_kinds):
+        seen.add(kind)
+        if seen == wanted:
+            return index + 1
+    return len(full_kinds)

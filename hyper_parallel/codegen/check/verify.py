@@ -1,0 +1,427 @@
+"""verify (DESIGN §4, §7): run a bundle's generated model at the recipe's world size and
+layout, on a shrunk probe of the recipe's model, and compare with one process.
+
+The probe (``probe.py``) keeps every property the frozen plan depends on. The reference
+is the source model class (HF's, or the model folder's remote code) unsharded, with the
+same weights and tokens: a lowered ``replace_module`` is checked against what it
+replaces. Two training steps (forward + backward, AdamW step, forward + backward); the
+loss (rtol 1e-5), the global gradient norm and every parameter's gathered gradient
+(rtol 1e-4 / atol 1e-6) must agree at both — a gradient counted twice on a replicated
+weight fails even when the losses agree.
+
+Ranks run as torchrun processes up to ``max_processes()`` (default 2 x CPUs,
+``$HYPER_PARALLEL_VERIFY_MAX_PROCS``), above it as threads of one process over torch's
+threaded process group (``verify_worker``): never more processes than the cap.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.codegen.check.verify_worker import LR, STEPS
+from hyper_parallel.codegen.spec.types import CodegenSpec
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+GRAD_ATOL = 1e-6
+OUTPUT_RTOL, OUTPUT_ATOL = 1e-4, 1e-5
+COLLECTIVE_TIMEOUT_S = 120
+LAUNCH_TIMEOUT_S = 900
+MAX_PROCS_ENV = "HYPER_PARALLEL_VERIFY_MAX_PROCS"
+
+Log = Callable[[str], None]
+
+
+class VerifyError(RuntimeError):
+    """The generated model does not train like one device; the message says where."""
+
+
+def max_processes() -> int:
+    """The most rank processes verify starts on this host (above it: threads)."""
+    raw = os.environ.get(MAX_PROCS_ENV)
+    if raw is None:
+        return 2 * (os.cpu_count() or 1)
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise VerifyError(f"${MAX_PROCS_ENV}: expected a positive integer, got {raw!r}")
+    return value
+
+
+def verify_mode(world: int) -> str:
+    """torchrun processes up to the cap; threads above it, and inside a launched job (the
+    training path's rank 0), which must not start a second launch of its own."""
+    if world > max_processes() or "TORCHELASTIC_RUN_ID" in os.environ:
+        return "threads"
+    return "torchrun"
+
+
+@dataclass
+class Probe:
+    config: Any
+    depth: int
+    full_depth: int
+    seq_len: int
+    weights: dict[str, Any]
+    tokens: Any
+
+
+def verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_class: str, log: Log) -> dict[str, Any]:
+    """Verify the bundle in ``bundle_dir`` (staged or installed); return the figures."""
+    start = time.perf_counter()
+    world = spec.parallel.world_size
+    mode = verify_mode(world)
+    with tempfile.TemporaryDirectory(prefix="hp-verify-") as tmp:
+        probe = build_probe(spec, Path(tmp) / "probe")
+        job = _job(spec, bundle_dir, bundle_key, model_class, Path(tmp), diagnose=False)
+        log(f"probe: {probe.depth} of {probe.full_depth} layer(s), hidden {probe.config.hidden_size}, "
+            f"{probe.seq_len} tokens x {spec.parallel.dp} sequence(s); {world} ranks as {mode}")
+        with _launched(job, mode, world) as proc:
+            expected = reference_run(spec, probe)  # while the ranks start and run
+            _finish(proc, job, mode, world, spec)
+        import torch
+
+        got = torch.load(job["result"], weights_only=True)
+        failure, figures = compare_runs(expected, got)
+        if failure is not None:
+            divergence = _first_divergence(spec, probe, bundle_dir, bundle_key, model_class, Path(tmp), mode, world)
+            raise VerifyError(_failure_message(spec, failure, divergence, bundle_dir, job, world, mode))
+    seconds = time.perf_counter() - start
+    report = {"mode": mode, "world": world, "steps": STEPS, **figures, "seconds": round(seconds, 2)}
+    log(f"ok: world {world} ({mode}), {STEPS} steps, max loss rel err {figures['max_loss_rel']:.1e}, "
+        f"max grad rel err {figures['max_grad_rel']:.1e}, {len(got['grads'][0])} parameters, {seconds:.1f}s")
+    return report
+
+
+# --- the probe and the reference -----------------------------------------------------------------
+
+def build_probe(spec: CodegenSpec, probe_dir: Path) -> Probe:
+    """Shrink the recipe's config, make seeded weights and tokens, save them for the ranks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hyper_parallel.codegen.check.probe import (
+        ProbeError,
+        cut_depth,
+        layer_kinds,
+        probe_shape,
+        shortest_faithful_depth,
+        shrink_widths,
+    )
+    from hyper_parallel.codegen.plan.derive import build_hf_config, trusts_remote_code
+
+    p = spec.parallel
+    where = f"{spec.model_dir / 'config.json'} (verify probe)"
+    shape = probe_shape(p.dp, p.cp, p.tp)
+    config = build_hf_config(spec)
+    config._attn_implementation = spec.attn_implementation
+    wide = shrink_widths(config, tp=p.tp, ep=p.ep, seq_len=shape.seq_len, where=where)
+    remote = trusts_remote_code(spec)
+    with torch.device("meta"):
+        full = AutoModelForCausalLM.from_config(wide, trust_remote_code=remote)
+    kinds = layer_kinds(full, wide)
+    depth = shortest_faithful_depth(kinds)
+    probe_config = cut_depth(wide, depth, where)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(probe_config, trust_remote_code=remote, dtype=torch.float32)
+    if layer_kinds(reference, probe_config) != kinds[:depth]:
+        raise ProbeError(f"{where}: num_hidden_layers: the first {depth} layer(s) of a {depth}-layer model differ "
+                         f"from the first {depth} of the {len(kinds)}-layer model (the config derives layer kinds "
+                         f"from the depth); verify cannot shrink this model faithfully")
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, probe_config.vocab_size, (shape.batch, shape.seq_len), generator=generator)
+    weights = {name: tensor.detach().clone() for name, tensor in reference.state_dict().items()}
+    probe_dir.mkdir(parents=True)
+    probe_config.save_pretrained(probe_dir)
+    torch.save({"weights": weights, "tokens": tokens}, probe_dir / "probe.pt")
+    return Probe(probe_config, depth, len(kinds), shape.seq_len, weights, tokens)
+
+
+def reference_model(spec: CodegenSpec, probe: Probe):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hyper_parallel.codegen.plan.derive import trusts_remote_code
+
+    model = AutoModelForCausalLM.from_config(probe.config, trust_remote_code=trusts_remote_code(spec),
+                                             dtype=torch.float32)
+    model.load_state_dict(probe.weights, strict=True)
+    return model.train()
+
+
+def reference_run(spec: CodegenSpec, probe: Probe) -> dict[str, list]:
+    """The probe unsharded in this process: what every rank together must reproduce. Each
+    data-parallel rank's sequence is one micro-batch of the global-batch mean."""
+    import torch
+
+    model = reference_model(spec, probe)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    record: dict[str, list] = {"losses": [], "norms": [], "grads": []}
+    sequences = probe.tokens.shape[0]
+    for _ in range(STEPS):
+        total = 0.0
+        for index in range(sequences):
+            batch = probe.tokens[index:index + 1]
+            loss = model(input_ids=batch, labels=batch).loss / sequences
+            loss.backward()
+            total += loss.item()
+        grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
+        record["norms"].append(torch.nn.utils.get_total_norm([g for g in grads.values() if g is not None]).item())
+        record["losses"].append(total)
+        record["grads"].append(grads)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return record
+
+
+# --- comparing ---------------------------------------------------------------------------------
+
+def compare_runs(expected: dict[str, list], got: dict[str, list]) -> tuple[dict | None, dict[str, float]]:
+    """The first failure (loss, a parameter's gradient, the global norm), worst parameter
+    first within a step; and the largest relative errors seen."""
+    import torch
+
+    max_loss_rel = max_grad_rel = 0.0
+    for step in range(STEPS):
+        want, have = expected["losses"][step], got["losses"][step]
+        loss_rel = abs(have - want) / max(abs(want), 1e-12)
+        max_loss_rel = max(max_loss_rel, loss_rel)
+        missing = sorted(set(expected["grads"][step]) ^ set(got["grads"][step]))
+        if missing:
+            return {"step": step + 1, "kind": "names", "names": missing}, {}
+        worst = None
+        for name, ref in expected["grads"][step].items():
+            grad = got["grads"][step][name]
+            if ref is None and grad is None:
+                continue
+            if ref is None or grad is None or grad.shape != ref.shape:
+                worst = {"step": step + 1, "kind": "grad", "name": name, "rel": float("inf"),
+                         "want_norm": _norm(ref), "got_norm": _norm(grad)}
+                break
+            rel = ((grad - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+            max_grad_rel = max(max_grad_rel, rel)
+            if not torch.allclose(grad, ref, rtol=GRAD_RTOL, atol=GRAD_ATOL) and (worst is None or rel > worst["rel"]):
+                worst = {"step": step + 1, "kind": "grad", "name": name, "rel": rel,
+                         "want_norm": _norm(ref), "got_norm": _norm(grad)}
+        if worst is not None:
+            return worst, {}
+        if loss_rel > LOSS_RTOL:
+            return {"step": step + 1, "kind": "loss", "want": want, "got": have, "rel": loss_rel}, {}
+        want_norm, got_norm = expected["norms"][step], got["norms"][step]
+        if abs(got_norm - want_norm) > GRAD_RTOL * abs(want_norm):
+            return {"step": step + 1, "kind": "norm", "want": want_norm, "got": got_norm}, {}
+    return None, {"max_loss_rel": _two_digits(max_loss_rel), "max_grad_rel": _two_digits(max_grad_rel)}
+
+
+def _norm(tensor) -> float | None:
+    return None if tensor is None else tensor.norm().item()
+
+
+def _two_digits(value: float) -> float:
+    """Two significant digits: the figure is recorded in the bundle's meta."""
+    return float(f"{value:.1e}")
+
+
+def _failure_message(spec: CodegenSpec, failure: dict, divergence: str, bundle_dir: Path, job: dict,
+                     world: int, mode: str) -> str:
+    head = f"verify failed for {bundle_dir} (world {world}, {mode}) at step {failure['step']}: "
+    if failure["kind"] == "names":
+        body = f"parameters differ between the generated model and the reference: {failure['names'][:5]}"
+    elif failure["kind"] == "loss":
+        body = (f"loss {failure['got']:.8g}, one device gives {failure['want']:.8g} "
+                f"(rel err {failure['rel']:.1e} > {LOSS_RTOL})")
+    elif failure["kind"] == "norm":
+        body = f"global gradient norm {failure['got']:.6g}, one device gives {failure['want']:.6g}"
+    else:
+        key, entry = _plan_entry(job, failure["name"])
+        body = (f"gradient of {failure['name']} differs from one device's (max rel err {failure['rel']:.2g}; "
+                f"rtol {GRAD_RTOL}, atol {GRAD_ATOL}): norm {_fmt(failure['got_norm'])}, expected "
+                f"{_fmt(failure['want_norm'])}; plan entry {key!r}: {entry}")
+    return (head + body + f"\n  first module whose forward output diverges: {divergence}"
+            f"\n  the previous bundle is left as it was; fix the plan_overrides (or the planner) and run "
+            f"`doit generate config={spec.recipe_path}`")
+
+
+def _fmt(value) -> str:
+    return "none" if value is None else f"{value:.6g}"
+
+
+def _plan_entry(job: dict, param_name: str) -> tuple[str | None, Any]:
+    from hyper_parallel.codegen.loader import load_bundle_module
+    from hyper_parallel.distributed.applier import plan_entry_for
+
+    module = load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"])
+    owner, _, leaf = param_name.rpartition(".")
+    found = plan_entry_for(owner, module.HYPER_PARALLEL_PLAN["modules"])
+    if found is None:
+        return None, "no entry (replicated everywhere)"
+    key, entry = found
+    return key, {k: v for k, v in entry.items() if v not in (None, {}, [], False)}
+
+
+# --- the first diverging module ------------------------------------------------------------------
+
+def _first_divergence(spec, probe, bundle_dir, bundle_key, model_class, tmp: Path, mode: str, world: int) -> str:
+    """Rerun one forward with every module's output recorded on every rank; walk the
+    reference's modules in the order their outputs were made."""
+    import torch
+
+    job = _job(spec, bundle_dir, bundle_key, model_class, tmp, diagnose=True)
+    try:
+        with _launched(job, mode, world) as proc:
+            expected = _reference_outputs(spec, probe)
+            _finish(proc, job, mode, world, spec)
+        ranks = torch.load(job["result"], weights_only=False)["outputs"]
+    except VerifyError as exc:
+        return f"(diagnosis failed: {exc})"
+    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+
+    mesh = build_offline_mesh(ParallelDims(**job["dims"]))
+    coords = [dict(zip(mesh.axis_names, mesh.coordinates(rank))) for rank in range(world)]
+    for name, want in expected.items():
+        have = _reassemble(name, want, ranks, coords)
+        if have is None:
+            continue
+        if not torch.allclose(have, want, rtol=OUTPUT_RTOL, atol=OUTPUT_ATOL):
+            err = (have - want).abs().max().item()
+            return f"{name or '<model>'} (max abs err {err:.3g}, output shape {list(want.shape)})"
+    return "none: every comparable forward output agrees, so the error is in backward (a gradient reduction)"
+
+
+def _reference_outputs(spec: CodegenSpec, probe: Probe) -> dict[str, Any]:
+    import torch
+
+    from hyper_parallel.codegen.check.verify_worker import _first_tensor
+
+    model = reference_model(spec, probe)
+    outputs: dict[str, Any] = {}
+
+    def hook(name):
+        def record(module, args, output):
+            value = _first_tensor(output)
+            if value is not None:
+                outputs[name] = value.detach().clone()
+        return record
+
+    for name, module in model.named_modules():
+        module.register_forward_hook(hook(name))
+    with torch.no_grad():
+        model(input_ids=probe.tokens[:1], labels=probe.tokens[:1])
+    return outputs
+
+
+def _reassemble(name: str, want, ranks: list[dict], coords: list[dict]):
+    """Rank 0's output, or the pieces of the ranks that differ from rank 0 only on the
+    axes it is split over (tp; cp and tp; cp), concatenated in mesh order."""
+    import torch
+
+    locals_ = [outputs.get(name) for outputs in ranks]
+    if any(value is None for value in locals_):
+        return None
+    first = locals_[0]
+    if first.shape == want.shape:
+        return first
+    if first.dim() != want.dim():
+        return None
+    dims = [d for d in range(want.dim()) if first.shape[d] != want.shape[d]]
+    if len(dims) != 1 or want.shape[dims[0]] % max(first.shape[dims[0]], 1):
+        return None
+    dim, pieces = dims[0], want.shape[dims[0]] // first.shape[dims[0]]
+    for axes in (("tp",), ("cp", "tp"), ("cp",)):
+        sizes = [max(c[a] for c in coords) + 1 for a in axes]
+        if _product(sizes) != pieces:
+            continue
+        others = {a: v for a, v in coords[0].items() if a not in axes}
+        group = [r for r, c in enumerate(coords) if all(c[a] == v for a, v in others.items())]
+        group.sort(key=lambda r: tuple(coords[r][a] for a in axes))
+        whole = torch.cat([locals_[r] for r in group], dim=dim)
+        if whole.shape == want.shape:
+            return whole
+    return None
+
+
+def _product(values) -> int:
+    out = 1
+    for value in values:
+        out *= value
+    return out
+
+
+# --- launching the ranks -------------------------------------------------------------------------
+
+def _job(spec, bundle_dir: Path, bundle_key: str, model_class: str, tmp: Path, *, diagnose: bool) -> dict:
+    p = spec.parallel
+    tag = "diagnose" if diagnose else "run"
+    job = {"bundle_dir": str(bundle_dir), "bundle_key": bundle_key, "modeling_file": spec.modeling_file,
+           "model_class": model_class, "probe_dir": str(tmp / "probe"),
+           "attn_implementation": spec.attn_implementation,
+           "dims": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "pp": p.pp},
+           "diagnose": diagnose, "mode": verify_mode(p.world_size), "timeout_s": COLLECTIVE_TIMEOUT_S,
+           "result": str(tmp / f"{tag}.pt"), "error": str(tmp / f"{tag}.error"), "path": str(tmp / f"{tag}.json")}
+    Path(job["path"]).write_text(json.dumps(job))
+    return job
+
+
+class _launched:
+    """The rank processes, in their own process group: ended with everything they started
+    when the caller leaves early (an exception, a signal turned into one)."""
+
+    def __init__(self, job: dict, mode: str, world: int):
+        worker = ["-m", "hyper_parallel.codegen.check.verify_worker", "--job", job["path"], "--mode", mode]
+        if mode == "torchrun":
+            # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *worker]
+        else:
+            cmd = [sys.executable, *worker, "--world", str(world)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.proc.poll() is None:
+            _kill_group(self.proc)
+        return False
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _finish(launched: _launched, job: dict, mode: str, world: int, spec: CodegenSpec) -> None:
+    try:
+        output, _ = launched.proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_group(launched.proc)
+        raise VerifyError(f"verify on {world} ranks ({mode}) did not finish within {LAUNCH_TIMEOUT_S}s; "
+                          f"run it by hand: {' '.join(launched.cmd)}") from None
+    error_file = Path(job["error"])
+    if launched.proc.returncode != 0 or not Path(job["result"]).is_file():
+        if error_file.is_file():
+            reason = error_file.read_text().strip()
+        else:
+            from hyper_parallel.codegen.check.preflight import _last_error_line
+
+            reason = _last_error_line(output or "")
+        raise VerifyError(f"verify on {world} ranks ({mode}) failed for {job['bundle_dir']}:\n{reason}\n"
+                          f"  the previous bundle is left as it was; fix: `doit generate config={spec.recipe_path}` "
+                          f"after correcting the recipe (set HYPER_PARALLEL_TRACEBACK=1 for tracebacks)")

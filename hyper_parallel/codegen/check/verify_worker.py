@@ -1,0 +1,277 @@
+"""The ranks of the verify stage: run a bundle's generated model, sharded by its own
+``hyper_parallelize`` (and FSDP2 over dp, as the trainer applies it), on the probe.
+
+Two ways to run the same ``run_rank``:
+
+- ``--mode torchrun``: one process per rank under torchrun, gloo collectives;
+- ``--mode threads --world N``: every rank a thread of this one process, over torch's
+  threaded process group (real collectives between threads, no sockets). It needs no
+  more processes than one, so a 64- or 256-rank layout verifies on a laptop.
+
+Rank 0 writes what the verify launcher compares: per step the loss, the global gradient
+norm and every parameter's gathered gradient (and, with ``--diagnose``, each module's
+forward output). Not meant to be started by hand: ``verify.py`` writes the job.
+"""
+
+import argparse
+import json
+import os
+import sys
+import threading
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+STEPS = 2
+LR = 1e-3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.codegen.check.verify_worker")
+    parser.add_argument("--job", required=True, help="the job file the verify launcher wrote")
+    parser.add_argument("--mode", choices=("torchrun", "threads"), required=True)
+    parser.add_argument("--world", type=int, default=0, help="ranks to simulate (threads mode)")
+    args = parser.parse_args(argv)
+    job = json.loads(Path(args.job).read_text())
+    if args.mode == "threads":
+        return run_threads(job, args.world)
+    return run_torchrun(job)
+
+
+def run_torchrun(job: dict[str, Any]) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=job["timeout_s"]))
+    rank = dist.get_rank()
+    error = _guarded_rank(job)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e]
+    if rank == 0 and failed:
+        Path(job["error"]).write_text("\n".join(failed))
+    dist.barrier()
+    # Leave without the interpreter's process-group teardown, which now and then aborts a
+    # rank after everything passed (see preflight_worker).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
+
+
+def run_threads(job: dict[str, Any], world: int) -> int:
+    """Every rank a thread; the first failing rank wakes the others (they raise too)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    store = dist.HashStore()
+    errors: list[tuple[int, str]] = []
+    _load_bundle_module(job)  # import once, before the threads share it
+
+    def worker(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world, store=store,
+                                timeout=timedelta(seconds=job["timeout_s"]))
+        error = _guarded_rank(job)
+        if error:
+            errors.append((rank, error))
+            ProcessLocalGroup.exception_handle(RuntimeError(error))
+
+    threads = [threading.Thread(target=worker, args=(rank,), daemon=True) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=job["timeout_s"])
+    silent = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+    _uninstall_threaded_pg()
+    if silent:
+        errors.append((silent[0], f"rank {silent[0]}: did not finish within {job['timeout_s']}s "
+                                  f"(ranks {silent} still running)"))
+    if errors:
+        # The first error is the cause; the others are woken ranks raising after it.
+        Path(job["error"]).write_text(sorted(errors, key=lambda e: "terminat" in e[1].lower())[0][1])
+        return 1
+    return 0
+
+
+def _guarded_rank(job: dict[str, Any]) -> str | None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    try:
+        run_rank(job)
+        return None
+    except Exception as exc:
+        detail = traceback.format_exc() if os.environ.get("HYPER_PARALLEL_TRACEBACK") else ""
+        return f"rank {rank}: {type(exc).__name__}: {exc}{detail}"
+
+
+def _load_bundle_module(job: dict[str, Any]):
+    from hyper_parallel.codegen.loader import load_bundle_module
+
+    return load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"])
+
+
+def build_probe_model(job: dict[str, Any]):
+    """The bundle's generated class on the probe config, with the reference's weights."""
+    import torch
+
+    module = _load_bundle_module(job)
+    model_class = getattr(module, job["model_class"])
+    config = model_class.config_class.from_pretrained(job["probe_dir"])
+    config._attn_implementation = job["attn_implementation"]
+    state = torch.load(Path(job["probe_dir"]) / "probe.pt", weights_only=True)
+    model = model_class(config).to(torch.float32)
+    try:
+        model.load_state_dict(state["weights"], strict=True)
+    except RuntimeError as exc:
+        raise RuntimeError(f"the generated model {job['model_class']} does not take the reference model's "
+                           f"weights (a replace_module that changes shapes or names?): {exc}") from None
+    return module, model.train(), state["tokens"]
+
+
+def run_rank(job: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hyper_parallel.distributed.grad_norm import global_grad_norm
+    from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+
+    rank = dist.get_rank()
+    dims = ParallelDims(**job["dims"])
+    mesh = build_device_mesh(dims, "cpu")
+    context = MeshContext(device_mesh=mesh, dims=dims)
+    module, model, tokens = build_probe_model(job)
+    module.hyper_parallelize(model, context)
+    if dims.dp > 1:
+        from hyper_parallel.distributed.fsdp import fully_shard_over_dp
+
+        expert_mesh = context.expert_mesh
+        fully_shard_over_dp(model, mesh["dp"], expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None)
+        if job["mode"] == "threads":
+            _sum_then_divide(model)
+    dp_rank = mesh.get_local_rank("dp") if dims.dp > 1 else 0
+    if job["diagnose"]:
+        outputs = _module_outputs(model, tokens[:1])
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, outputs)
+        if rank == 0:
+            torch.save({"outputs": gathered}, job["result"])
+        return
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    record: dict[str, list] = {"losses": [], "norms": [], "grads": []}
+    for _ in range(STEPS):
+        batch = tokens[dp_rank:dp_rank + 1]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+        if dims.dp > 1:
+            dist.all_reduce(value, group=mesh.get_group("dp"))
+            value = value / dims.dp
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if grad is not None and hasattr(grad, "full_tensor"):
+                try:
+                    grad = _gather(grad)
+                except RuntimeError as exc:
+                    raise RuntimeError(f"gathering the gradient of {name} (placements {grad.placements}, local "
+                                       f"shape {tuple(grad.to_local().shape)}, global {tuple(grad.shape)}): "
+                                       f"{exc}") from exc
+            grads[name] = None if grad is None else grad.detach().clone()
+        record["norms"].append(global_grad_norm(model.parameters()))
+        record["losses"].append(value.item())
+        record["grads"].append(grads)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if rank == 0:
+        torch.save(record, job["result"])
+
+
+def _gather(tensor):
+    """The whole tensor on every rank, rebuilt from each rank's local piece (where each
+    piece sits: ``local_piece`` on an index grid), averaged over replicas. DTensor's
+    ``full_tensor`` cannot undo FSDP2's strided shard over edp on expert weights that are
+    sharded over ep as well."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Partial
+
+    from hyper_parallel.distributed.applier import local_piece
+
+    if any(isinstance(p, Partial) for p in tensor.placements):
+        return tensor.full_tensor()  # a sum still pending: DTensor reduces it
+    mesh = tensor.device_mesh
+    index = torch.arange(tensor.numel()).reshape(tensor.shape)
+    for dim, (placement, coord) in enumerate(zip(tensor.placements, mesh.get_coordinate())):
+        index = local_piece(index, placement, mesh.size(dim), coord)
+    values = torch.zeros(tensor.numel(), dtype=tensor.dtype)
+    count = torch.zeros(tensor.numel(), dtype=tensor.dtype)
+    values[index.reshape(-1)] = tensor.to_local().reshape(-1)
+    count[index.reshape(-1)] = 1
+    dist.all_reduce(values)
+    dist.all_reduce(count)
+    if bool((count == 0).any()):
+        raise RuntimeError("no rank holds some elements of the tensor")
+    return (values / count).reshape(tensor.shape)
+
+
+def _sum_then_divide(model) -> None:
+    """The threaded process group reduces with SUM and AVG only; FSDP2's pre-scaled sum
+    (used where a gradient divide factor is set: experts under ep) becomes a sum followed
+    by the same division. The one place the simulated ranks run other collectives."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _module_outputs(model, batch) -> dict[str, Any]:
+    """Each module's first output tensor as it leaves the module (after the plan's output
+    conversion): local tensors, DTensors gathered."""
+    import torch
+
+    outputs: dict[str, Any] = {}
+    handles = []
+
+    def hook(name):
+        def record(module, args, output):
+            value = _first_tensor(output)
+            if value is None:
+                return
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            outputs[name] = value.detach().clone()
+        return record
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_hook(hook(name)))
+    with torch.no_grad():
+        model(input_ids=batch, labels=batch)
+    for handle in handles:
+        handle.remove()
+    return outputs
+
+
+def _first_tensor(output):
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(output, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
