@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.check.verify_worker import LR, STEPS
+from hyper_parallel.codegen.check.verify_worker import LR, STEPS, brief_entry
 from hyper_parallel.codegen.spec.types import CodegenSpec
 
 LOSS_RTOL = 1e-5
@@ -266,7 +266,7 @@ def _plan_entry(job: dict, param_name: str) -> tuple[str | None, Any]:
     if found is None:
         return None, "no entry (replicated everywhere)"
     key, entry = found
-    return key, {k: v for k, v in entry.items() if v not in (None, {}, [], False)}
+    return key, brief_entry(entry)
 
 
 # --- the first diverging module ------------------------------------------------------------------
@@ -299,25 +299,9 @@ def _first_divergence(spec, probe, bundle_dir, bundle_key, model_class, tmp: Pat
 
 
 def _reference_outputs(spec: CodegenSpec, probe: Probe) -> dict[str, Any]:
-    import torch
+    from hyper_parallel.codegen.check.verify_worker import module_outputs
 
-    from hyper_parallel.codegen.check.verify_worker import _first_tensor
-
-    model = reference_model(spec, probe)
-    outputs: dict[str, Any] = {}
-
-    def hook(name):
-        def record(module, args, output):
-            value = _first_tensor(output)
-            if value is not None:
-                outputs[name] = value.detach().clone()
-        return record
-
-    for name, module in model.named_modules():
-        module.register_forward_hook(hook(name))
-    with torch.no_grad():
-        model(input_ids=probe.tokens[:1], labels=probe.tokens[:1])
-    return outputs
+    return module_outputs(reference_model(spec, probe), probe.tokens[:1])
 
 
 def _reassemble(name: str, want, ranks: list[dict], coords: list[dict]):
@@ -326,8 +310,8 @@ def _reassemble(name: str, want, ranks: list[dict], coords: list[dict]):
     import torch
 
     locals_ = [outputs.get(name) for outputs in ranks]
-    if any(value is None for value in locals_):
-        return None
+    if any(value is None for value in locals_) or want.dim() < 3:
+        return None  # 2-D: token rows in routing order (experts), not (batch, sequence, ...)
     first = locals_[0]
     if first.shape == want.shape:
         return first

@@ -49,13 +49,23 @@ def run_torchrun(job: dict[str, Any]) -> int:
     dist.all_gather_object(errors, error)
     failed = [e for e in errors if e]
     if rank == 0 and failed:
-        Path(job["error"]).write_text("\n".join(failed))
+        Path(job["error"]).write_text(_merge_rank_errors(errors))
     dist.barrier()
     # Leave without the interpreter's process-group teardown, which now and then aborts a
     # rank after everything passed (see preflight_worker).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if failed else 0)
+
+
+def _merge_rank_errors(errors: list[str | None]) -> str:
+    """One line per distinct error, naming every rank that raised it."""
+    by_text: dict[str, list[int]] = {}
+    for rank, error in enumerate(errors):
+        if error:
+            by_text.setdefault(error.split(": ", 1)[1], []).append(rank)
+    return "\n".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}"
+                     for text, r in by_text.items())
 
 
 def run_threads(job: dict[str, Any], world: int) -> int:
@@ -103,12 +113,63 @@ def _guarded_rank(job: dict[str, Any]) -> str | None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    running: list[str] = []
+    finished: list[str] = []
     try:
-        run_rank(job)
+        run_rank(job, running, finished)
         return None
     except Exception as exc:
         detail = traceback.format_exc() if os.environ.get("HYPER_PARALLEL_TRACEBACK") else ""
-        return f"rank {rank}: {type(exc).__name__}: {exc}{detail}"
+        where = ""
+        if running:
+            inside = [name for name in finished if name.startswith(running[-1] + ".")]
+            where = f" in {running[-1]}{_plan_key_of(job, running[-1])}"
+            if inside:
+                where += "; planned modules that ran inside it first: " + "; ".join(
+                    f"{name}{_plan_key_of(job, name)}" for name in dict.fromkeys(inside))
+        return f"rank {rank}: {type(exc).__name__}: {exc}{where}{detail}"
+
+
+def _plan_key_of(job: dict[str, Any], fqn: str) -> str:
+    """The plan entry that was applied to ``fqn``, or to its nearest planned parent."""
+    from hyper_parallel.distributed.applier import plan_entry_for
+
+    plan = _load_bundle_module(job).HYPER_PARALLEL_PLAN["modules"]
+    name = fqn
+    while True:
+        found = plan_entry_for(name, plan)
+        if found is not None:
+            return f" (plan entry {found[0]!r}: {brief_entry(found[1])})"
+        if not name:
+            return " (no plan entry)"
+        name = name.rpartition(".")[0]
+
+
+def brief_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if v not in (None, {}, [], False)}
+
+
+def _track_running(model, plan: dict[str, Any], running: list[str], finished: list[str]) -> None:
+    """Keep the innermost module whose forward is running and the last module with a plan
+    entry of its own to finish, so a crash names both."""
+    from hyper_parallel.distributed.applier import plan_entry_for
+
+    def enter(name):
+        def hook(module, args):
+            running.append(name)
+        return hook
+
+    def leave(name, planned):
+        def hook(module, args, output):
+            if running:
+                running.pop()
+            if planned:
+                finished.append(name)
+        return hook
+
+    for name, module in model.named_modules():
+        module.register_forward_pre_hook(enter(name))
+        module.register_forward_hook(leave(name, plan_entry_for(name, plan) is not None))
 
 
 def _load_bundle_module(job: dict[str, Any]):
@@ -135,7 +196,7 @@ def build_probe_model(job: dict[str, Any]):
     return module, model.train(), state["tokens"]
 
 
-def run_rank(job: dict[str, Any]) -> None:
+def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -148,6 +209,7 @@ def run_rank(job: dict[str, Any]) -> None:
     context = MeshContext(device_mesh=mesh, dims=dims)
     module, model, tokens = build_probe_model(job)
     module.hyper_parallelize(model, context)
+    _track_running(model, module.HYPER_PARALLEL_PLAN["modules"], running, finished)
     if dims.dp > 1:
         from hyper_parallel.distributed.fsdp import fully_shard_over_dp
 
@@ -157,7 +219,7 @@ def run_rank(job: dict[str, Any]) -> None:
             _sum_then_divide(model)
     dp_rank = mesh.get_local_rank("dp") if dims.dp > 1 else 0
     if job["diagnose"]:
-        outputs = _module_outputs(model, tokens[:1])
+        outputs = module_outputs(model, tokens[:1])
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, outputs)
         if rank == 0:
@@ -232,12 +294,14 @@ def _sum_then_divide(model) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def _module_outputs(model, batch) -> dict[str, Any]:
+def module_outputs(model, batch) -> dict[str, Any]:
     """Each module's first output tensor as it leaves the module (after the plan's output
-    conversion): local tensors, DTensors gathered."""
+    conversion; DTensors gathered), in the order they were made. Modules that ran more
+    than once (an expert loop's activation) are left out: their last output says little."""
     import torch
 
     outputs: dict[str, Any] = {}
+    repeated: set[str] = set()
     handles = []
 
     def hook(name):
@@ -245,6 +309,8 @@ def _module_outputs(model, batch) -> dict[str, Any]:
             value = _first_tensor(output)
             if value is None:
                 return
+            if name in outputs:
+                repeated.add(name)
             if hasattr(value, "full_tensor"):
                 value = value.full_tensor()
             outputs[name] = value.detach().clone()
@@ -256,7 +322,7 @@ def _module_outputs(model, batch) -> dict[str, Any]:
         model(input_ids=batch, labels=batch)
     for handle in handles:
         handle.remove()
-    return outputs
+    return {name: value for name, value in outputs.items() if name not in repeated}
 
 
 def _first_tensor(output):

@@ -1,0 +1,39 @@
+"""verify's two ways to run ranks agree: torchrun processes and threads of one process
+(the mode above the process cap), on the tiny recipe and at world 4 with tp, cp, ep,
+sequence and loss parallel; and the verified figures reach codegen_meta.json."""
+
+import json
+
+import pytest
+import yaml
+
+from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
+from tests.project_fixtures import TINY_RECIPE, cli
+
+WORLD4 = {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2, "sequence_parallel": True,
+          "loss_parallel": True}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_cp2_ep2_sp_lp"])
+def test_threads_and_torchrun_give_the_same_verdict_and_figures(project, layout):
+    recipe = project / TINY_RECIPE
+    if layout != "tp2":
+        data = yaml.safe_load(recipe.read_text())
+        data["accelerator"].update(WORLD4)
+        recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    verified = {}
+    for mode, cap in (("torchrun", "64"), ("threads", "1")):
+        proc = cli(project, "--verbose", "generate", "--force", "--skip-preflight", "--config", str(recipe),
+                   env={MAX_PROCS_ENV: cap})
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out
+        assert f"({mode})" in out, out
+        meta = json.loads((recipe.parent / "generated" / "codegen_meta.json").read_text())
+        verified[mode] = meta["verified"]
+        assert meta["verified"]["mode"] == mode
+        assert meta["verified"]["world"] == (4 if layout != "tp2" else 2)
+    torchrun, threads = verified["torchrun"], verified["threads"]
+    assert torchrun["max_loss_rel"] <= 1e-5 and torchrun["max_grad_rel"] <= 1e-4
+    # Same collectives on the same data: the same figures up to reduction order.
+    for key in ("max_loss_rel", "max_grad_rel"):
+        assert abs(torchrun[key] - threads[key]) <= 1e-5, (torchrun, threads)

@@ -1,0 +1,67 @@
+"""verify refuses broken plans before install, naming the parameter or module and the plan
+entry, and leaves the installed bundle byte-identical (issue: verify before install)."""
+
+import shutil
+
+import pytest
+import yaml
+
+from tests.project_fixtures import REPO, TINY_RECIPE, bundle_bytes, doit, make_project, tasks_ran
+
+BUNDLE = "recipes/tiny_cpu/generated"
+CP2 = {"tp_size": 1, "cp_size": 2}
+
+BROKEN = {
+    # colwise_gather_output read as an output head: q is gathered, o_proj expects it split.
+    "q_proj_gathers_its_output": (
+        {}, {"match": "model.layers.*.self_attn.q_proj", "out_dst": [{"tp": "replicate"}]},
+        ["in model.layers.0.self_attn", "ran inside it first: model.layers.0.self_attn.q_proj",
+         "plan entry 'model.layers.*.self_attn.q_proj'"]),
+    # Attention's input no longer gathered over cp: each rank attends over half a sequence.
+    "attention_gather_removed": (
+        CP2, {"match": "model.layers.*.self_attn", "in_dst": [{"cp": "shard(1)"}],
+              "out_src": [{"cp": "shard(1)"}, None]},
+        ["model.layers.*.self_attn"]),
+    # o_proj's input declared split over cp after attention gathered it: the loss is the
+    # same, the weight's gradient is summed over both cp ranks (2x).
+    "o_proj_gradient_counted_twice_over_cp": (
+        CP2, {"match": "model.layers.*.self_attn.o_proj", "in_src": [{"cp": "shard(1)"}],
+              "in_dst": [{"cp": "shard(1)"}]},
+        ["gradient of model.layers.0.self_attn.o_proj.weight", "plan entry 'model.layers.*.self_attn.o_proj'",
+         "error is in backward"]),
+    "replacement_of_the_wrong_shape": (
+        {}, {"match": "*.self_attn.o_proj",
+             "replace_module": {"_target_": "tests.verify.broken_replacements.wider_o_proj"}},
+        ["model.layers.0.self_attn.o_proj.weight", "size mismatch"]),
+}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    project = make_project(tmp_path_factory.mktemp("verify") / "project")
+    proc = doit(project, "generate", f"config={TINY_RECIPE}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return project
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_verify_refuses_a_broken_plan_and_keeps_the_old_bundle(installed, tmp_path, case):
+    project = tmp_path / "project"
+    shutil.copytree(installed, project, symlinks=True)
+    before = bundle_bytes(project / BUNDLE)
+    accelerator, override, expected = BROKEN[case]
+    recipe = project / TINY_RECIPE
+    data = yaml.safe_load(recipe.read_text())
+    data["accelerator"].update(accelerator)
+    data["plan_overrides"] = [override]
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+
+    # The replacement factory lives in this test package.
+    proc = doit(project, "generate", f"config={TINY_RECIPE}", env={"PYTHONPATH": str(REPO)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "verify" in tasks_ran(out) and "install" not in tasks_ran(out), out
+    assert "verify" in out and "failed" in out, out
+    for text in expected:
+        assert text in out, (text, out[-4000:])
+    assert bundle_bytes(project / BUNDLE) == before
