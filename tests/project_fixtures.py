@@ -8,24 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hyper_parallel.codegen.light_boot import NO_TORCH_BOOT
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = "recipes/tiny_cpu/qwen3_moe_tiny.yaml"
 MAIN_RECIPE = "recipes/qwen3_moe.yaml"
-
-# Exits 99 when the doit run imported torch or transformers: proves it stayed import-light.
-NO_TORCH_BOOT = """
-import runpy
-import sys
-from doit.cmd_base import ModuleTaskLoader
-from doit.doit_cmd import DoitMain
-dodo = runpy.run_path('dodo.py')
-rc = DoitMain(ModuleTaskLoader(dodo)).run(sys.argv[1:])
-heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)
-if heavy:
-    print('FORBIDDEN IMPORTS during the doit run: ' + ', '.join(heavy))
-    sys.exit(99)
-sys.exit(rc)
-"""
 
 
 def make_project(dest: Path) -> Path:

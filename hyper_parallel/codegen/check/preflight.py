@@ -108,24 +108,32 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
 
 
 
-def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[str, Any]:
-    """For a world larger than the host may start: integrity, import and plan coverage on
-    the full-size meta-device model, and each rank's shard of every parameter computed from
-    the plan (none may be empty). The plan itself ran at this world size in verify; the
-    bundle digests are compared across ranks when training starts."""
+def checked_meta_model(spec: CodegenSpec, fix: str) -> tuple[dict[str, Any], Any, Any]:
+    """What both preflights start from: the installed bundle's integrity, its module, and
+    the full-size model on the meta device, which its plan must cover."""
     from hyper_parallel.codegen.loader import load_generated_module
     from hyper_parallel.codegen.plan.derive import build_meta_model
     from hyper_parallel.codegen.spec.project import signature_from_spec
-    from hyper_parallel.distributed.applier import plan_entry_for
-    from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims, expert_mesh_layout, mesh_layout
-    from hyper_parallel.distributed.placement_text import local_shard_shape
 
-    fix = fix_command(spec)
     report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec), fix=fix)
     module = load_generated_module(spec.artifact_dir)
     meta = load_codegen_meta(spec.artifact_dir)
     model, _ = build_meta_model(spec, getattr(module, meta["model"]["model_class"]))
     preflight_integrity_check(spec.artifact_dir, model=model, fix=fix)
+    return report, module, model
+
+
+def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[str, Any]:
+    """For a world larger than the host may start: integrity, import and plan coverage on
+    the full-size meta-device model, and each rank's shard of every parameter computed from
+    the plan (none may be empty). The plan itself ran at this world size in verify; the
+    bundle digests are compared across ranks when training starts."""
+    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims, expert_mesh_layout, mesh_layout
+    from hyper_parallel.distributed.placement_text import local_shard_shape
+
+    fix = fix_command(spec)
+    report, module, model = checked_meta_model(spec, fix)
     p = spec.parallel
     dims = ParallelDims(dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, pp=p.pp)
     layouts = {"main": mesh_layout(dims), "expert": expert_mesh_layout(dims)}

@@ -52,13 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_rank(config_path: str, rank: int, dist) -> dict:
-    from hyper_parallel.codegen.check.preflight import PreflightError, preflight_integrity_check
-    from hyper_parallel.distributed.applier import plan_entry_for
-    from hyper_parallel.codegen.loader import load_generated_module
-    from hyper_parallel.codegen.meta import load_codegen_meta
-    from hyper_parallel.codegen.plan.derive import build_meta_model
-    from hyper_parallel.codegen.spec.project import check_launch_world_size, project_codegen_spec, signature_from_spec
+    from hyper_parallel.codegen.check.preflight import PreflightError, checked_meta_model
+    from hyper_parallel.codegen.spec.project import check_launch_world_size, project_codegen_spec
     from hyper_parallel.config import load_training_config
+    from hyper_parallel.distributed.applier import plan_entry_for
     from hyper_parallel.distributed.placement_text import local_shard_shape
     from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 
@@ -66,11 +63,7 @@ def _check_rank(config_path: str, rank: int, dist) -> dict:
     check_launch_world_size(config)
     spec = project_codegen_spec(config)  # workspace from $HYPER_PARALLEL_WORKSPACE
     fix = f"doit generate config={config_path}"
-    report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec), fix=fix)
-    module = load_generated_module(spec.artifact_dir)
-    meta = load_codegen_meta(spec.artifact_dir)
-    model, _ = build_meta_model(spec, getattr(module, meta["model"]["model_class"]))
-    preflight_integrity_check(spec.artifact_dir, model=model, fix=fix)
+    report, module, model = checked_meta_model(spec, fix)
     p = spec.parallel
     dims = ParallelDims(dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, pp=p.pp)
     mesh = build_device_mesh(dims, "cpu")  # preflight checks layout, not kernels: gloo everywhere

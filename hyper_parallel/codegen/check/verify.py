@@ -77,7 +77,17 @@ class Probe:
 
 
 def verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_class: str, log: Log) -> dict[str, Any]:
-    """Verify the bundle in ``bundle_dir`` (staged or installed); return the figures."""
+    """Verify the bundle in ``bundle_dir`` (staged or installed); return the figures. The
+    caller's random state is left as it was (training may seed, generate, then build)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        return _verify_bundle(spec, bundle_dir, bundle_key, model_class, log)
+
+
+def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_class: str, log: Log) -> dict[str, Any]:
+    import torch
+
     start = time.perf_counter()
     world = spec.parallel.world_size
     mode = verify_mode(world)
@@ -89,8 +99,6 @@ def verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_cl
         with _launched(job, mode, world) as proc:
             expected = reference_run(spec, probe)  # while the ranks start and run
             _finish(proc, job, mode, world, spec)
-        import torch
-
         got = torch.load(job["result"], weights_only=True)
         failure, figures = compare_runs(expected, got)
         if failure is not None:
