@@ -32,7 +32,7 @@ from tests.remote_code.remote_project import (
 )
 from tests.remote_code.remote_tp_worker import build_remote_model
 
-THROUGH_INSTALL = ["resolve", "derive", "freeze", "emit", "diff", "install"]
+THROUGH_INSTALL = ["resolve", "derive", "freeze", "emit", "diff", "verify", "install"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def generated(tmp_path_factory):
 def test_generate_with_preflight_succeeds_offline(generated):
     project, proc = generated
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.rstrip().endswith("stages run: resolve, derive, freeze, emit, diff, install, preflight"), \
+    assert proc.stdout.rstrip().endswith("stages run: resolve, derive, freeze, emit, diff, verify, install, preflight"), \
         proc.stdout
     bundle = project / BUNDLE
     assert sorted(p.name for p in bundle.iterdir()) == sorted(

@@ -59,11 +59,8 @@ def max_processes() -> int:
 
 
 def verify_mode(world: int) -> str:
-    """torchrun processes up to the cap; threads above it, and inside a launched job (the
-    training path's rank 0), which must not start a second launch of its own."""
-    if world > max_processes() or "TORCHELASTIC_RUN_ID" in os.environ:
-        return "threads"
-    return "torchrun"
+    """torchrun processes up to the cap (also from a training job's rank 0), threads above it."""
+    return "threads" if world > max_processes() else "torchrun"
 
 
 @dataclass
