@@ -178,22 +178,27 @@ def run_verify(spec: CodegenSpec, log: Log) -> None:
 
     files = StageFiles(spec)
     emitted = read_upstream(files.emit_stamp)["outputs"]
-    _check_staged(spec, emitted, "verify")
+    staged_bytes(spec, emitted, "verify")
     model_class = read_upstream(files.frozen)["model_class"]
     report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], model_class, log)
     write_json(files.verify_stamp, {"signature": expected_signature(spec, "verify"), "outputs": emitted,
                                     "report": report})
 
 
-def _check_staged(spec: CodegenSpec, expected: dict[str, str], stage: str) -> None:
-    """The staged files are the bytes the earlier stage recorded (not edited since)."""
+def staged_bytes(spec: CodegenSpec, expected: dict[str, str], stage: str) -> dict[str, bytes]:
+    """The staged files, each read once, which must be the bytes the earlier stage
+    recorded (``expected``: name -> sha256): an edited staged file is refused."""
     staged = StageFiles(spec).staged
+    payload = {}
     for name, sha in expected.items():
         path = staged / name
-        actual = sha256_file(path) if path.is_file() else "missing"
+        data = path.read_bytes() if path.is_file() else None
+        actual = "missing" if data is None else sha256_bytes(data)
         if actual != sha:
             raise RuntimeError(f"{path}: changed since it was staged (sha256 {actual}, staged {sha}); {stage} "
                                f"refuses it: run `doit generate config={spec.recipe_path}` to rebuild it")
+        payload[name] = data
+    return payload
 
 
 def verify_installed(spec: CodegenSpec, log: Log) -> dict[str, Any]:
@@ -220,9 +225,7 @@ def run_install(spec: CodegenSpec, log: Log) -> None:
     if verified.get("outputs") != emitted:
         raise RuntimeError(f"{files.verify_stamp}: verified other staged bytes than {files.emit_stamp} lists; "
                            f"run `doit generate config={spec.recipe_path}`")
-    names = [*emitted, *read_upstream(files.diff_stamp)["outputs"]]
-    _check_staged(spec, {**emitted, **read_upstream(files.diff_stamp)["outputs"]}, "install")
-    payload = {name: (files.staged / name).read_bytes() for name in names}
+    payload = staged_bytes(spec, {**emitted, **read_upstream(files.diff_stamp)["outputs"]}, "install")
     frozen = read_upstream(files.frozen)
     meta = build_codegen_meta(spec, signature=signature_from_spec(spec), files=payload,
                               frozen=frozen["frozen"], model_class=frozen["model_class"],

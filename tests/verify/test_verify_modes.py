@@ -1,6 +1,6 @@
 """verify's two ways to run ranks agree: torchrun processes and threads of one process
-(the mode above the process cap), on the tiny recipe and at world 4 with tp, cp, ep,
-sequence and loss parallel; and the verified figures reach codegen_meta.json."""
+(the mode above the process cap), on the tiny recipe, at world 4 with tp, cp, ep,
+sequence and loss parallel, and at dp2+ep2 with FSDP2; and the verified figures reach codegen_meta.json."""
 
 import json
 
@@ -10,17 +10,23 @@ import yaml
 from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
 from tests.project_fixtures import TINY_RECIPE, cli
 
-WORLD4 = {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2, "sequence_parallel": True,
-          "loss_parallel": True}
+LAYOUTS = {
+    "tp2": {},
+    "tp2_cp2_ep2_sp_lp": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
+                          "sequence_parallel": True, "loss_parallel": True},
+    # FSDP2 over dp with experts over ep on one-rank edp groups: FSDP2 divides by the
+    # gradient divide factor itself there (threads must not force a second division).
+    "dp2_ep2_fsdp2": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1, "ep_size": 2},
+}
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_cp2_ep2_sp_lp"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_threads_and_torchrun_give_the_same_verdict_and_figures(project, layout):
     recipe = project / TINY_RECIPE
-    if layout != "tp2":
-        data = yaml.safe_load(recipe.read_text())
-        data["accelerator"].update(WORLD4)
-        recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    data = yaml.safe_load(recipe.read_text())
+    data["accelerator"].update(LAYOUTS[layout])
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    world = data["accelerator"]["nproc_per_node"]
     verified = {}
     for mode, cap in (("torchrun", "64"), ("threads", "1")):
         proc = cli(project, "--verbose", "generate", "--force", "--skip-preflight", "--config", str(recipe),
@@ -31,7 +37,7 @@ def test_threads_and_torchrun_give_the_same_verdict_and_figures(project, layout)
         meta = json.loads((recipe.parent / "generated" / "codegen_meta.json").read_text())
         verified[mode] = meta["verified"]
         assert meta["verified"]["mode"] == mode
-        assert meta["verified"]["world"] == (4 if layout != "tp2" else 2)
+        assert meta["verified"]["world"] == world
     torchrun, threads = verified["torchrun"], verified["threads"]
     assert torchrun["max_loss_rel"] <= 1e-5 and torchrun["max_grad_rel"] <= 1e-4
     # Same collectives on the same data: the same figures up to reduction order.

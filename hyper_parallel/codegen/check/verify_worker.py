@@ -285,12 +285,17 @@ def _gather(tensor):
 
 def _sum_then_divide(model) -> None:
     """The threaded process group reduces with SUM and AVG only; FSDP2's pre-scaled sum
-    (used where a gradient divide factor is set: experts under ep) becomes a sum followed
-    by the same division. The one place the simulated ranks run other collectives."""
+    (where a gradient divide factor is set on a group of more than one rank: experts under
+    ep with edp > 1) becomes a sum followed by the same division. The one place the
+    simulated ranks run other collectives. (On a one-rank group FSDP2 divides by the
+    factor itself, and forcing the sum there would divide twice.)"""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None and group.gradient_divide_factor is not None and group.mesh_info.shard_mesh_size > 1:
             module.set_force_sum_reduction_for_comms(True)
 
 
