@@ -15,7 +15,7 @@ BROKEN = {
     # colwise_gather_output read as an output head: q is gathered, o_proj expects it split.
     "q_proj_gathers_its_output": (
         {}, {"match": "model.layers.*.self_attn.q_proj", "out_dst": [{"tp": "replicate"}]},
-        ["in model.layers.0.self_attn", "ran inside it first: model.layers.0.self_attn.q_proj",
+        ["in model.layers.0.self_attn", "ran inside model.layers.0.self_attn first: model.layers.0.self_attn.q_proj",
          "plan entry 'model.layers.*.self_attn.q_proj'"]),
     # Attention's input no longer gathered over cp: each rank attends over half a sequence.
     "attention_gather_removed": (
@@ -29,6 +29,11 @@ BROKEN = {
               "in_dst": [{"cp": "shard(1)"}]},
         ["gradient of model.layers.0.self_attn.o_proj.weight", "plan entry 'model.layers.*.self_attn.o_proj'",
          "error is in backward"]),
+    # Found by verify: under cp the tied embedding/output weight gets the embedding's full
+    # gradient plus only this rank's share of the output head's, so the cp ranks' copies
+    # differ (they would train apart). The planner does not handle it yet; verify refuses.
+    "tied_embeddings_under_cp2": (
+        CP2, None, ["the ranks hold different gradients for model.embed_tokens.weight (tied with lm_head.weight)"]),
     "replacement_of_the_wrong_shape": (
         {}, {"match": "*.self_attn.o_proj",
              "replace_module": {"_target_": "tests.verify.broken_replacements.wider_o_proj"}},
@@ -53,7 +58,10 @@ def test_verify_refuses_a_broken_plan_and_keeps_the_old_bundle(installed, tmp_pa
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
     data["accelerator"].update(accelerator)
-    data["plan_overrides"] = [override]
+    if override is None:  # the plan as derived, on a tied model
+        data["model"]["config_overrides"] = {"tie_word_embeddings": True}
+    else:
+        data["plan_overrides"] = [override]
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
 
     # The replacement factory lives in this test package.

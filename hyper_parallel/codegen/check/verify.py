@@ -71,6 +71,7 @@ class Probe:
     seq_len: int
     weights: dict[str, Any]
     tokens: Any
+    tied: dict[str, tuple[str, ...]]  # parameter name -> every name of the same tensor
 
 
 def verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_class: str, log: Log) -> dict[str, Any]:
@@ -100,7 +101,7 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_c
         failure, figures = compare_runs(expected, got)
         if failure is not None:
             divergence = _first_divergence(spec, probe, bundle_dir, bundle_key, model_class, Path(tmp), mode, world)
-            raise VerifyError(_failure_message(spec, failure, divergence, bundle_dir, job, world, mode))
+            raise VerifyError(_failure_message(spec, failure, divergence, bundle_dir, job, world, mode, probe))
     seconds = time.perf_counter() - start
     report = {"mode": mode, "world": world, "steps": STEPS, **figures, "seconds": round(seconds, 2)}
     log(f"ok: world {world} ({mode}), {STEPS} steps, max loss rel err {figures['max_loss_rel']:.1e}, "
@@ -126,7 +127,8 @@ def build_probe(spec: CodegenSpec, probe_dir: Path) -> Probe:
     from hyper_parallel.codegen.plan.derive import build_hf_config, trusts_remote_code
 
     p = spec.parallel
-    where = f"{spec.model_dir / 'config.json'} (verify probe)"
+    overrides = f" with {spec.recipe_path.name}'s model.config_overrides" if spec.config_overrides else ""
+    where = f"{spec.model_dir / 'config.json'}{overrides} (verify probe)"
     shape = probe_shape(p.dp, p.cp, p.tp)
     config = build_hf_config(spec)
     config._attn_implementation = spec.attn_implementation
@@ -145,11 +147,16 @@ def build_probe(spec: CodegenSpec, probe_dir: Path) -> Probe:
                          f"from the depth); verify cannot shrink this model faithfully")
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, probe_config.vocab_size, (shape.batch, shape.seq_len), generator=generator)
-    weights = {name: tensor.detach().clone() for name, tensor in reference.state_dict().items()}
+    state = reference.state_dict()
+    weights = {name: tensor.detach().clone() for name, tensor in state.items()}
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        by_storage.setdefault(tensor.data_ptr(), []).append(name)
+    tied = {name: tuple(names) for names in by_storage.values() if len(names) > 1 for name in names}
     probe_dir.mkdir(parents=True)
     probe_config.save_pretrained(probe_dir)
     torch.save({"weights": weights, "tokens": tokens}, probe_dir / "probe.pt")
-    return Probe(probe_config, depth, len(kinds), shape.seq_len, weights, tokens)
+    return Probe(probe_config, depth, len(kinds), shape.seq_len, weights, tokens, tied)
 
 
 def reference_model(spec: CodegenSpec, probe: Probe):
@@ -215,6 +222,10 @@ def compare_runs(expected: dict[str, list], got: dict[str, list]) -> tuple[dict 
                 break
             rel = ((grad - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
             max_grad_rel = max(max_grad_rel, rel)
+            spread = got["spreads"][step].get(name, 0.0)
+            if spread > GRAD_ATOL + GRAD_RTOL * ref.abs().max().item():
+                return {"step": step + 1, "kind": "replicas", "name": name, "spread": spread,
+                        "largest": ref.abs().max().item()}, {}
             if not torch.allclose(grad, ref, rtol=GRAD_RTOL, atol=GRAD_ATOL) and (worst is None or rel > worst["rel"]):
                 worst = {"step": step + 1, "kind": "grad", "name": name, "rel": rel,
                          "want_norm": _norm(ref), "got_norm": _norm(grad)}
@@ -237,19 +248,30 @@ def _two_digits(value: float) -> float:
     return float(f"{value:.1e}")
 
 
+def _tied_note(name: str, probe: Probe) -> str:
+    """Tied parameters share one gradient from two places (embedding and output head)."""
+    others = [other for other in probe.tied.get(name, ()) if other != name]
+    return f" (tied with {', '.join(others)})" if others else ""
+
+
 def _failure_message(spec: CodegenSpec, failure: dict, divergence: str, bundle_dir: Path, job: dict,
-                     world: int, mode: str) -> str:
+                     world: int, mode: str, probe: Probe) -> str:
     head = f"verify failed for {bundle_dir} (world {world}, {mode}) at step {failure['step']}: "
     if failure["kind"] == "names":
         body = f"parameters differ between the generated model and the reference: {failure['names'][:5]}"
     elif failure["kind"] == "loss":
         body = (f"loss {failure['got']:.8g}, one device gives {failure['want']:.8g} "
                 f"(rel err {failure['rel']:.1e} > {LOSS_RTOL})")
+    elif failure["kind"] == "replicas":
+        key, entry = _plan_entry(job, failure["name"])
+        body = (f"the ranks hold different gradients for {failure['name']}{_tied_note(failure['name'], probe)} "
+                f"(copies differ by up to {failure['spread']:.3g}; its largest element is {failure['largest']:.3g}), "
+                f"so they would train different weights; plan entry {key!r}: {entry}")
     elif failure["kind"] == "norm":
         body = f"global gradient norm {failure['got']:.6g}, one device gives {failure['want']:.6g}"
     else:
         key, entry = _plan_entry(job, failure["name"])
-        body = (f"gradient of {failure['name']} differs from one device's (max rel err {failure['rel']:.2g}; "
+        body = (f"gradient of {failure['name']}{_tied_note(failure['name'], probe)} differs from one device's (max rel err {failure['rel']:.2g}; "
                 f"rtol {GRAD_RTOL}, atol {GRAD_ATOL}): norm {_fmt(failure['got_norm'])}, expected "
                 f"{_fmt(failure['want_norm'])}; plan entry {key!r}: {entry}")
     return (head + body + f"\n  first module whose forward output diverges: {divergence}"

@@ -122,11 +122,15 @@ def _guarded_rank(job: dict[str, Any]) -> str | None:
         detail = traceback.format_exc() if os.environ.get("HYPER_PARALLEL_TRACEBACK") else ""
         where = ""
         if running:
-            inside = [name for name in finished if name.startswith(running[-1] + ".")]
             where = f" in {running[-1]}{_plan_key_of(job, running[-1])}"
-            if inside:
-                where += "; planned modules that ran inside it first: " + "; ".join(
-                    f"{name}{_plan_key_of(job, name)}" for name in dict.fromkeys(inside))
+            # What fed it: the planned modules that ran inside the innermost running
+            # module that had any (the crashing module, or its block: q_norm -> self_attn).
+            for outer in reversed(running):
+                inside = [name for name in finished if name.startswith(outer + ".") and name != running[-1]]
+                if inside:
+                    where += f"; planned modules that ran inside {outer} first: " + "; ".join(
+                        f"{name}{_plan_key_of(job, name)}" for name in dict.fromkeys(inside))
+                    break
         return f"rank {rank}: {type(exc).__name__}: {exc}{where}{detail}"
 
 
@@ -226,7 +230,7 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
             torch.save({"outputs": gathered}, job["result"])
         return
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-    record: dict[str, list] = {"losses": [], "norms": [], "grads": []}
+    record: dict[str, list] = {"losses": [], "norms": [], "grads": [], "spreads": []}
     for _ in range(STEPS):
         batch = tokens[dp_rank:dp_rank + 1]
         loss = model(input_ids=batch, labels=batch).loss
@@ -235,19 +239,18 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
         if dims.dp > 1:
             dist.all_reduce(value, group=mesh.get_group("dp"))
             value = value / dims.dp
-        grads = {}
+        grads, spreads = {}, {}
         for name, param in model.named_parameters():
-            grad = param.grad
-            if grad is not None and hasattr(grad, "full_tensor"):
-                try:
-                    grad = _gather(grad)
-                except RuntimeError as exc:
-                    raise RuntimeError(f"gathering the gradient of {name} (placements {grad.placements}, local "
-                                       f"shape {tuple(grad.to_local().shape)}, global {tuple(grad.shape)}): "
-                                       f"{exc}") from exc
-            grads[name] = None if grad is None else grad.detach().clone()
+            if param.grad is None:
+                grads[name] = None
+                continue
+            try:
+                grads[name], spreads[name] = _gather(param.grad)
+            except RuntimeError as exc:
+                raise RuntimeError(f"gathering the gradient of {name}: {exc}") from exc
         record["norms"].append(global_grad_norm(model.parameters()))
         record["losses"].append(value.item())
+        record["spreads"].append(spreads)
         record["grads"].append(grads)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -255,32 +258,43 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
         torch.save(record, job["result"])
 
 
-def _gather(tensor):
-    """The whole tensor on every rank, rebuilt from each rank's local piece (where each
-    piece sits: ``local_piece`` on an index grid), averaged over replicas. DTensor's
+def _gather(tensor) -> tuple[Any, float]:
+    """The whole tensor, rebuilt on every rank from each rank's local piece (where each
+    piece sits: ``local_piece`` on an index grid; a plain tensor is one piece every rank
+    holds), and how far the ranks' copies of the same element disagree: replicas that
+    differ would train different weights, so averaging them must not hide it. (DTensor's
     ``full_tensor`` cannot undo FSDP2's strided shard over edp on expert weights that are
-    sharded over ep as well."""
+    sharded over ep as well.)"""
     import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import DTensor, Partial
 
     from hyper_parallel.distributed.applier import local_piece
 
-    if any(isinstance(p, Partial) for p in tensor.placements):
-        return tensor.full_tensor()  # a sum still pending: DTensor reduces it
-    mesh = tensor.device_mesh
     index = torch.arange(tensor.numel()).reshape(tensor.shape)
-    for dim, (placement, coord) in enumerate(zip(tensor.placements, mesh.get_coordinate())):
-        index = local_piece(index, placement, mesh.size(dim), coord)
-    values = torch.zeros(tensor.numel(), dtype=tensor.dtype)
-    count = torch.zeros(tensor.numel(), dtype=tensor.dtype)
-    values[index.reshape(-1)] = tensor.to_local().reshape(-1)
-    count[index.reshape(-1)] = 1
+    if isinstance(tensor, DTensor):
+        if any(isinstance(p, Partial) for p in tensor.placements):
+            return tensor.full_tensor(), 0.0  # a sum still pending: DTensor reduces it
+        mesh = tensor.device_mesh
+        for dim, (placement, coord) in enumerate(zip(tensor.placements, mesh.get_coordinate())):
+            index = local_piece(index, placement, mesh.size(dim), coord)
+        local = tensor.to_local()
+    else:
+        local = tensor
+    index, local = index.reshape(-1), local.detach().reshape(-1)
+    values = torch.zeros(tensor.numel(), dtype=local.dtype)
+    count = torch.zeros(tensor.numel(), dtype=local.dtype)
+    values[index] = local
+    count[index] = 1
     dist.all_reduce(values)
     dist.all_reduce(count)
     if bool((count == 0).any()):
         raise RuntimeError("no rank holds some elements of the tensor")
-    return (values / count).reshape(tensor.shape)
+    whole = values / count
+    spread = (local - whole[index]).abs().max() if local.numel() else torch.zeros(())
+    spread = spread.reshape(1).to(local.dtype)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return whole.reshape(tensor.shape), 2 * spread.item()
 
 
 def _sum_then_divide(model) -> None:
