@@ -58,8 +58,8 @@ def load_bundle_module(bundle_dir: str | Path, modeling_file: str, key: str) -> 
         _import_package(package, bundle_dir)
         return importlib.import_module(name)
     except Exception as exc:
-        for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
-            del sys.modules[key]
+        for stale in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+            del sys.modules[stale]
         raise BundleImportError(f"{bundle_dir / modeling_file}: import failed: "
                                 f"{type(exc).__name__}: {exc}") from exc
 
