@@ -23,15 +23,53 @@ class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the file and the key."""
 
 
+MAX_NPROC_PER_NODE = 1024  # ranks one host starts: its accelerators (or CPU processes)
+MAX_NNODES = 65536
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of settings; a megabyte is a mistake
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML as a recipe needs it: no anchors or aliases (an alias bomb expands without
+    bound, and a recipe has nothing to repeat), and no key given twice in one mapping
+    (YAML's last-one-wins would silently drop the first value)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None):
+            event = self.peek_event()
+            what = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{what}{event.anchor}: recipes take no anchors or aliases; write the value out",
+                event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (first {seen[key]}); keep one",
+                    key_node.start_mark)
+            seen[key] = f"line {key_node.start_mark.line + 1}"
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_training_config(path: str | os.PathLike) -> TrainerConfig:
     """Parse and validate the recipe at ``path``. Never writes anything."""
     yaml_path = Path(path).resolve()
     try:
+        size = yaml_path.stat().st_size
+        if size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"{path}: {size} bytes; a recipe may have at most {MAX_RECIPE_BYTES} "
+                              f"(is this the right file?)")
         text = yaml_path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RecipeError(f"{path}: recipe file not found") from None
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the recipe as UTF-8") \
+            from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: malformed YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -51,6 +89,9 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
     for key in ("dp_size", "tp_size", "cp_size", "ep_size", "pp_size", "nproc_per_node", "nnodes"):
         if getattr(acc, key) < 1:
             raise RecipeError(f"{where}: accelerator.{key}: expected an integer >= 1, got {getattr(acc, key)}")
+    for key, most in (("nproc_per_node", MAX_NPROC_PER_NODE), ("nnodes", MAX_NNODES)):
+        if getattr(acc, key) > most:
+            raise RecipeError(f"{where}: accelerator.{key}: expected at most {most}, got {getattr(acc, key)}")
     launched = acc.nproc_per_node * acc.nnodes
     if acc.world_size != launched:
         raise RecipeError(

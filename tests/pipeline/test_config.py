@@ -107,3 +107,10 @@ def test_paths_resolve_against_the_yaml_folder(recipes, tmp_path, monkeypatch):
         assert spec.model_dir_rel == model_rel
         assert spec.artifact_dir == yaml_dir / "generated"
         assert spec.model_config["model_type"] == "qwen3_moe"
+
+
+def test_a_recipe_larger_than_a_megabyte_is_refused_unread(tmp_path):
+    recipe = tmp_path / "huge.yaml"
+    recipe.write_text("model:\n  pretrained_model_name_or_path: m\n# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(RecipeError, match=r"huge.yaml: \d+ bytes; a recipe may have at most 1048576"):
+        load_training_config(recipe)

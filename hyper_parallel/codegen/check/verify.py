@@ -58,9 +58,18 @@ def max_processes() -> int:
     return value
 
 
+MAX_SIMULATED_RANKS = 4096  # threads of one process: each holds a probe model and a stack
+
+
 def verify_mode(world: int) -> str:
     """torchrun processes up to the cap (also from a training job's rank 0), threads above it."""
-    return "threads" if world > max_processes() else "torchrun"
+    if world <= max_processes():
+        return "torchrun"
+    if world > MAX_SIMULATED_RANKS:
+        raise VerifyError(f"world size {world}: verify simulates at most {MAX_SIMULATED_RANKS} ranks in one process "
+                          f"(and starts at most {max_processes()} processes, ${MAX_PROCS_ENV}); this layout cannot "
+                          f"be verified here")
+    return "threads"
 
 
 @dataclass

@@ -88,6 +88,9 @@ def read_model_config(model_dir: Path, *, recipe: str, key: str) -> dict[str, An
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise SourceError(f"{config_path}: malformed JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{config_path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          f"{recipe}: {key} must point at a folder with a UTF-8 config.json") from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise SourceError(f"{config_path}: expected a 'model_type' string, got "
                           f"{config.get('model_type') if isinstance(config, dict) else config!r}")
