@@ -10,6 +10,7 @@ standard library and torch; the applier is imported when it is first needed.
 """
 
 import fnmatch
+import inspect
 import importlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
@@ -116,9 +117,11 @@ def _import_target(target: str, origin: str):
     except (ImportError, AttributeError) as exc:
         raise ReplacementError(f"{origin}: cannot import replacement target {target!r}: "
                                f"{type(exc).__name__}: {exc}") from exc
-    if not callable(factory):
+    # A factory is a Python function or class taking (module, **kwargs): builtins such as
+    # os.system or eval, which would run what the recipe passes them, are not factories.
+    if not (inspect.isfunction(factory) or isinstance(factory, type)):
         raise ReplacementError(f"{origin}: replacement target {target!r} is {type(factory).__name__}, "
-                               f"expected a callable factory(module, **kwargs)")
+                               f"expected a Python function or class factory(module, **kwargs)")
     return factory
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -107,7 +108,31 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
         if entry.when is not None and entry.when not in OVERRIDE_AXES:
             raise RecipeError(f"{where}: plan_overrides[{i}].when: expected one of "
                               f"{', '.join(OVERRIDE_AXES)}, got {entry.when!r}")
+    _validate_targets(config, where)
     _validate_training(config, where)
+
+
+TRUSTED_PACKAGE = "hyper_parallel"
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _validate_targets(config: TrainerConfig, where: str) -> None:
+    """No code runs that nobody opted into: a replace_module factory comes from
+    hyper_parallel or from a package the recipe names under model.trusted_modules."""
+    trusted = [TRUSTED_PACKAGE]
+    for i, name in enumerate(config.model.trusted_modules):
+        if not isinstance(name, str) or not _DOTTED.fullmatch(name):
+            raise RecipeError(f"{where}: model.trusted_modules[{i}]: expected a dotted package or module name "
+                              f"(e.g. my_kernels.attention), got {name!r}")
+        trusted.append(name)
+    for i, entry in enumerate(config.plan_overrides):
+        if entry.replace_module is None:
+            continue
+        target = entry.replace_module.target
+        if not any(target.startswith(prefix + ".") for prefix in trusted):
+            raise RecipeError(f"{where}: plan_overrides[{i}].replace_module._target_: {target!r} is outside the "
+                              f"trusted modules ({', '.join(trusted)}); if you trust its package, list it under "
+                              f"model.trusted_modules")
 
 
 def _validate_training(config: TrainerConfig, where: str) -> None:

@@ -21,6 +21,8 @@ class ModelConfig:
     attn_implementation: str = "eager"
     force_hf: bool = False
     codegen_artifact_dir: str | None = None
+    # Packages besides hyper_parallel whose code a replace_module._target_ may name.
+    trusted_modules: list[str] = field(default_factory=list)
 
     def build(self, *, codegen: bool, modeling_backend: str | None, codegen_config: "TrainerConfig",
               mesh_context: Any = None):

@@ -2,6 +2,7 @@
 in the .diff) and applied exactly once when the model is built."""
 
 import torch
+import yaml
 
 from hyper_parallel.components.modules.grouped_experts import GroupedExperts
 from hyper_parallel.config import load_training_config
@@ -18,6 +19,9 @@ OVERRIDES = [
 
 def test_each_replacement_is_lowered_and_applied_exactly_once(tmp_path):
     recipe = tiny_project_recipe(tmp_path / "p", plan_overrides=OVERRIDES)
+    data = yaml.safe_load(recipe.read_text())
+    data["model"]["trusted_modules"] = ["tests.models.counting_replacements"]
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     hf = save_random_hf_weights(recipe.parent / "models/tiny-qwen3-moe", seed=5)
     config = load_training_config(recipe)
     workspace = tmp_path / "p" / "generated"

@@ -62,6 +62,7 @@ def test_verify_refuses_a_broken_plan_and_keeps_the_old_bundle(installed, tmp_pa
         data["model"]["config_overrides"] = {"tie_word_embeddings": True}
     else:
         data["plan_overrides"] = [override]
+        data["model"]["trusted_modules"] = ["tests.verify"]  # broken_replacements
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
 
     # The replacement factory lives in this test package.
