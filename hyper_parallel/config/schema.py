@@ -21,6 +21,8 @@ class ModelConfig:
     attn_implementation: str = "eager"
     force_hf: bool = False
     codegen_artifact_dir: str | None = None
+    # The model folder's own code (config.json auto_map) runs only when this is true.
+    trust_remote_code: bool = False
     # Packages besides hyper_parallel whose code a replace_module._target_ may name.
     trusted_modules: list[str] = field(default_factory=list)
 

@@ -20,6 +20,7 @@ RECIPE_TEXT = """\
 # The fused decoder (remote code: auto_map in its config.json) at tp 2 on 2 CPU processes.
 model:
   pretrained_model_name_or_path: models/fused_decoder
+  trust_remote_code: true
   torch_dtype: float32
   attn_implementation: eager
 

@@ -61,6 +61,10 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     rid = recipe_id(recipe_path, root.parent)
     _check_artifact_dir(artifact_dir, yaml_dir=yaml_dir, model_dir=model_dir, workspace=root / rid, where=where)
     source = resolve_source(model_dir, model_config)
+    if source.is_remote and not config.model.trust_remote_code:
+        raise SourceError(f"{where}: model.trust_remote_code: the model folder {model_dir} brings its own code "
+                          f"({source.file}, named by auto_map in config.json); codegen imports and runs it only "
+                          f"with model.trust_remote_code: true")
     modeling_file = modeling_file_name(model_config["model_type"], acc.device_type)
     _check_sibling_names(source, modeling_file, model_dir)
     return CodegenSpec(
