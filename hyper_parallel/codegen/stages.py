@@ -180,7 +180,7 @@ def run_verify(spec: CodegenSpec, log: Log) -> None:
     emitted = read_upstream(files.emit_stamp)["outputs"]
     staged_bytes(spec, emitted, "verify")
     model_class = read_upstream(files.frozen)["model_class"]
-    report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], model_class, log)
+    report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], emitted, model_class, log)
     write_json(files.verify_stamp, {"signature": expected_signature(spec, "verify"), "outputs": emitted,
                                     "report": report})
 
@@ -207,7 +207,7 @@ def verify_installed(spec: CodegenSpec, log: Log) -> dict[str, Any]:
     from hyper_parallel.codegen.meta import load_codegen_meta
 
     meta = load_codegen_meta(spec.artifact_dir)
-    return verify_bundle(spec, spec.artifact_dir, meta["signature"], meta["model"]["model_class"],
+    return verify_bundle(spec, spec.artifact_dir, meta["signature"], meta["outputs"], meta["model"]["model_class"],
                          lambda msg: log(f"[verify] {msg}"))
 
 

@@ -79,7 +79,7 @@ def test_failed_import_is_not_cached(tmp_path, broken, error):
     assert str(bundle / "modeling_fake.py") in message and error in message, message
     assert _bundle_modules(bundle) == []
 
-    (bundle / "modeling_fake.py").write_text("VALUE = 'fixed'\n")
+    install_fake_bundle(bundle, "VALUE = 'fixed'\n")  # regenerated (an edited file would be refused)
     assert load_generated_module(bundle).VALUE == "fixed"
     assert _bundle_modules(bundle) == sorted([bundle_package_name(bundle),
                                               f"{bundle_package_name(bundle)}.modeling_fake"])
@@ -96,3 +96,33 @@ def test_a_reinstalled_bundle_with_a_new_signature_is_imported_afresh(tmp_path):
     assert load_generated_module(bundle).VALUE == 1
     install_fake_bundle(bundle, "VALUE = 2\n", signature="b" * 64)
     assert load_generated_module(bundle).VALUE == 2
+
+
+def test_a_planted_bytecode_cache_is_never_executed(tmp_path):
+    """A __pycache__ entry that claims to be the modeling file (an unchecked-hash .pyc,
+    which CPython's own loader runs without looking at the source) is ignored: the loader
+    compiles the listed file's verified bytes."""
+    import importlib.util
+    import py_compile
+
+    bundle = install_fake_bundle(tmp_path / "generated", "VALUE = 'genuine'\n")
+    evil = tmp_path / "evil.py"
+    evil.write_text("VALUE = 'planted'\n")
+    cache = Path(importlib.util.cache_from_source(str(bundle / "modeling_fake.py")))
+    py_compile.compile(str(evil), cfile=str(cache), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    assert load_generated_module(bundle).VALUE == "genuine"
+
+
+def test_an_edited_file_is_not_imported_even_unchecked(tmp_path):
+    bundle = install_fake_bundle(tmp_path / "generated", "VALUE = 1\n")
+    (bundle / "modeling_fake.py").write_text("VALUE = 2\n")
+    with pytest.raises(BundleImportError, match=r"modeling_fake.py: sha256 \w+ differs from the bundle's"):
+        load_generated_module(bundle)
+
+
+def test_only_the_bundle_files_are_its_submodules(tmp_path):
+    """A module dropped into the bundle folder is not importable as part of the bundle."""
+    bundle = install_fake_bundle(tmp_path / "generated", "from .dropped import VALUE\n")
+    (bundle / "dropped.py").write_text("VALUE = 'not listed'\n")
+    with pytest.raises(BundleImportError, match="dropped.py is not a file of the bundle"):
+        load_generated_module(bundle)

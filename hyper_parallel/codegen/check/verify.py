@@ -83,16 +83,18 @@ class Probe:
     tied: dict[str, tuple[str, ...]]  # parameter name -> every name of the same tensor
 
 
-def verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_class: str, log: Log) -> dict[str, Any]:
+def verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_class: str,
+                  log: Log) -> dict[str, Any]:
     """Verify the bundle in ``bundle_dir`` (staged or installed); return the figures. The
     caller's random state is left as it was (training may seed, generate, then build)."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
-        return _verify_bundle(spec, bundle_dir, bundle_key, model_class, log)
+        return _verify_bundle(spec, bundle_dir, bundle_key, files, model_class, log)
 
 
-def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_class: str, log: Log) -> dict[str, Any]:
+def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_class: str,
+                  log: Log) -> dict[str, Any]:
     import torch
 
     start = time.perf_counter()
@@ -100,7 +102,7 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_c
     mode = verify_mode(world)
     with tempfile.TemporaryDirectory(prefix="hp-verify-") as tmp:
         probe = build_probe(spec, Path(tmp) / "probe")
-        job = _job(spec, bundle_dir, bundle_key, model_class, Path(tmp), diagnose=False)
+        job = _job(spec, bundle_dir, bundle_key, files, model_class, Path(tmp), diagnose=False)
         log(f"probe: {probe.depth} of {probe.full_depth} layer(s), hidden {probe.config.hidden_size}, "
             f"{probe.seq_len} tokens x {spec.parallel.dp} sequence(s); {world} ranks as {mode}")
         with _launched(job, mode, world) as proc:
@@ -109,7 +111,7 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, model_c
         got = torch.load(job["result"], weights_only=True)
         failure, figures = compare_runs(expected, got)
         if failure is not None:
-            divergence = _first_divergence(spec, probe, bundle_dir, bundle_key, model_class, Path(tmp), mode, world)
+            divergence = _first_divergence(spec, probe, job, Path(tmp), mode, world)
             raise VerifyError(_failure_message(spec, failure, divergence, bundle_dir, job, world, mode, probe))
     seconds = time.perf_counter() - start
     report = {"mode": mode, "world": world, "steps": STEPS, **figures, "seconds": round(seconds, 2)}
@@ -296,7 +298,7 @@ def _plan_entry(job: dict, param_name: str) -> tuple[str | None, Any]:
     from hyper_parallel.codegen.loader import load_bundle_module
     from hyper_parallel.distributed.applier import plan_entry_for
 
-    module = load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"])
+    module = load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"], job["files"])
     owner, _, leaf = param_name.rpartition(".")
     found = plan_entry_for(owner, module.HYPER_PARALLEL_PLAN["modules"])
     if found is None:
@@ -307,12 +309,13 @@ def _plan_entry(job: dict, param_name: str) -> tuple[str | None, Any]:
 
 # --- the first diverging module ------------------------------------------------------------------
 
-def _first_divergence(spec, probe, bundle_dir, bundle_key, model_class, tmp: Path, mode: str, world: int) -> str:
+def _first_divergence(spec, probe, run_job: dict, tmp: Path, mode: str, world: int) -> str:
     """Rerun one forward with every module's output recorded on every rank; walk the
     reference's modules in the order their outputs were made."""
     import torch
 
-    job = _job(spec, bundle_dir, bundle_key, model_class, tmp, diagnose=True)
+    job = _job(spec, Path(run_job["bundle_dir"]), run_job["bundle_key"], run_job["files"], run_job["model_class"],
+               tmp, diagnose=True)
     try:
         with _launched(job, mode, world) as proc:
             expected = _reference_outputs(spec, probe)
@@ -379,10 +382,11 @@ def _product(values) -> int:
 
 # --- launching the ranks -------------------------------------------------------------------------
 
-def _job(spec, bundle_dir: Path, bundle_key: str, model_class: str, tmp: Path, *, diagnose: bool) -> dict:
+def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_class: str, tmp: Path, *,
+         diagnose: bool) -> dict:
     p = spec.parallel
     tag = "diagnose" if diagnose else "run"
-    job = {"bundle_dir": str(bundle_dir), "bundle_key": bundle_key, "modeling_file": spec.modeling_file,
+    job = {"bundle_dir": str(bundle_dir), "bundle_key": bundle_key, "files": files, "modeling_file": spec.modeling_file,
            "model_class": model_class, "probe_dir": str(tmp / "probe"),
            "attn_implementation": spec.attn_implementation,
            "dims": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "pp": p.pp},

@@ -179,7 +179,7 @@ def _track_running(model, plan: dict[str, Any], running: list[str], finished: li
 def _load_bundle_module(job: dict[str, Any]):
     from hyper_parallel.codegen.loader import load_bundle_module
 
-    return load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"])
+    return load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"], job["files"])
 
 
 def build_probe_model(job: dict[str, Any]):
