@@ -8,7 +8,6 @@ import os
 import sys
 import traceback
 
-from hyper_parallel.codegen.check.drift import installed_bundle_problems
 from hyper_parallel.codegen.manager import clean_recipe, ensure_codegen_artifact, load_spec, run_pipeline
 from hyper_parallel.codegen.spec.project import check_launch_world_size
 from hyper_parallel.codegen.spec.types import STAGES
@@ -76,12 +75,12 @@ def _dispatch(args: argparse.Namespace, log) -> int:
         ran = run_pipeline(spec, stages, force=args.force, log=log)
         print(f"{spec.artifact_dir}: {'stages run: ' + ', '.join(ran) if ran else 'up to date'}")
         return 0
-    problems = installed_bundle_problems(spec)
+    from hyper_parallel.codegen.stages import check_installed, verify_installed
+
+    problems = check_installed(spec, log)
     if problems:
         print("\n".join(problems) + f"\n  fix: doit generate config={args.config}", file=sys.stderr)
         return 1
-    from hyper_parallel.codegen.stages import verify_installed
-
     verify_installed(spec, log)
     run_pipeline(spec, ["preflight"], force=True, log=log)
     print(f"{spec.artifact_dir}: check passed")

@@ -88,11 +88,11 @@ def run_stage_action(stage: str, path: str):
 
 
 def check_action(path: str):
-    from hyper_parallel.codegen.check.drift import fix_command, installed_bundle_problems
-    from hyper_parallel.codegen.stages import run_stage, verify_installed
+    from hyper_parallel.codegen.check.drift import fix_command
+    from hyper_parallel.codegen.stages import check_installed, run_stage, verify_installed
     try:
         spec = spec_for(path)
-        problems = installed_bundle_problems(spec)
+        problems = check_installed(spec, log=lambda msg: print(f"   {msg}", flush=True))
         if problems:
             return TaskFailed("\n".join(problems) + f"\n  fix: {fix_command(spec)}")
         verify_installed(spec, log=lambda msg: print(f"   {msg}", flush=True))

@@ -92,8 +92,8 @@ def stage_is_current(spec: CodegenSpec, stage: str) -> bool:
         return False
     if stage == "install":
         from hyper_parallel.codegen.check.drift import installed_bundle_problems
-        return not installed_bundle_problems(spec)
-    record = read_json(StageFiles(spec).output(stage))
+        return not installed_bundle_problems(spec) and not installed_differs_from_staged(spec)
+    record = read_stage_record(StageFiles(spec).output(stage))
     if record is None or record.get("signature") != expected:
         return False
     outputs = record.get("outputs", {})
@@ -105,7 +105,7 @@ def stage_is_current(spec: CodegenSpec, stage: str) -> bool:
 
 def run_resolve(spec: CodegenSpec, log: Log) -> None:
     architectures = spec.model_config.get("architectures") or [None]
-    write_json(StageFiles(spec).source, {
+    write_stage_record(StageFiles(spec).source, {
         "signature": expected_signature(spec, "resolve"),
         "source": spec.source.identity(),
         "model_config_sha256": spec.model_config_sha256,
@@ -123,7 +123,7 @@ def run_derive(spec: CodegenSpec, log: Log) -> None:
 
     derived = derive_plan(spec)
     plan = derived["plan"]
-    write_json(StageFiles(spec).plan, {"signature": expected_signature(spec, "derive"), **derived})
+    write_stage_record(StageFiles(spec).plan, {"signature": expected_signature(spec, "derive"), **derived})
     log(f"{len(plan['modules'])} module entries on mesh {dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))}; "
         f"applied axes {plan['applied_axes'] or 'none'}")
 
@@ -133,7 +133,7 @@ def run_freeze(spec: CodegenSpec, log: Log) -> None:
 
     derived = read_upstream(StageFiles(spec).plan)
     frozen = freeze_plan(derived["plan"], derived["module_names"])
-    write_json(StageFiles(spec).frozen, {"signature": expected_signature(spec, "freeze"),
+    write_stage_record(StageFiles(spec).frozen, {"signature": expected_signature(spec, "freeze"),
                                          "model_class": derived["model_class"], "frozen": frozen})
     log(f"{len(frozen['modules'])} frozen entries (from {len(derived['plan']['modules'])})")
 
@@ -181,7 +181,7 @@ def run_verify(spec: CodegenSpec, log: Log) -> None:
     staged_bytes(spec, emitted, "verify")
     model_class = read_upstream(files.frozen)["model_class"]
     report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], emitted, model_class, log)
-    write_json(files.verify_stamp, {"signature": expected_signature(spec, "verify"), "outputs": emitted,
+    write_stage_record(files.verify_stamp, {"signature": expected_signature(spec, "verify"), "outputs": emitted,
                                     "report": report})
 
 
@@ -199,6 +199,22 @@ def staged_bytes(spec: CodegenSpec, expected: dict[str, str], stage: str) -> dic
                                f"refuses it: run `doit generate config={spec.recipe_path}` to rebuild it")
         payload[name] = data
     return payload
+
+
+def check_installed(spec: CodegenSpec, log: Log) -> list[str]:
+    """``doit check`` / the CLI's check: what is wrong with the installed bundle. Its meta
+    and hashes must agree with the recipe, and its bytes with what the pipeline writes from
+    its inputs now (the stages through diff are brought up to date first, so a bundle
+    whose file and meta were both edited is caught)."""
+    from hyper_parallel.codegen.check.drift import installed_bundle_problems
+
+    problems = installed_bundle_problems(spec)
+    if problems:
+        return problems
+    for stage in STAGES[:STAGES.index("diff") + 1]:
+        if not stage_is_current(spec, stage):
+            run_stage(spec, stage, log)
+    return installed_differs_from_staged(spec)
 
 
 def verify_installed(spec: CodegenSpec, log: Log) -> dict[str, Any]:
@@ -252,7 +268,7 @@ def run_preflight(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.check.preflight import run_torchrun_preflight
 
     report = run_torchrun_preflight(spec, log)
-    write_json(StageFiles(spec).preflight_stamp,
+    write_stage_record(StageFiles(spec).preflight_stamp,
                {"signature": expected_signature(spec, "preflight"), "report": report})
 
 
@@ -293,12 +309,47 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def read_upstream(path: Path) -> dict[str, Any]:
-    """An earlier stage's output, which must exist (doit and run_pipeline order the stages)."""
-    value = read_json(path)
+    """An earlier stage's output, which must exist as that stage wrote it (doit and
+    run_pipeline order the stages; an edited one is refused)."""
+    value = read_stage_record(path)
     if value is None:
-        raise FileNotFoundError(f"{path}: missing or unreadable output of an earlier stage; "
+        raise FileNotFoundError(f"{path}: missing, unreadable or edited output of an earlier stage; "
                                 f"run the whole pipeline (`doit generate config=...`)")
     return value
+
+
+def write_stage_record(path: Path, record: dict[str, Any]) -> None:
+    """A stage's output, sealed with the sha256 of its own content: an edited output
+    (a hand-changed plan.json) is stale, so it is rebuilt, never passed on."""
+    write_json(path, {**record, "content_sha256": sha256_json(record)})
+
+
+def read_stage_record(path: Path) -> dict[str, Any] | None:
+    """A stage output whose content is what its stage wrote, else None."""
+    record = read_json(path)
+    if record is None:
+        return None
+    body = {key: value for key, value in record.items() if key != "content_sha256"}
+    return body if record.get("content_sha256") == sha256_json(body) else None
+
+
+def installed_differs_from_staged(spec: CodegenSpec) -> list[str]:
+    """The installed files against the bytes the workspace's emit and diff staged (when
+    the workspace holds them): judged on bytes, whatever codegen_meta.json claims."""
+    files = StageFiles(spec)
+    staged: dict[str, str] = {}
+    for stamp in (files.emit_stamp, files.diff_stamp):
+        record = read_stage_record(stamp)
+        if record is None:
+            return []  # no workspace (a fresh clone): the meta's own hashes decide
+        staged.update(record.get("outputs", {}))
+    problems = []
+    for name, sha in sorted(staged.items()):
+        path = spec.artifact_dir / name
+        actual = sha256_file(path) if path.is_file() else "missing"
+        if actual != sha:
+            problems.append(f"{path}: differs from what generate writes now (sha256 {actual}, generate writes {sha})")
+    return problems
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
@@ -320,5 +371,5 @@ def _write_staged(spec: CodegenSpec, stage: str, outputs: dict[str, bytes]) -> N
     for name, data in outputs.items():
         write_if_changed(files.staged / name, data)
     stamp = files.emit_stamp if stage == "emit" else files.diff_stamp
-    write_json(stamp, {"signature": expected_signature(spec, stage),
+    write_stage_record(stamp, {"signature": expected_signature(spec, stage),
                        "outputs": {name: sha256_bytes(data) for name, data in outputs.items()}})
