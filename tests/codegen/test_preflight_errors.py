@@ -9,7 +9,9 @@ from tests.project_fixtures import run
 
 def test_the_ranks_error_is_reported_not_torchruns_summary(tmp_path):
     worker = tmp_path / "worker.py"
-    worker.write_text("raise ValueError('bundle digest 1 differs from rank 0s 2')\n")
+    # One rank fails: two ranks writing the same error at once interleave on stderr.
+    worker.write_text("import os\nif os.environ['RANK'] == '1':\n"
+                      "    raise ValueError('bundle digest 1 differs from rank 0s 2')\n")
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)],
                cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
