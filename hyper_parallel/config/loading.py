@@ -87,10 +87,10 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
     if acc.device_type not in DEVICE_TYPES:
         raise RecipeError(f"{where}: accelerator.device_type: expected one of "
                           f"{', '.join(DEVICE_TYPES)}, got {acc.device_type!r}")
-    for key in ("dp_size", "tp_size", "cp_size", "ep_size", "pp_size", "nproc_per_node", "nnodes"):
+    for key in ("dp_size", "tp_size", "cp_size", "ep_size", "pp_size", "nproc_per_node", "nnodes", "check_timeout_s"):
         if getattr(acc, key) < 1:
             raise RecipeError(f"{where}: accelerator.{key}: expected an integer >= 1, got {getattr(acc, key)}")
-    for key, most in (("nproc_per_node", MAX_NPROC_PER_NODE), ("nnodes", MAX_NNODES)):
+    for key, most in (("nproc_per_node", MAX_NPROC_PER_NODE), ("nnodes", MAX_NNODES), ("check_timeout_s", 3600)):
         if getattr(acc, key) > most:
             raise RecipeError(f"{where}: accelerator.{key}: expected at most {most}, got {getattr(acc, key)}")
     launched = acc.nproc_per_node * acc.nnodes

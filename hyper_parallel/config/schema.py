@@ -50,6 +50,9 @@ class AcceleratorConfig:
     loss_parallel: bool = False
     nproc_per_node: int = 1
     nnodes: int = 1
+    # verify's and preflight's collectives give up after this long; the error names the
+    # rank that went silent.
+    check_timeout_s: int = 120
 
     @property
     def world_size(self) -> int:

@@ -6,3 +6,14 @@ from torch import nn
 
 def wider_o_proj(module: nn.Linear, **kwargs) -> nn.Linear:
     return nn.Linear(module.in_features, module.out_features * 2, bias=module.bias is not None)
+
+
+def stop_rank_1(module, **kwargs):
+    """Leaves the module as it is; on rank 1 of a launched verify it stops its own process
+    (SIGSTOP), as a hung or frozen rank would: the others must give up and name it."""
+    import os
+    import signal
+
+    if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RUN_ID"):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return module

@@ -33,7 +33,6 @@ LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 GRAD_ATOL = 1e-6
 OUTPUT_RTOL, OUTPUT_ATOL = 1e-4, 1e-5
-COLLECTIVE_TIMEOUT_S = 120
 LAUNCH_TIMEOUT_S = 900
 MAX_PROCS_ENV = "HYPER_PARALLEL_VERIFY_MAX_PROCS"
 
@@ -390,8 +389,9 @@ def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_c
            "model_class": model_class, "probe_dir": str(tmp / "probe"),
            "attn_implementation": spec.attn_implementation,
            "dims": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "pp": p.pp},
-           "diagnose": diagnose, "mode": verify_mode(p.world_size), "timeout_s": COLLECTIVE_TIMEOUT_S,
-           "result": str(tmp / f"{tag}.pt"), "error": str(tmp / f"{tag}.error"), "path": str(tmp / f"{tag}.json")}
+           "diagnose": diagnose, "mode": verify_mode(p.world_size), "timeout_s": spec.check_timeout_s,
+           "result": str(tmp / f"{tag}.pt"), "error": str(tmp / f"{tag}.error"), "path": str(tmp / f"{tag}.json"),
+           "progress": str(tmp / f"{tag}.progress")}
     Path(job["path"]).write_text(json.dumps(job))
     return job
 
@@ -411,8 +411,10 @@ class _launched:
         for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
         self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        # Output into a file, not a pipe: a pipe nobody drains while we poll would block the ranks.
+        self.log = Path(job["path"]).with_suffix(".log")
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def __enter__(self):
         return self
@@ -424,28 +426,96 @@ class _launched:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """End the launch and every process it started: torchrun puts its ranks in sessions of
+    their own, so the process group alone would leave them (a stopped one for good)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
     proc.wait()
 
 
 def _finish(launched: _launched, job: dict, mode: str, world: int, spec: CodegenSpec) -> None:
-    try:
-        output, _ = launched.proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _kill_group(launched.proc)
-        raise VerifyError(f"verify on {world} ranks ({mode}) did not finish within {LAUNCH_TIMEOUT_S}s; "
-                          f"run it by hand: {' '.join(launched.cmd)}") from None
-    error_file = Path(job["error"])
-    if launched.proc.returncode != 0 or not Path(job["result"]).is_file():
-        if error_file.is_file():
-            reason = error_file.read_text().strip()
-        else:
-            from hyper_parallel.codegen.check.preflight import _last_error_line
+    """Wait for the ranks. Once some rank failed and every other one failed or finished
+    except a few that went silent, end them all (a stopped process would otherwise keep
+    torchrun waiting) and name the silent ranks with the last phase each reported."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while launched.proc.poll() is None:
+        if time.monotonic() > deadline:
+            _kill_group(launched.proc)
+            raise VerifyError(f"verify on {world} ranks ({mode}) did not finish within {LAUNCH_TIMEOUT_S}s; "
+                              f"run it by hand: {' '.join(launched.cmd)}")
+        if mode == "torchrun" and _only_silent_ranks_left(job, world):
+            time.sleep(2)  # a last report on its way
+            _kill_group(launched.proc)
+            break
+        time.sleep(0.2)
+    output = launched.log.read_text(errors="replace")
+    if launched.proc.returncode == 0 and Path(job["result"]).is_file():
+        return
+    reason = _rank_reports(job, world, mode)
+    if not reason:
+        from hyper_parallel.codegen.check.preflight import _last_error_line
 
-            reason = _last_error_line(output or "")
-        raise VerifyError(f"verify on {world} ranks ({mode}) failed for {job['bundle_dir']}:\n{reason}\n"
-                          f"  the previous bundle is left as it was; fix: `doit generate config={spec.recipe_path}` "
-                          f"after correcting the recipe (set HYPER_PARALLEL_TRACEBACK=1 for tracebacks)")
+        reason = _last_error_line(output or "")
+    raise VerifyError(f"verify on {world} ranks ({mode}) failed for {job['bundle_dir']}:\n{reason}\n"
+                      f"  the previous bundle is left as it was; fix: `doit generate config={spec.recipe_path}` "
+                      f"after correcting the recipe (set HYPER_PARALLEL_TRACEBACK=1 for tracebacks)")
+
+
+def _rank_files(job: dict, world: int, kind: str) -> dict[int, str]:
+    found = {}
+    for rank in range(world):
+        path = Path(f"{job[kind]}.rank{rank}")
+        if path.is_file():
+            found[rank] = path.read_text().strip()
+    return found
+
+
+def _only_silent_ranks_left(job: dict, world: int) -> bool:
+    errors = _rank_files(job, world, "error")
+    done = {rank for rank, phase in _rank_files(job, world, "progress").items() if phase == "done"}
+    return bool(errors) and len(errors) + len(done) < world and _silent_for(job, world, errors, done)
+
+
+def _silent_for(job: dict, world: int, errors: dict, done: set) -> bool:
+    """Every rank that has neither failed nor finished has been quiet for a while: the
+    failing ranks' collectives already gave up on it."""
+    quiet_s = 5.0
+    now = time.time()
+    for rank in set(range(world)) - set(errors) - done:
+        path = Path(f"{job['progress']}.rank{rank}")
+        if path.is_file() and now - path.stat().st_mtime < quiet_s:
+            return False
+    return True
+
+
+def _rank_reports(job: dict, world: int, mode: str) -> str:
+    """The ranks' own errors (one line per distinct error) and the ranks that went silent."""
+    from hyper_parallel.codegen.check.verify_worker import merge_rank_errors
+
+    if Path(job["error"]).is_file():  # threads mode: the process wrote the merged report
+        return Path(job["error"]).read_text().strip()
+    errors = _rank_files(job, world, "error")
+    if not errors:
+        return ""
+    phases = _rank_files(job, world, "progress")
+    silent = [rank for rank in range(world) if rank not in errors and phases.get(rank) != "done"]
+    lines = [merge_rank_errors([errors.get(rank) for rank in range(world)])]
+    if silent:
+        seen = ", ".join(f"rank {rank}: {phases.get(rank, 'never started')!r}" for rank in silent)
+        lines.insert(0, f"rank(s) {', '.join(map(str, silent))} went silent (last phase reported: {seen}); the "
+                        f"other ranks gave up waiting for them in a collective after {job['timeout_s']}s "
+                        f"(accelerator.check_timeout_s)")
+    return "\n".join(lines)

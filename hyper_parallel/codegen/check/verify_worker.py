@@ -45,20 +45,31 @@ def run_torchrun(job: dict[str, Any]) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=job["timeout_s"]))
     rank = dist.get_rank()
     error = _guarded_rank(job)
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [e for e in errors if e]
-    if rank == 0 and failed:
-        Path(job["error"]).write_text(_merge_rank_errors(errors))
-    dist.barrier()
+    # Each rank reports on its own (no collective that a silent rank could block), so the
+    # launcher can name a rank that never reported.
+    if error:
+        Path(f"{job['error']}.rank{rank}").write_text(error)
+    else:
+        progress(job, "done")
+        try:
+            dist.barrier()  # nobody leaves while a peer may still be receiving from it
+        except RuntimeError:
+            pass
     # Leave without the interpreter's process-group teardown, which now and then aborts a
     # rank after everything passed (see preflight_worker).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1 if failed else 0)
+    os._exit(1 if error else 0)
 
 
-def _merge_rank_errors(errors: list[str | None]) -> str:
+def progress(job: dict[str, Any], phase: str) -> None:
+    """Record how far this rank got (the launcher names the last phase of a silent rank)."""
+    import torch.distributed as dist
+
+    Path(f"{job['progress']}.rank{dist.get_rank()}").write_text(phase)
+
+
+def merge_rank_errors(errors: list[str | None]) -> str:
     """One line per distinct error, naming every rank that raised it."""
     by_text: dict[str, list[int]] = {}
     for rank, error in enumerate(errors):
@@ -209,9 +220,12 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
 
     rank = dist.get_rank()
     dims = ParallelDims(**job["dims"])
+    progress(job, "building the mesh")
     mesh = build_device_mesh(dims, "cpu")
     context = MeshContext(device_mesh=mesh, dims=dims)
+    progress(job, "building the probe model")
     module, model, tokens = build_probe_model(job)
+    progress(job, "applying hyper_parallelize")
     module.hyper_parallelize(model, context)
     _track_running(model, module.HYPER_PARALLEL_PLAN["modules"], running, finished)
     if dims.dp > 1:
@@ -231,7 +245,8 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
         return
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     record: dict[str, list] = {"losses": [], "norms": [], "grads": [], "spreads": []}
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        progress(job, f"step {step + 1}")
         batch = tokens[dp_rank:dp_rank + 1]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()

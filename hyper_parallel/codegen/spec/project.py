@@ -85,6 +85,7 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
         modeling_file=modeling_file,
         workspace=root / rid,
         recipe_id=rid,
+        check_timeout_s=acc.check_timeout_s,
     )
 
 

@@ -68,6 +68,7 @@ class CodegenSpec:
     modeling_file: str = ""
     workspace: Path = Path()
     recipe_id: str = ""
+    check_timeout_s: int = 120  # collectives of verify and preflight (not a codegen input)
 
     @property
     def replacements(self) -> list[dict[str, Any]]:
