@@ -36,6 +36,9 @@ def installed_project(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
     project = copy_project(generated_tiny_project(tmp_path_factory),
                            tmp_path_factory.mktemp("bad_recipes") / "project")
     shutil.copytree(CORPUS / "models", project / TINY_DIR / "models", dirs_exist_ok=True)
+    # A remote-code model folder (auto_map) for the trust cases: the suite's fused decoder.
+    shutil.copytree(CORPUS.parent / "remote_code" / "fused_decoder", project / TINY_DIR / "models" / "remote-untrusted",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     return project, bundle_bytes(project / BUNDLE)
 
 
