@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from hyper_parallel.codegen.emit.modeling import emit_modeling_source
 from hyper_parallel.codegen.runtime import hyper_apply_replacements
+from tests.rank_exit import leave_after_barrier
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
@@ -135,8 +136,7 @@ def _worker(generated: Path, weights: Path, out: Path) -> None:
         "sharded_q_proj_local_rows": model.model.layers[0].self_attn.q_proj.weight.to_local().shape[0],
     }
     out.joinpath(f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier(dist)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from hyper_parallel.distributed.mesh import build_offline_mesh
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.distributed.sharded_load import materialize_and_load
 from tests.distributed.tp_equivalence_worker import one_step_against_reference, start_tp2_worker
+from tests.rank_exit import leave_after_barrier
 
 
 def main() -> None:
@@ -40,8 +41,7 @@ def main() -> None:
               "bytes_read": report.bytes_read, "full_param_bytes": full_bytes,
               "local_param_bytes": sum(p.to_local().nbytes for p in model.parameters())}
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier(dist)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from hyper_parallel.distributed.placement_text import local_shard_shape
 from hyper_parallel.distributed.placements import named_from_placements
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
 from hyper_parallel.distributed.planner import ShardingPlanner
+from tests.rank_exit import leave_after_barrier
 
 
 def build_model(config, weights=None, device=None):
@@ -216,8 +217,7 @@ def main() -> None:
         "sharded_loss": not isinstance(parallel.loss_function, type(reference.loss_function)),
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier(dist)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_dev
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
 from hyper_parallel.distributed.planner import ShardingPlanner
 from tests.distributed.tp_equivalence_worker import compare_grads, compress_to_globs
+from tests.rank_exit import leave_after_barrier
 
 OPTIMIZER_STEPS = 3
 
@@ -113,7 +114,7 @@ def main() -> None:
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         Path(args.out, f"{case['name']}.rank{rank}.json").write_text(json.dumps(result, indent=1))
         dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier(dist)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel.config import load_training_config
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.models._transformers import HyperAutoModel
+from tests.rank_exit import leave_after_barrier
 
 
 def causal_lm_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
@@ -79,8 +80,7 @@ def main() -> None:
             entry["grad_failures"], entry["grads_checked"] = grad_mismatches(model, reference)
         results[backend] = entry
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier(dist)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.mesh import MeshContext, build_offline_mesh
 from hyper_parallel.distributed.planner import ShardingPlanner
 from tests.distributed.tp_equivalence_worker import loss_of, start_tp2_worker
+from tests.rank_exit import leave_after_barrier
 
 
 def load(model_dir: str, **kwargs):
@@ -57,8 +58,7 @@ def main() -> None:
             dict(reference.named_parameters())["model.layers.0.self_attn.q_proj.weight"]),
     }
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier(dist)
 
 
 def _grad_norm(param) -> float:

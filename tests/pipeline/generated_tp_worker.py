@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from hyper_parallel.codegen.loader import load_generated_module
 from hyper_parallel.codegen.meta import load_codegen_meta
 from tests.distributed.tp_equivalence_worker import build_model, one_step_against_reference, start_tp2_worker
+from tests.rank_exit import leave_after_barrier
 
 
 def main() -> None:
@@ -42,8 +43,7 @@ def main() -> None:
         "param_count": sum(1 for _ in generated.parameters()),
     }
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier(dist)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from hyper_parallel.codegen.loader import load_generated_module
 from hyper_parallel.codegen.meta import load_codegen_meta
 from tests.distributed.tp_equivalence_worker import one_step_against_reference, start_tp2_worker
+from tests.rank_exit import leave_after_barrier
 
 
 def build_remote_model(model_dir: str, weights: dict | None = None):
@@ -56,8 +57,7 @@ def main() -> None:
         "qkv_local_shape": list(qkv.to_local().shape),
     }
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier(dist)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hyper_parallel.models.qwen3_moe.custom_model import from_hf_model, parallelize_custom_model
 from hyper_parallel.models.qwen3_moe.hf_state_dict import hf_key_to_custom
+from tests.rank_exit import leave_after_barrier
 
 CONFIG_DIR = "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
@@ -97,8 +98,7 @@ def main() -> int:
         print(f"[rank {rank}] {error}", flush=True)
     if not errors:
         print(f"[rank {rank}] OK {sys.argv[1]}", flush=True)
-    dist.destroy_process_group()
-    return 1 if errors else 0
+    leave_after_barrier(dist, 1 if errors else 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,14 @@
+"""How a test's torchrun worker leaves once it has written its result."""
+
+import os
+import sys
+
+
+def leave_after_barrier(dist, code: int = 0) -> None:
+    """Meet the other ranks, then leave without process-group and interpreter teardown,
+    which now and then aborts a rank (SIGABRT, "terminate called without an active
+    exception") after all the work is done, failing the launch (see preflight_worker)."""
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
