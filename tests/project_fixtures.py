@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from hyper_parallel.codegen.light_boot import NO_TORCH_BOOT
@@ -38,8 +39,8 @@ def doit(project: Path, *args: str, env: dict | None = None, forbid_torch: bool 
     return run([sys.executable, "-m", "doit", *args], project, env)
 
 
-def cli(project: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "hyper_parallel.codegen", *args], project, env)
+def cli(project: Path, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "hyper_parallel.codegen", *args], project, env, timeout=timeout)
 
 
 _TASK_LINE = re.compile(r"^(\.|--)\s+(\w+):(\S+)", re.M)
@@ -56,3 +57,28 @@ def tasks_skipped(output: str) -> list[str]:
 
 def bundle_bytes(bundle: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(bundle.iterdir()) if p.is_file()}
+
+
+def tree_state(root: Path) -> dict[str, bytes | str]:
+    """Every entry under ``root`` (``__pycache__`` aside): a file's bytes, a link's target,
+    ``<dir>`` for a folder. Equal before and after a run: nothing on disk changed."""
+    state: dict[str, bytes | str] = {}
+    for path in sorted(root.rglob("*")):
+        if "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(root).as_posix()
+        state[rel] = f"-> {os.readlink(path)}" if path.is_symlink() else "<dir>" if path.is_dir() else path.read_bytes()
+    return state
+
+
+def orphaned_scratch() -> list[str]:
+    """verify/preflight scratch folders whose owning process is gone (live ones belong to
+    other runs): a run must remove its own, even when it is killed."""
+    from hyper_parallel.codegen.check.launch import pid_alive
+
+    found = []
+    for path in Path(tempfile.gettempdir()).glob("hp-*-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            found.append(path.name)
+    return found

@@ -13,9 +13,11 @@ the next install.
 import ctypes
 import ctypes.util
 import errno
+import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 META_FILE = "codegen_meta.json"
@@ -34,6 +36,7 @@ def write_bundle_atomic(artifact_dir: str | os.PathLike, files: dict[str, bytes]
     """Install ``files`` plus ``codegen_meta.json`` as the bundle at ``artifact_dir``."""
     target = Path(artifact_dir)
     parent = target.parent
+    check_owned(target, "install", files)
     try:
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging_dirs(target)
@@ -46,7 +49,7 @@ def write_bundle_atomic(artifact_dir: str | os.PathLike, files: dict[str, bytes]
             _write_synced(staging / name, files[name])
         _write_synced(staging / META_FILE, meta)
         _fsync_dir(staging)
-        _swap_in(staging, target)
+        _swap_in(staging, target, files)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -82,22 +85,59 @@ def _cannot_write(target: Path, exc: OSError) -> ArtifactError:
                                     f"model.codegen_artifact_dir in the recipe")
 
 
-def looks_like_bundle(path: Path) -> bool:
-    """True for an empty folder or one codegen wrote (it has a codegen_meta.json, or only
-    files a bundle holds). Install and clean never replace or remove anything else."""
-    if not path.is_dir():
-        return False
-    names = {entry.name for entry in path.iterdir()}
-    if not names or META_FILE in names:
-        return True
-    return all(name in ("__init__.py", "__pycache__") or name.startswith("modeling_") for name in names)
+def foreign_entries(folder: Path, installing: Iterable[str] = ()) -> list[str]:
+    """What in ``folder`` codegen cannot prove it wrote — install and clean refuse while
+    this is not empty, and never replace or remove any of it. Proof is the bundle's own
+    manifest: ``codegen_meta.json`` and the regular files its ``outputs`` list (or, when a
+    manifest is there but damaged, the files this install writes), plus Python's
+    ``__pycache__`` of ``.pyc`` files. Without a manifest, only an empty folder is
+    codegen's. An edited listed file is still codegen's (generate rewrites it)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return []
+    has_manifest = (folder / META_FILE).is_file() and not (folder / META_FILE).is_symlink()
+    ours = {META_FILE, *_manifest_names(folder), *(installing if has_manifest else ())}
+    foreign = []
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.is_symlink():
+            foreign.append(f"{entry.name} (a symbolic link)")
+        elif entry.name == "__pycache__" and entry.is_dir() and _only_bytecode(entry):
+            continue
+        elif entry.name not in ours or not entry.is_file():
+            foreign.append(entry.name + ("/" if entry.is_dir() else ""))
+    return foreign
 
 
-def _swap_in(staging: Path, target: Path) -> None:
-    if target.is_dir() and not looks_like_bundle(target):
-        raise ArtifactError(errno.EEXIST, f"cannot install the bundle at {target}: the folder holds files "
-                                          f"codegen did not write; set model.codegen_artifact_dir to a folder "
-                                          f"of its own")
+def _manifest_names(folder: Path) -> set[str]:
+    try:
+        outputs = json.loads((folder / META_FILE).read_text(encoding="utf-8")).get("outputs")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {name for name in outputs if isinstance(name, str) and "/" not in name} if isinstance(outputs, dict) else set()
+
+
+def _only_bytecode(folder: Path) -> bool:
+    return all(e.is_file() and not e.is_symlink() and e.suffix == ".pyc" for e in folder.iterdir())
+
+
+def check_owned(folder: Path, action: str, installing: Iterable[str] = ()) -> None:
+    """Refuse (naming what is in the way) unless ``folder`` is absent or codegen's own."""
+    if folder.is_symlink():
+        raise ArtifactError(errno.EEXIST, f"cannot {action} the bundle at {folder}: it is a symbolic link (to "
+                                          f"{os.readlink(folder)}); codegen writes only a real folder of its own; "
+                                          f"replace the link by a folder or set model.codegen_artifact_dir")
+    if folder.exists() and not folder.is_dir():
+        raise ArtifactError(errno.ENOTDIR, f"cannot {action} the bundle at {folder}: it exists and is not a "
+                                           f"directory; remove it or set model.codegen_artifact_dir in the recipe")
+    foreign = foreign_entries(folder, installing)
+    if foreign:
+        shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" if len(foreign) > 10 else "")
+        raise ArtifactError(errno.EEXIST, f"cannot {action} the bundle at {folder}: it holds {len(foreign)} "
+                                          f"file(s) codegen did not write ({shown}); nothing was changed; move "
+                                          f"them out or set model.codegen_artifact_dir to a folder of its own")
+
+
+def _swap_in(staging: Path, target: Path, installing: Iterable[str]) -> None:
+    check_owned(target, "install", installing)  # again, right before the swap
     try:
         os.rename(staging, target)  # no bundle yet (or an empty dir): plain atomic rename
         return

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BAD_INPUT = 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log = print if args.verbose else (lambda msg: None)
@@ -54,7 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             traceback.print_exc()
         print(f"error: {_naming_recipe(str(exc), args.config)}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT if is_bad_input(exc) else 1
+
+
+def is_bad_input(exc: BaseException) -> bool:
+    """The recipe, the model folder or the bundle folder is at fault (exit code 2), not a
+    check that ran and failed or a fault of ours (exit code 1). Our input errors are the
+    project's ValueError kinds (RecipeError, SourceError, DeriveError, ...) and ArtifactError."""
+    from hyper_parallel.codegen.artifact import ArtifactError
+
+    ours = type(exc).__module__.startswith("hyper_parallel.")
+    return ours and isinstance(exc, (ValueError, ArtifactError))
 
 
 def _naming_recipe(message: str, config: str) -> str:

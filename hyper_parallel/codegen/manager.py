@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from hyper_parallel.codegen.artifact import META_FILE
+from hyper_parallel.codegen.artifact import META_FILE, check_owned
 from hyper_parallel.codegen.spec.project import project_codegen_spec, signature_from_spec
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
 from hyper_parallel.codegen.stages import read_json, run_stage, stage_is_current, write_json
@@ -32,30 +32,44 @@ def load_spec(config_path: str | Path, workspace_root: str | Path | None = None)
 
 def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bool = False,
                  log: Log = print) -> list[str]:
-    """Run every stale stage in order; return the names of the stages that ran."""
+    """Run every stale stage in order; return the names of the stages that ran. A run that
+    fails in a recipe's first build leaves no workspace behind (nothing on disk changed)."""
+    if "install" in stages:  # before any work: a folder install would refuse is refused now
+        check_owned(spec.artifact_dir, "install", spec.bundle_file_names)
+    fresh = not spec.workspace.exists()
+    fresh_root = not spec.workspace.parent.exists()
     ran = []
-    for stage in stages:
-        if not force and stage_is_current(spec, stage):
-            log(f"-- {stage} up to date")
-            continue
-        seconds = run_stage(spec, stage, log)
-        log(f". {stage} done in {seconds:.2f}s")
-        ran.append(stage)
+    try:
+        for stage in stages:
+            if not force and stage_is_current(spec, stage):
+                log(f"-- {stage} up to date")
+                continue
+            seconds = run_stage(spec, stage, log)
+            log(f". {stage} done in {seconds:.2f}s")
+            ran.append(stage)
+    except BaseException:
+        if fresh and spec.workspace.is_dir() and not spec.workspace.is_symlink():
+            shutil.rmtree(spec.workspace, ignore_errors=True)
+        if fresh_root and spec.workspace.parent.is_dir() and not any(spec.workspace.parent.iterdir()):
+            spec.workspace.parent.rmdir()
+        raise
     return ran
 
 
 def clean_recipe(spec: CodegenSpec, log: Log = print, *, what: tuple[str, ...] = ("bundle", "workspace")) -> None:
     """Remove the installed bundle and/or the recipe's workspace (doit and the CLI)."""
-    from hyper_parallel.codegen.artifact import ArtifactError, looks_like_bundle
+    from hyper_parallel.codegen.stages import check_workspace_owned
 
-    if "bundle" in what and spec.artifact_dir.is_dir():
-        if not looks_like_bundle(spec.artifact_dir):
-            raise ArtifactError(f"{spec.artifact_dir}: not removed: it holds files codegen did not write")
-        shutil.rmtree(spec.artifact_dir)
-        log(f"removed {spec.artifact_dir}")
-    if "workspace" in what and spec.workspace.is_dir():
-        shutil.rmtree(spec.workspace)
-        log(f"removed {spec.workspace}")
+    targets = []
+    if "bundle" in what and (spec.artifact_dir.is_dir() or spec.artifact_dir.is_symlink()):
+        check_owned(spec.artifact_dir, "remove")
+        targets.append(spec.artifact_dir)
+    if "workspace" in what and (spec.workspace.is_dir() or spec.workspace.is_symlink()):
+        check_workspace_owned(spec.workspace)
+        targets.append(spec.workspace)
+    for target in targets:  # both checked first: a refusal leaves both as they were
+        shutil.rmtree(target)
+        log(f"removed {target}")
 
 
 def _failure_marker(spec: CodegenSpec) -> Path:

@@ -8,18 +8,26 @@ Only ``derive`` and ``preflight`` import torch, and only when they actually run.
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.artifact import META_FILE, write_bundle_atomic
+from hyper_parallel.codegen.artifact import META_FILE, ArtifactError, write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
 
 Log = Callable[[str], None]
+
+
+# Every entry a recipe's workspace may hold: the stage records and the staged bundle.
+WORKSPACE_ENTRIES = {"source": "source.json", "plan": "plan.json", "frozen": "frozen.json", "staged": "staged",
+                     "emit_stamp": "emit.json", "diff_stamp": "diff.json", "verify_stamp": "verify.json",
+                     "preflight_stamp": "preflight.json"}
+_TEMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")  # write_if_changed's temp files
 
 
 @dataclass(frozen=True)
@@ -28,37 +36,10 @@ class StageFiles:
 
     spec: CodegenSpec
 
-    @property
-    def source(self) -> Path:
-        return self.spec.workspace / "source.json"
-
-    @property
-    def plan(self) -> Path:
-        return self.spec.workspace / "plan.json"
-
-    @property
-    def frozen(self) -> Path:
-        return self.spec.workspace / "frozen.json"
-
-    @property
-    def staged(self) -> Path:
-        return self.spec.workspace / "staged"
-
-    @property
-    def emit_stamp(self) -> Path:
-        return self.spec.workspace / "emit.json"
-
-    @property
-    def diff_stamp(self) -> Path:
-        return self.spec.workspace / "diff.json"
-
-    @property
-    def verify_stamp(self) -> Path:
-        return self.spec.workspace / "verify.json"
-
-    @property
-    def preflight_stamp(self) -> Path:
-        return self.spec.workspace / "preflight.json"
+    def __getattr__(self, name: str) -> Path:
+        if name not in WORKSPACE_ENTRIES:
+            raise AttributeError(name)
+        return self.spec.workspace / WORKSPACE_ENTRIES[name]
 
     def output(self, stage: str) -> Path:
         return {"resolve": self.source, "derive": self.plan, "freeze": self.frozen,
@@ -373,3 +354,16 @@ def _write_staged(spec: CodegenSpec, stage: str, outputs: dict[str, bytes]) -> N
     stamp = files.emit_stamp if stage == "emit" else files.diff_stamp
     write_stage_record(stamp, {"signature": expected_signature(spec, stage),
                        "outputs": {name: sha256_bytes(data) for name, data in outputs.items()}})
+
+
+def check_workspace_owned(workspace: Path) -> None:
+    """Clean removes a recipe's workspace only when it holds nothing but stage outputs."""
+    if workspace.is_symlink():
+        raise ArtifactError(f"cannot remove the workspace {workspace}: it is a symbolic link (to "
+                            f"{os.readlink(workspace)}); nothing was changed")
+    known = set(WORKSPACE_ENTRIES.values())
+    foreign = sorted(e.name for e in workspace.iterdir()
+                     if e.is_symlink() or (e.name not in known and not _TEMP_FILE.match(e.name)))
+    if foreign:
+        raise ArtifactError(f"cannot remove the workspace {workspace}: it holds {len(foreign)} entr(ies) the "
+                            f"pipeline did not write ({', '.join(foreign[:10])}); nothing was changed; move them out")

@@ -11,8 +11,11 @@ from typing import Any
 import yaml
 
 from hyper_parallel.config.schema import (
+    DATASET_KINDS,
     DEVICE_TYPES,
+    MAX_SEQ_LEN,
     MODELING_BACKENDS,
+    TORCH_DTYPES,
     OVERRIDE_AXES,
     PlanOverride,
     ReplaceModuleConfig,
@@ -108,8 +111,12 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
         if entry.when is not None and entry.when not in OVERRIDE_AXES:
             raise RecipeError(f"{where}: plan_overrides[{i}].when: expected one of "
                               f"{', '.join(OVERRIDE_AXES)}, got {entry.when!r}")
+    if config.model.torch_dtype not in TORCH_DTYPES:
+        raise RecipeError(f"{where}: model.torch_dtype: expected one of {', '.join(TORCH_DTYPES)}, "
+                          f"got {config.model.torch_dtype!r}")
     _validate_targets(config, where)
     _validate_training(config, where)
+    _validate_dataset(config, where)
 
 
 TRUSTED_PACKAGE = "hyper_parallel"
@@ -142,6 +149,13 @@ def _validate_training(config: TrainerConfig, where: str) -> None:
         if getattr(training, key) < least:
             raise RecipeError(f"{where}: training.{key}: expected an integer >= {least}, "
                               f"got {getattr(training, key)}")
+    if training.seq_len > MAX_SEQ_LEN:
+        raise RecipeError(f"{where}: training.seq_len: expected at most {MAX_SEQ_LEN}, got {training.seq_len}")
+    per_step = training.micro_batch_size * config.accelerator.dp_size
+    if training.global_batch_size % per_step:
+        raise RecipeError(f"{where}: training.global_batch_size: expected a multiple of micro_batch_size * dp_size "
+                          f"= {training.micro_batch_size} * {config.accelerator.dp_size} = {per_step}, got "
+                          f"{training.global_batch_size}")
     if training.max_grad_norm is not None and not training.max_grad_norm > 0:
         raise RecipeError(f"{where}: training.max_grad_norm: expected a number > 0 (or null: no clipping), "
                           f"got {training.max_grad_norm}")
@@ -151,6 +165,17 @@ def _validate_training(config: TrainerConfig, where: str) -> None:
         raise RecipeError(f"{where}: optimizer.weight_decay: expected a number >= 0, got {optimizer.weight_decay}")
     if len(optimizer.betas) != 2 or not all(0 <= beta < 1 for beta in optimizer.betas):
         raise RecipeError(f"{where}: optimizer.betas: expected two numbers in [0, 1), got {optimizer.betas}")
+
+
+def _validate_dataset(config: TrainerConfig, where: str) -> None:
+    """The kind and that a text dataset names a file; whether the file is there is the
+    trainer's check (generate does not read data)."""
+    dataset = config.dataset
+    if dataset.kind not in DATASET_KINDS:
+        raise RecipeError(f"{where}: dataset.kind: expected one of {', '.join(DATASET_KINDS)}, got {dataset.kind!r}")
+    if dataset.kind == "text" and not dataset.path:
+        raise RecipeError(f"{where}: dataset.path: required when dataset.kind is 'text' (a local text file, "
+                          f"relative to the recipe's folder)")
 
 
 def _build(cls: type, data: Any, where: str, key: str) -> Any:

@@ -9,6 +9,9 @@ from typing import Any
 
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 MODELING_BACKENDS = ("hf", "custom", "gen")
+TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
+DATASET_KINDS = ("synthetic", "text")
+MAX_SEQ_LEN = 1 << 24  # 16M tokens a sequence: beyond any model's context
 # The parallel forms a plan_overrides entry may be conditioned on (the planner's set).
 OVERRIDE_AXES = ("tp", "cp", "ep", "sp")
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.trainer.base import BaseTrainer, write_metrics
+from hyper_parallel.trainer.data import DataError, text_dataset_file
 
 
 EPILOG = """\
@@ -44,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
               f"per node); run: python -m torch.distributed.run --nproc_per_node={world} "
               f"-m hyper_parallel.trainer --config {args.config}", file=sys.stderr)
         return 2
+    if config.dataset.kind == "text":
+        try:
+            text_dataset_file(config.dataset, config.training.global_batch_size * config.training.seq_len,
+                              config._yaml_path or args.config)
+        except DataError as exc:
+            if os.environ.get("RANK") == "0":  # one line, not one per rank
+                print(f"error: {exc}", file=sys.stderr)
+            return 2
     trainer = BaseTrainer(config)
     records = trainer.train()
     if args.metrics and trainer.rank == 0:

@@ -25,16 +25,29 @@ def global_batch(step: int, training: TrainingConfig, dataset: DatasetConfig, vo
     return text_tokens[start:start + count].view(shape)
 
 
-def read_text_tokens(dataset: DatasetConfig, vocab_size: int, needed: int, where: str) -> torch.Tensor:
-    """Bytes of a local text file as token ids (``byte % vocab_size``): enough to train on."""
+def text_dataset_file(dataset: DatasetConfig, needed: int, where: str) -> Path:
+    """The text dataset's file, checked before any rank builds a model: it exists, is a
+    file and holds at least one step's bytes. Relative paths start at the recipe's folder."""
     if not dataset.path:
         raise DataError(f"{where}: dataset.path: required when dataset.kind is 'text'")
     path = Path(dataset.path)
     if not path.is_absolute():
         path = Path(where).parent / path
-    data = path.read_bytes() if path.is_file() else b""
-    if len(data) < needed:
-        raise DataError(f"{where}: dataset.path: {path} has {len(data)} bytes, one step needs {needed}")
+    if not path.exists():
+        raise DataError(f"{where}: dataset.path: {path} does not exist (relative paths start at the recipe's "
+                        f"folder); fix dataset.path")
+    if not path.is_file():
+        raise DataError(f"{where}: dataset.path: {path} is not a file; expected a local text file")
+    size = path.stat().st_size
+    if size < needed:
+        raise DataError(f"{where}: dataset.path: {path} has {size} bytes, one step needs {needed} "
+                        f"(global_batch_size * seq_len); use a larger file or smaller training sizes")
+    return path
+
+
+def read_text_tokens(dataset: DatasetConfig, vocab_size: int, needed: int, where: str) -> torch.Tensor:
+    """Bytes of a local text file as token ids (``byte % vocab_size``): enough to train on."""
+    data = text_dataset_file(dataset, needed, where).read_bytes()
     return torch.tensor(list(data), dtype=torch.long) % vocab_size
 
 

@@ -3,7 +3,7 @@ summary that only says a child failed."""
 
 import sys
 
-from hyper_parallel.codegen.check.preflight import _last_error_line
+from hyper_parallel.codegen.check.launch import last_error_line as _last_error_line
 from tests.project_fixtures import run
 
 

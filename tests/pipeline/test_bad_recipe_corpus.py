@@ -1,7 +1,8 @@
 """The bad-recipe corpus (tests/data/bad_recipes/): every recipe there is rejected by
 ``generate`` with a message naming the file, the key or module at fault, and what was
-expected and found; no traceback; the bundle already installed in the recipe's folder
-stays byte-identical.
+expected and found; exit code 2, no traceback; nothing on disk changed: the installed
+bundle, the workspace and every other file of the project stay byte-identical, and no
+scratch folder is left.
 
 Each bad recipe is copied into recipes/tiny_cpu/ of one generated tiny project, beside
 the good recipe, so it would install into the same recipes/tiny_cpu/generated/ bundle.
@@ -21,12 +22,12 @@ import yaml
 
 from hyper_parallel.codegen import cli as codegen_cli
 from tests.pipeline.pipeline_helpers import BUNDLE, ENV, copy_project, generated_tiny_project
-from tests.project_fixtures import TINY_RECIPE, bundle_bytes, cli
+from tests.project_fixtures import TINY_RECIPE, bundle_bytes, cli, orphaned_scratch, tree_state
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "bad_recipes"
 EXPECTED = yaml.safe_load((CORPUS / "expected.yaml").read_text(encoding="utf-8"))
 TINY_DIR = Path(TINY_RECIPE).parent
-MIN_CASES = 25
+MIN_CASES = 90
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,16 @@ def assert_bundle_untouched(project: Path, before: dict[str, bytes]) -> None:
     assert leftovers == []
 
 
+def assert_nothing_changed(project: Path, before: dict[str, bytes], tree: dict) -> None:
+    """The bundle as installed, every file of the project (its workspace too) as it was,
+    no scratch folder of a dead run left."""
+    assert_bundle_untouched(project, before)
+    after = tree_state(project)
+    changed = sorted(k for k in set(tree) | set(after) if tree.get(k) != after.get(k))
+    assert changed == [], changed
+    assert orphaned_scratch() == []
+
+
 def test_corpus_index_lists_every_recipe_once():
     on_disk = {p.name for p in CORPUS.glob("*.yaml")} - {"expected.yaml"}
     early, derive = set(EXPECTED["before_derive"]), set(EXPECTED["derive"])
@@ -76,11 +87,13 @@ def test_rejected_before_derive(installed_project, name):
     project, before = installed_project
     recipe = place_recipe(project, name)
 
+    tree = tree_state(project)
+
     proc = cli(project, "generate", "--config", recipe, "--skip-preflight", env=ENV)
 
-    assert proc.returncode != 0, proc.stdout
+    assert proc.returncode == 2, proc.stdout + proc.stderr
     assert_names_the_problem(proc.stderr, EXPECTED["before_derive"][name])
-    assert_bundle_untouched(project, before)
+    assert_nothing_changed(project, before, tree)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED["derive"]))
@@ -91,8 +104,10 @@ def test_rejected_by_derive(installed_project, name, monkeypatch, capsys):
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
 
+    tree = tree_state(project)
+
     rc = codegen_cli.main(["generate", "--config", recipe, "--skip-preflight"])
 
-    assert rc != 0
+    assert rc == 2
     assert_names_the_problem(capsys.readouterr().err, EXPECTED["derive"][name])
-    assert_bundle_untouched(project, before)
+    assert_nothing_changed(project, before, tree)

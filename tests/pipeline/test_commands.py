@@ -16,7 +16,7 @@ def test_doit_list_shows_every_stage_and_the_entry_points(project):
 
 def test_doit_clean_removes_bundle_and_workspace(project):
     assert doit(project, "install", f"config={TINY_RECIPE}").returncode == 0
-    bundle, workspace = project / "recipes/tiny_cpu/generated", project / "generated/recipes__tiny_cpu__qwen3_moe_tiny"
+    bundle, workspace = project / "recipes/tiny_cpu/generated", project / "generated/recipes+tiny_cpu+qwen3_moe_tiny"
     assert bundle.is_dir() and workspace.is_dir()
     proc = doit(project, "clean", f"config={TINY_RECIPE}", forbid_torch=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

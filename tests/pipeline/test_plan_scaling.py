@@ -10,7 +10,7 @@ from tests.project_fixtures import MAIN_RECIPE, doit
 def _frozen(project, recipe: str) -> dict:
     proc = doit(project, "freeze", f"config={recipe}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    workspace = project / "generated" / recipe[:-5].replace("/", "__")
+    workspace = project / "generated" / recipe[:-5].replace("/", "+")
     return json.loads((workspace / "frozen.json").read_text())["frozen"]
 
 
@@ -27,5 +27,5 @@ def test_48_and_94_layer_plans_have_the_same_entries(project):
     assert len(shallow_plan["modules"]) == len(deep_plan["modules"]) > 5
     assert list(shallow_plan["modules"]) == list(deep_plan["modules"])
     assert "model.layers.*.self_attn.q_proj" in deep_plan["modules"]
-    plan = json.loads((project / "generated/recipes__deep__qwen3_moe_94/plan.json").read_text())
+    plan = json.loads((project / "generated/recipes+deep+qwen3_moe_94/plan.json").read_text())
     assert sum(k.endswith(".self_attn.q_proj") for k in plan["plan"]["modules"]) == 94

@@ -10,7 +10,7 @@ from hyper_parallel.codegen.hash import sha256_bytes
 from tests.pipeline.pipeline_helpers import BUNDLE, ENV, MODELING_FILE, copy_project, generated_tiny_project
 from tests.project_fixtures import TINY_RECIPE, bundle_bytes, cli
 
-WORKSPACE = "generated/recipes__tiny_cpu__qwen3_moe_tiny"
+WORKSPACE = "generated/recipes+tiny_cpu+qwen3_moe_tiny"
 
 
 @pytest.fixture

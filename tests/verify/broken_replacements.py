@@ -9,11 +9,14 @@ def wider_o_proj(module: nn.Linear, **kwargs) -> nn.Linear:
 
 
 def stop_rank_1(module, **kwargs):
-    """Leaves the module as it is; on rank 1 of a launched verify it stops its own process
-    (SIGSTOP), as a hung or frozen rank would: the others must give up and name it."""
+    """Leaves the module as it is; on rank 1 of a launched worker whose script name holds
+    ``$HP_TEST_STOP_RANK_1`` (``verify_worker``, ``preflight_worker``) it stops its own
+    process (SIGSTOP), as a hung or frozen rank would: the others must give up and name it."""
     import os
     import signal
+    import sys
 
-    if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RUN_ID"):
+    which = os.environ.get("HP_TEST_STOP_RANK_1")
+    if which and which in sys.argv[0] and os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RUN_ID"):
         os.kill(os.getpid(), signal.SIGSTOP)
     return module

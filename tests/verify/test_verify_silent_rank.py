@@ -1,18 +1,22 @@
-"""A rank that stops (SIGSTOP) during verify: the run fails within the recipe's
-accelerator.check_timeout_s (plus a few seconds), names that rank and the last phase it
-reported, leaves no process of the run behind, and installs nothing."""
+"""A rank that stops (SIGSTOP) during verify or the preflight: the run fails within the
+recipe's accelerator.check_timeout_s (plus a few seconds), names that rank and the last
+phase it reported, leaves no process or scratch folder of the run behind, and installs
+nothing it did not check."""
 
 import subprocess
 import time
+from pathlib import Path
 
+import pytest
 import yaml
 
-from tests.project_fixtures import REPO, TINY_RECIPE, bundle_bytes, cli
+from tests.project_fixtures import REPO, TINY_RECIPE, bundle_bytes, cli, orphaned_scratch
 
 TIMEOUT_S = 10
+PHASES = {"verify_worker": "building the probe model", "preflight_worker": "checking the bundle"}
 
 
-def test_a_stopped_rank_is_named_within_the_timeout(project):
+def _stopping_recipe(project) -> Path:
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
     data["accelerator"]["check_timeout_s"] = TIMEOUT_S
@@ -20,19 +24,32 @@ def test_a_stopped_rank_is_named_within_the_timeout(project):
     data["plan_overrides"] = [{"match": "*.self_attn.o_proj",
                                "replace_module": {"_target_": "tests.verify.broken_replacements.stop_rank_1"}}]
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    return recipe
+
+
+
+
+@pytest.mark.parametrize("worker", sorted(PHASES))
+def test_a_stopped_rank_is_named_within_the_timeout(project, worker):
+    recipe = _stopping_recipe(project)
     bundle = recipe.parent / "generated"
     before = bundle_bytes(bundle) if bundle.is_dir() else {}
 
     start = time.monotonic()
-    proc = cli(project, "generate", "--skip-preflight", "--config", str(recipe), env={"PYTHONPATH": str(REPO)})
+    args = ["generate", "--config", str(recipe)] + (["--skip-preflight"] if worker == "verify_worker" else [])
+    proc = cli(project, *args, env={"PYTHONPATH": str(REPO), "HP_TEST_STOP_RANK_1": worker}, timeout=300)
     seconds = time.monotonic() - start
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    assert "rank(s) 1 went silent (last phase reported: rank 1: 'building the probe model')" in out, out
+    assert f"rank(s) 1 went silent (last phase reported: rank 1: {PHASES[worker]!r})" in out, out
     assert f"after {TIMEOUT_S}s (accelerator.check_timeout_s)" in out, out
-    assert seconds < 60 + TIMEOUT_S, seconds  # generate itself (derive) takes seconds; no 900 s launch timeout
-    assert (bundle_bytes(bundle) if bundle.is_dir() else {}) == before
-    # No rank of this run is left, stopped or not (other runs' ranks may be alive).
+    assert seconds < 90 + TIMEOUT_S, seconds  # generate itself takes seconds; no 900 s launch timeout
+    if worker == "verify_worker":
+        assert (bundle_bytes(bundle) if bundle.is_dir() else {}) == before
+    else:  # verify passed, so the bundle was installed; the preflight failure is reported
+        assert "preflight on 2 ranks" in out, out
+    # No rank of this run is left, stopped or not (other runs' ranks may be alive), nor its scratch.
     leftovers = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout.splitlines()
-    stopped = [line for line in leftovers if line.startswith("T") and "verify_worker" in line]
+    stopped = [line for line in leftovers if line.startswith("T") and worker in line]
     assert stopped == [], stopped
+    assert orphaned_scratch() == []

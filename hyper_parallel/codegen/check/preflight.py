@@ -2,14 +2,13 @@
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.artifact import META_FILE
+from hyper_parallel.codegen.check.launch import LaunchError, RankFiles, RankLaunch, scratch_dir, wait_for_ranks
 from hyper_parallel.codegen.check.drift import bundle_file_problems, fix_command
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
 from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
@@ -75,37 +74,40 @@ def uncovered_parameters(model: Any, modules: dict[str, Any]) -> list[str]:
 
 def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dict[str, Any]:
     """Run the preflight worker on ``world_size`` ranks with torchrun (gloo on CPU); above
-    verify's process cap, in this one process (``preflight_in_process``)."""
+    verify's process cap, in this one process (``preflight_in_process``). Each rank reports
+    on its own; the bundle digests are compared here, so a silent rank is named."""
     from hyper_parallel.codegen.check.verify import max_processes
 
     world = spec.parallel.world_size
     if world > max_processes():
         return preflight_in_process(spec, log)
-    with tempfile.TemporaryDirectory(prefix="hp-preflight-") as tmp:
-        report_path = Path(tmp) / "report.json"
+    what = f"preflight on {world} ranks for {spec.artifact_dir}"
+    with scratch_dir("preflight") as tmp:
+        files = RankFiles(str(tmp / "preflight"))
         # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "hyper_parallel.codegen.check.preflight_worker",
-               "--config", str(spec.recipe_path), "--report", str(report_path)]
+               "-m", "hyper_parallel.codegen.check.preflight_worker", "--config", str(spec.recipe_path),
+               "--reports", files.prefix, "--timeout-s", str(spec.check_timeout_s)]
         log(f"torchrun --nproc_per_node={world} preflight of {spec.artifact_dir}")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HYPER_PARALLEL_WORKSPACE": str(spec.workspace.parent)}
-        env.pop("WORLD_SIZE", None)
+        env = {**os.environ, "HYPER_PARALLEL_WORKSPACE": str(spec.workspace.parent)}
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise PreflightError(f"preflight on {world} ranks for {spec.artifact_dir} did not finish within "
-                                 f"{PREFLIGHT_TIMEOUT_S}s (a rank stuck in a collective?)\n"
-                                 f"  fix: run `{fix_command(spec)}` again; if it repeats, run the worker by hand:"
-                                 f" {' '.join(cmd)}") from None
-        report = json.loads(report_path.read_text()) if report_path.is_file() else None
-    if proc.returncode != 0 or report is None or not report.get("ok"):
-        reason = (report or {}).get("error") or _last_error_line(proc.stderr + proc.stdout)
-        fix = "" if "fix:" in reason else f"\n  fix: {fix_command(spec)}"
-        raise PreflightError(f"preflight failed on {world} ranks for {spec.artifact_dir}:\n{reason}{fix}")
+            with RankLaunch(cmd, log=tmp / "preflight.log", scratch=tmp, env=env) as launch:
+                wait_for_ranks(launch, files, world, what=what, timeout_s=PREFLIGHT_TIMEOUT_S,
+                               collective_timeout_s=spec.check_timeout_s)
+        except LaunchError as exc:
+            reason = str(exc)
+            fix = "" if "fix:" in reason else f"\n  fix: {fix_command(spec)}"
+            raise PreflightError(f"{reason}{fix}") from None
+        reports = [json.loads(files.result(rank).read_text()) for rank in range(world)]
+    digests = {report["digest"] for report in reports}
+    if len(digests) != 1:
+        differing = "; ".join(f"rank {i}: bundle digest {r['digest']} differs from rank 0's {reports[0]['digest']}"
+                              for i, r in enumerate(reports) if r["digest"] != reports[0]["digest"])
+        raise PreflightError(f"{what} failed: {differing}\n  fix: {fix_command(spec)}")
+    report = {**reports[0], "ok": True, "world_size": world}
     log(f"ok on {world} ranks: {report['params_checked']} parameters' local shards match the plan; "
         f"bundle digest {report['digest'][:12]} identical on every rank")
     return report
-
 
 
 def checked_meta_model(spec: CodegenSpec, fix: str) -> tuple[dict[str, Any], Any, Any]:
@@ -153,13 +155,3 @@ def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[
     log(f"ok in one process for {p.world_size} ranks (above the process cap): {checked} parameters' shards "
         f"computed for every rank; bundle digest {report['digest'][:12]} (compared across ranks at training start)")
     return {**report, "params_checked": checked, "world_size": p.world_size, "mode": "in_process"}
-
-
-def _last_error_line(output: str) -> str:
-    """The failing rank's own error (``[rankN]: SomeError: ...``) rather than torchrun's
-    ChildFailedError summary, which says only that a child failed."""
-    lines = [ln for ln in output.splitlines() if ln.strip() and not ln.startswith(("W1", "I1", "*"))]
-    errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
-    from_ranks = [ln for ln in errors if ln.startswith("[rank") and "ChildFailedError" not in ln]
-    own = [ln for ln in errors if "ChildFailedError" not in ln and "elastic" not in ln]
-    return (from_ranks or own or errors or lines or ["(no output)"])[-1]

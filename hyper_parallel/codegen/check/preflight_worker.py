@@ -8,50 +8,47 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
+from datetime import timedelta
+
+from hyper_parallel.codegen.check.launch import RankFiles
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hyper_parallel.codegen.check.preflight_worker")
     parser.add_argument("--config", required=True)
-    parser.add_argument("--report", required=True)
+    parser.add_argument("--reports", required=True, help="prefix of the per-rank report files")
+    parser.add_argument("--timeout-s", type=float, required=True, help="collective timeout")
     args = parser.parse_args(argv)
 
     import torch.distributed as dist
 
+    files = RankFiles(args.reports)
     rank = int(os.environ.get("RANK", "0"))
-    dist.init_process_group("gloo")
+    files.report_progress(rank, "joining the process group")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
     try:
-        report = _check_rank(args.config, rank, dist)
+        report = _check_rank(args.config, rank, lambda phase: files.report_progress(rank, phase))
         error = None
-    except Exception as exc:  # every rank reports; rank 0 writes what failed where
+    except Exception as exc:  # each rank reports its own error: no collective a silent rank could block
         report, error = None, f"rank {rank}: {type(exc).__name__}: {exc}"
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    failures = [e for e in errors if e]
-    if not failures:
-        digests = {r["digest"] for r in reports}
-        if len(digests) != 1:
-            failures = [f"rank {i}: bundle digest {r['digest']} differs from rank 0's {reports[0]['digest']}"
-                        for i, r in enumerate(reports) if r["digest"] != reports[0]["digest"]]
-    if rank == 0:
-        out = {"ok": not failures, "error": "\n".join(failures) or None, "world_size": dist.get_world_size()}
-        if not failures:
-            out.update(digest=reports[0]["digest"], params_checked=reports[0]["params_checked"],
-                       plan_entries=reports[0]["plan_entries"])
-        Path(args.report).write_text(json.dumps(out, indent=1))
-    dist.barrier()
-    # Every rank has reported and met; leave without tearing down the process group and
-    # the interpreter: that teardown now and then aborts a rank ("terminate called
-    # without an active exception", SIGABRT) after all checks passed, failing the launch.
+    if error:
+        files.report_error(rank, error)
+    else:
+        files.result(rank).write_text(json.dumps(report))
+        files.report_progress(rank, "done")
+        try:
+            dist.barrier()  # nobody leaves while a peer may still be receiving from it
+        except RuntimeError:
+            pass
+    # Leave without tearing down the process group and the interpreter: that teardown
+    # now and then aborts a rank ("terminate called without an active exception", SIGABRT)
+    # after all checks passed, failing the launch.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if not failures else 1)
+    os._exit(1 if error else 0)
 
 
-def _check_rank(config_path: str, rank: int, dist) -> dict:
+def _check_rank(config_path: str, rank: int, progress) -> dict:
     from hyper_parallel.codegen.check.preflight import PreflightError, checked_meta_model
     from hyper_parallel.codegen.spec.project import check_launch_world_size, project_codegen_spec
     from hyper_parallel.config import load_training_config
@@ -63,11 +60,13 @@ def _check_rank(config_path: str, rank: int, dist) -> dict:
     check_launch_world_size(config)
     spec = project_codegen_spec(config)  # workspace from $HYPER_PARALLEL_WORKSPACE
     fix = f"doit generate config={config_path}"
+    progress("checking the bundle")
     report, module, model = checked_meta_model(spec, fix)
     p = spec.parallel
     dims = ParallelDims(dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, pp=p.pp)
     mesh = build_device_mesh(dims, "cpu")  # preflight checks layout, not kernels: gloo everywhere
     global_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    progress("applying hyper_parallelize")
     module.hyper_parallelize(model, MeshContext(device_mesh=mesh, dims=dims))
     plan = module.HYPER_PARALLEL_PLAN
     checked = 0

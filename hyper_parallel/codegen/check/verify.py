@@ -16,16 +16,23 @@ threaded process group (``verify_worker``): never more processes than the cap.
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.codegen.check.launch import (
+    LaunchError,
+    RankFiles,
+    RankLaunch,
+    kill_tree,
+    last_error_line,
+    scratch_dir,
+    wait_for_ranks,
+)
 from hyper_parallel.codegen.check.verify_worker import LR, STEPS, brief_entry
 from hyper_parallel.codegen.spec.types import CodegenSpec
 
@@ -99,12 +106,12 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: 
     start = time.perf_counter()
     world = spec.parallel.world_size
     mode = verify_mode(world)
-    with tempfile.TemporaryDirectory(prefix="hp-verify-") as tmp:
+    with scratch_dir("verify") as tmp:
         probe = build_probe(spec, Path(tmp) / "probe")
         job = _job(spec, bundle_dir, bundle_key, files, model_class, Path(tmp), diagnose=False)
         log(f"probe: {probe.depth} of {probe.full_depth} layer(s), hidden {probe.config.hidden_size}, "
             f"{probe.seq_len} tokens x {spec.parallel.dp} sequence(s); {world} ranks as {mode}")
-        with _launched(job, mode, world) as proc:
+        with _launch(job, mode, world, Path(tmp)) as proc:
             expected = reference_run(spec, probe)  # while the ranks start and run
             _finish(proc, job, mode, world, spec)
         got = torch.load(job["result"], weights_only=True)
@@ -316,7 +323,7 @@ def _first_divergence(spec, probe, run_job: dict, tmp: Path, mode: str, world: i
     job = _job(spec, Path(run_job["bundle_dir"]), run_job["bundle_key"], run_job["files"], run_job["model_class"],
                tmp, diagnose=True)
     try:
-        with _launched(job, mode, world) as proc:
+        with _launch(job, mode, world, tmp) as proc:
             expected = _reference_outputs(spec, probe)
             _finish(proc, job, mode, world, spec)
         ranks = torch.load(job["result"], weights_only=False)["outputs"]
@@ -391,131 +398,40 @@ def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_c
            "dims": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "pp": p.pp},
            "diagnose": diagnose, "mode": verify_mode(p.world_size), "timeout_s": spec.check_timeout_s,
            "result": str(tmp / f"{tag}.pt"), "error": str(tmp / f"{tag}.error"), "path": str(tmp / f"{tag}.json"),
-           "progress": str(tmp / f"{tag}.progress")}
+           "rank_files": str(tmp / tag)}
     Path(job["path"]).write_text(json.dumps(job))
     return job
 
 
-class _launched:
-    """The rank processes, in their own process group: ended with everything they started
-    when the caller leaves early (an exception, a signal turned into one)."""
+def _launch(job: dict, mode: str, world: int, scratch: Path) -> RankLaunch:
+    worker = ["-m", "hyper_parallel.codegen.check.verify_worker", "--job", job["path"], "--mode", mode]
+    if mode == "torchrun":
+        # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *worker]
+    else:
+        cmd = [sys.executable, *worker, "--world", str(world)]
+    return RankLaunch(cmd, log=Path(job["path"]).with_suffix(".log"), scratch=scratch)
 
-    def __init__(self, job: dict, mode: str, world: int):
-        worker = ["-m", "hyper_parallel.codegen.check.verify_worker", "--job", job["path"], "--mode", mode]
+
+def _finish(launched: RankLaunch, job: dict, mode: str, world: int, spec: CodegenSpec) -> None:
+    """Wait for the ranks; a failure names each rank's own error and the silent ones."""
+    what = f"verify on {world} ranks ({mode}) for {job['bundle_dir']}"
+    try:
+        if mode == "threads" and launched.proc.wait(timeout=LAUNCH_TIMEOUT_S) == 0 and Path(job["result"]).is_file():
+            return
         if mode == "torchrun":
-            # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *worker]
-        else:
-            cmd = [sys.executable, *worker, "--world", str(world)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)
-        self.cmd = cmd
-        # Output into a file, not a pipe: a pipe nobody drains while we poll would block the ranks.
-        self.log = Path(job["path"]).with_suffix(".log")
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        if self.proc.poll() is None:
-            _kill_group(self.proc)
-        return False
+            wait_for_ranks(launched, RankFiles(job["rank_files"]), world, what=what, timeout_s=LAUNCH_TIMEOUT_S,
+                           collective_timeout_s=job["timeout_s"], result=Path(job["result"]))
+            return
+        merged = Path(job["error"]).read_text().strip() if Path(job["error"]).is_file() else ""
+        raise LaunchError(f"{what} failed:\n{merged or last_error_line(launched.output())}")
+    except subprocess.TimeoutExpired:
+        kill_tree(launched.proc)
+        reason = f"{what} did not finish within {LAUNCH_TIMEOUT_S}s; run it by hand: {' '.join(launched.cmd)}"
+    except LaunchError as exc:
+        reason = str(exc)
+    raise VerifyError(f"{reason}\n  the previous bundle is left as it was; fix: `doit generate "
+                      f"config={spec.recipe_path}` after correcting the recipe (set HYPER_PARALLEL_TRACEBACK=1 "
+                      f"for tracebacks)")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the launch and every process it started: torchrun puts its ranks in sessions of
-    their own, so the process group alone would leave them (a stopped one for good)."""
-    import psutil
-
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for child in tree:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-
-
-def _finish(launched: _launched, job: dict, mode: str, world: int, spec: CodegenSpec) -> None:
-    """Wait for the ranks. Once some rank failed and every other one failed or finished
-    except a few that went silent, end them all (a stopped process would otherwise keep
-    torchrun waiting) and name the silent ranks with the last phase each reported."""
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while launched.proc.poll() is None:
-        if time.monotonic() > deadline:
-            _kill_group(launched.proc)
-            raise VerifyError(f"verify on {world} ranks ({mode}) did not finish within {LAUNCH_TIMEOUT_S}s; "
-                              f"run it by hand: {' '.join(launched.cmd)}")
-        if mode == "torchrun" and _only_silent_ranks_left(job, world):
-            time.sleep(2)  # a last report on its way
-            _kill_group(launched.proc)
-            break
-        time.sleep(0.2)
-    output = launched.log.read_text(errors="replace")
-    if launched.proc.returncode == 0 and Path(job["result"]).is_file():
-        return
-    reason = _rank_reports(job, world, mode)
-    if not reason:
-        from hyper_parallel.codegen.check.preflight import _last_error_line
-
-        reason = _last_error_line(output or "")
-    raise VerifyError(f"verify on {world} ranks ({mode}) failed for {job['bundle_dir']}:\n{reason}\n"
-                      f"  the previous bundle is left as it was; fix: `doit generate config={spec.recipe_path}` "
-                      f"after correcting the recipe (set HYPER_PARALLEL_TRACEBACK=1 for tracebacks)")
-
-
-def _rank_files(job: dict, world: int, kind: str) -> dict[int, str]:
-    found = {}
-    for rank in range(world):
-        path = Path(f"{job[kind]}.rank{rank}")
-        if path.is_file():
-            found[rank] = path.read_text().strip()
-    return found
-
-
-def _only_silent_ranks_left(job: dict, world: int) -> bool:
-    errors = _rank_files(job, world, "error")
-    done = {rank for rank, phase in _rank_files(job, world, "progress").items() if phase == "done"}
-    return bool(errors) and len(errors) + len(done) < world and _silent_for(job, world, errors, done)
-
-
-def _silent_for(job: dict, world: int, errors: dict, done: set) -> bool:
-    """Every rank that has neither failed nor finished has been quiet for a while: the
-    failing ranks' collectives already gave up on it."""
-    quiet_s = 5.0
-    now = time.time()
-    for rank in set(range(world)) - set(errors) - done:
-        path = Path(f"{job['progress']}.rank{rank}")
-        if path.is_file() and now - path.stat().st_mtime < quiet_s:
-            return False
-    return True
-
-
-def _rank_reports(job: dict, world: int, mode: str) -> str:
-    """The ranks' own errors (one line per distinct error) and the ranks that went silent."""
-    from hyper_parallel.codegen.check.verify_worker import merge_rank_errors
-
-    if Path(job["error"]).is_file():  # threads mode: the process wrote the merged report
-        return Path(job["error"]).read_text().strip()
-    errors = _rank_files(job, world, "error")
-    if not errors:
-        return ""
-    phases = _rank_files(job, world, "progress")
-    silent = [rank for rank in range(world) if rank not in errors and phases.get(rank) != "done"]
-    lines = [merge_rank_errors([errors.get(rank) for rank in range(world)])]
-    if silent:
-        seen = ", ".join(f"rank {rank}: {phases.get(rank, 'never started')!r}" for rank in silent)
-        lines.insert(0, f"rank(s) {', '.join(map(str, silent))} went silent (last phase reported: {seen}); the "
-                        f"other ranks gave up waiting for them in a collective after {job['timeout_s']}s "
-                        f"(accelerator.check_timeout_s)")
-    return "\n".join(lines)

@@ -23,6 +23,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.codegen.check.launch import RankFiles
+
 STEPS = 2
 LR = 1e-3
 
@@ -48,7 +50,7 @@ def run_torchrun(job: dict[str, Any]) -> int:
     # Each rank reports on its own (no collective that a silent rank could block), so the
     # launcher can name a rank that never reported.
     if error:
-        Path(f"{job['error']}.rank{rank}").write_text(error)
+        RankFiles(job["rank_files"]).report_error(rank, error)
     else:
         progress(job, "done")
         try:
@@ -66,17 +68,8 @@ def progress(job: dict[str, Any], phase: str) -> None:
     """Record how far this rank got (the launcher names the last phase of a silent rank)."""
     import torch.distributed as dist
 
-    Path(f"{job['progress']}.rank{dist.get_rank()}").write_text(phase)
-
-
-def merge_rank_errors(errors: list[str | None]) -> str:
-    """One line per distinct error, naming every rank that raised it."""
-    by_text: dict[str, list[int]] = {}
-    for rank, error in enumerate(errors):
-        if error:
-            by_text.setdefault(error.split(": ", 1)[1], []).append(rank)
-    return "\n".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}"
-                     for text, r in by_text.items())
+    if job["mode"] == "torchrun":
+        RankFiles(job["rank_files"]).report_progress(dist.get_rank(), phase)
 
 
 def run_threads(job: dict[str, Any], world: int) -> int:

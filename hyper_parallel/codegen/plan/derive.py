@@ -19,6 +19,12 @@ def trusts_remote_code(spec: CodegenSpec) -> bool:
     return spec.source.is_remote
 
 
+# Config sizes a decoder divides by or builds from: never below 1 (a zero here is a
+# ZeroDivisionError or an empty model deep inside the model's code).
+POSITIVE_SIZES = frozenset({"hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "head_dim",
+                            "max_position_embeddings", "moe_intermediate_size", "num_experts_per_tok"})
+
+
 def build_hf_config(spec: CodegenSpec, config_class: type | None = None):
     """The model folder's config with ``model.config_overrides``. ``config_class`` (a
     bundle's copy of a remote-code config class) reads config.json without running the
@@ -33,10 +39,16 @@ def build_hf_config(spec: CodegenSpec, config_class: type | None = None):
         if not hasattr(config, key):
             raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: "
                               f"{type(config).__name__} has no attribute {key!r}")
+        canonical = getattr(config, "attribute_map", {}).get(key, key)
+        if (canonical in POSITIVE_SIZES or canonical.endswith("_heads")) and isinstance(value, int) and value < 1:
+            raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: expected an integer >= 1 "
+                              f"(config.json has {getattr(config, key)!r}), got {value!r}; fix the value or drop "
+                              f"the override")
         try:
             setattr(config, key, value)
-        except (TypeError, ValueError) as exc:  # transformers' strict configs validate on set
-            raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: {exc}") from None
+        except Exception as exc:  # transformers' strict configs validate on set (huggingface_hub's own error)
+            reason = " ".join(str(exc).split())
+            raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: {reason}") from None
     return config
 
 
@@ -56,13 +68,33 @@ def build_meta_model(spec: CodegenSpec, model_class: type | None = None):
     config = build_hf_config(spec, bundle_config_class)
     config._attn_implementation = spec.attn_implementation
     with torch.device("meta"):
+        try:
+            if model_class is None:
+                model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn_implementation,
+                                                         trust_remote_code=trusts_remote_code(spec))
+            else:
+                model = model_class(config)
+        except (ArithmeticError, ValueError, TypeError, IndexError, KeyError) as exc:
+            raise _config_build_error(spec, config, exc) from exc
         if model_class is None:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn_implementation,
-                                                     trust_remote_code=trusts_remote_code(spec))
             hyper_apply_replacements(model, spec.replacements)
-        else:
-            model = model_class(config)
     return model, config
+
+
+def _config_build_error(spec: CodegenSpec, config, exc: Exception) -> Exception:
+    """A model that cannot be built from the config the recipe asked for: name the
+    overrides (the usual cause) rather than a bare error from deep inside its __init__."""
+    if "attn_implementation" in str(exc):
+        reason = str(exc).split(". ", 1)[0]
+        return DeriveError(f"{spec.recipe_path}: model.attn_implementation: {type(config).__name__} cannot use "
+                           f"{spec.attn_implementation!r} ({reason}); use eager or sdpa, or an implementation "
+                           f"transformers registers")
+    if not spec.config_overrides:
+        return exc
+    keys = ", ".join(f"{k}={v!r}" for k, v in spec.config_overrides.items())
+    return DeriveError(f"{spec.recipe_path}: model.config_overrides ({keys}): {type(config).__name__} from "
+                       f"{spec.model_dir / 'config.json'} with these overrides does not build a model: "
+                       f"{type(exc).__name__}: {exc}; fix or drop the overrides")
 
 
 def plan_model(model, spec: CodegenSpec):

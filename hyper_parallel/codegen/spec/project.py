@@ -3,6 +3,7 @@
 Nothing here imports torch or transformers: every doit up-to-date check runs it.
 """
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -38,9 +39,23 @@ def modeling_file_name(model_type: str, device_type: str) -> str:
 
 
 def recipe_id(recipe_path: Path, root: Path) -> str:
-    rel = os.path.relpath(recipe_path, root)
-    stem = rel[:-5] if rel.endswith(".yaml") else rel[:-4] if rel.endswith(".yml") else rel
-    return re.sub(r"[^A-Za-z0-9_.-]+", "__", stem.replace(os.sep, "__").replace("..", "up"))
+    """The recipe's workspace name: its path relative to ``root``, one-to-one (two recipes
+    never share a workspace). Folders are joined by ``+``; ``.yaml`` is dropped (any other
+    suffix is kept, marked by a trailing ``~``); a character outside ``[A-Za-z0-9_.-]``,
+    a leading dot and ``~``/``+`` themselves are written ``~XX`` (UTF-8 bytes in hex)."""
+    *folders, name = Path(os.path.relpath(recipe_path, root)).parts
+    stem, marker = (name[:-5], "") if name.endswith(".yaml") and len(name) > 5 else (name, "~")
+    rid = "+".join([*map(_escape_id_part, folders), _escape_id_part(stem) + marker])
+    # A folder name has at most 255 bytes; "~~" never occurs in an escaped id.
+    return rid if len(rid) <= 200 else f"{rid[:150]}~~{hashlib.sha256(rid.encode()).hexdigest()[:16]}"
+
+
+def _escape_id_part(part: str) -> str:
+    """Safe characters as they are, every other one (``~`` and ``+`` too) and a leading
+    dot as ``~XX`` per UTF-8 byte."""
+    escaped = "".join(ch if re.fullmatch(r"[A-Za-z0-9_.-]", ch) else "".join(f"~{b:02X}" for b in ch.encode())
+                      for ch in part)
+    return "~2E" + escaped[1:] if escaped.startswith(".") else escaped
 
 
 def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | None = None) -> CodegenSpec:
@@ -56,9 +71,12 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     parallel = ParallelSpec(dp=acc.dp_size, cp=acc.cp_size, tp=acc.tp_size, ep=acc.ep_size, pp=acc.pp_size,
                             sequence_parallel=acc.sequence_parallel, loss_parallel=acc.loss_parallel,
                             device_type=acc.device_type)
-    artifact_dir = (yaml_dir / (config.model.codegen_artifact_dir or "generated")).resolve()
+    artifact_link = Path(os.path.abspath(yaml_dir / (config.model.codegen_artifact_dir or "generated")))
+    _refuse_symlink(artifact_link, where, "model.codegen_artifact_dir", "the bundle folder")
+    artifact_dir = artifact_link.resolve()
     root = Path(workspace_root).resolve() if workspace_root else default_workspace_root()
     rid = recipe_id(recipe_path, root.parent)
+    _refuse_symlink(root / rid, where, "$HYPER_PARALLEL_WORKSPACE", "the recipe's workspace")
     _check_artifact_dir(artifact_dir, yaml_dir=yaml_dir, model_dir=model_dir, workspace=root / rid, where=where)
     source = resolve_source(model_dir, model_config)
     if source.is_remote and not config.model.trust_remote_code:
@@ -101,6 +119,14 @@ def default_workspace_root() -> Path:
     """``$HYPER_PARALLEL_WORKSPACE``, else ``./generated`` (doit runs in the project root)."""
     env = os.environ.get("HYPER_PARALLEL_WORKSPACE")
     return Path(env).resolve() if env else Path.cwd().resolve() / DEFAULT_WORKSPACE
+
+
+def _refuse_symlink(path: Path, where: str, key: str, what: str) -> None:
+    """Install replaces and clean removes these folders: through a link they would act on
+    a folder codegen never made."""
+    if path.is_symlink():
+        raise RecipeError(f"{where}: {key}: {what} {path} is a symbolic link (to {os.readlink(path)}); expected a "
+                          f"real folder of codegen's own; replace the link by a folder, or point {key} elsewhere")
 
 
 def _check_artifact_dir(artifact_dir: Path, *, yaml_dir: Path, model_dir: Path, workspace: Path, where: str) -> None:

@@ -83,3 +83,8 @@ class CodegenSpec:
     @property
     def diff_file(self) -> str:
         return self.modeling_file + ".diff"
+
+    @property
+    def bundle_file_names(self) -> tuple[str, ...]:
+        """Every file an install of this recipe writes besides codegen_meta.json."""
+        return (self.modeling_file, "__init__.py", self.diff_file, *(name for name, _ in self.source.siblings))

@@ -1,0 +1,250 @@
+"""Starting rank processes for verify and preflight, and ending them.
+
+A launch runs in a scratch folder of its own (``scratch_dir``) and in a process group of
+its own; each rank reports its phase and its own error in per-rank files (no closing
+collective that a silent rank could block), so ``wait_for_ranks`` can name a rank that
+went silent. A guard process (``launch_guard``) watches the launching process: if it
+dies — SIGKILL included, where no ``finally`` runs — the guard ends every process of the
+launch and removes the scratch folder. No torch import here: the launcher side stays light.
+"""
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+SCRATCH_PREFIX = "hp-"  # scratch folders are named hp-<kind>-<pid of their owner>-<random>
+LAUNCH_ENV_DROPPED = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class LaunchError(RuntimeError):
+    """The ranks failed, went silent or ran out of time; the message names the ranks."""
+
+
+@contextlib.contextmanager
+def scratch_dir(kind: str) -> Iterator[Path]:
+    """A temp folder named after this process, removed on the way out; folders of dead
+    owners (a run killed with SIGKILL before its guard could act) are removed first."""
+    remove_orphaned_scratch()
+    path = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{kind}-{os.getpid()}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_orphaned_scratch() -> list[Path]:
+    """Remove this user's scratch folders whose owning process is gone."""
+    removed = []
+    for entry in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*-*"):
+        parts = entry.name.split("-")
+        if len(parts) < 4 or not parts[2].isdigit() or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid() or pid_alive(int(parts[2])):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """True while a process with this pid exists (ours or another user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """Where each rank writes how far it got (``<prefix>.progress.rank<N>``) and its own
+    error (``<prefix>.error.rank<N>``). Workers write them; the launcher reads them."""
+
+    prefix: str
+
+    def progress(self, rank: int) -> Path:
+        return Path(f"{self.prefix}.progress.rank{rank}")
+
+    def error(self, rank: int) -> Path:
+        return Path(f"{self.prefix}.error.rank{rank}")
+
+    def result(self, rank: int) -> Path:
+        return Path(f"{self.prefix}.result.rank{rank}.json")
+
+    def report_progress(self, rank: int, phase: str) -> None:
+        self.progress(rank).write_text(phase)
+
+    def report_error(self, rank: int, error: str) -> None:
+        self.error(rank).write_text(error)
+
+    def read(self, kind: str, world: int) -> dict[int, str]:
+        found = {}
+        for rank in range(world):
+            path = getattr(self, kind)(rank)
+            if path.is_file():
+                found[rank] = path.read_text().strip()
+        return found
+
+
+class RankLaunch:
+    """The rank processes, in their own process group, watched by a guard process; ended
+    with everything they started when the caller leaves early (an exception, a signal
+    turned into one) or dies."""
+
+    def __init__(self, cmd: list[str], *, log: Path, scratch: Path, env: dict[str, str] | None = None):
+        env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
+        for key in LAUNCH_ENV_DROPPED:
+            env.pop(key, None)
+        self.cmd = cmd
+        self.log = log
+        # Output into a file, not a pipe: a pipe nobody drains while we poll would block the ranks.
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._guard = subprocess.Popen(
+            [sys.executable, "-m", "hyper_parallel.codegen.check.launch_guard", "--root", str(self.proc.pid),
+             "--scratch", str(scratch)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+
+    def __enter__(self) -> "RankLaunch":
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        if self.proc.poll() is None:
+            kill_tree(self.proc)
+        self._release_guard()
+        return False
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.is_file() else ""
+
+    def _release_guard(self) -> None:
+        """Tell the guard the launch is over and handled here; it leaves without acting."""
+        try:
+            self._guard.stdin.write(b"done\n")
+            self._guard.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self._guard.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._guard.kill()
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """End the launch and every process it started: torchrun puts its ranks in sessions of
+    their own, so the process group alone would leave them (a stopped one for good)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    proc.wait()
+
+
+def wait_for_ranks(launch: RankLaunch, files: RankFiles, world: int, *, what: str, timeout_s: float,
+                   collective_timeout_s: float, result: Path | None = None) -> None:
+    """Wait for the launch to end. Once some rank failed and every other one failed or
+    finished except a few that went silent, end them all (a stopped process would keep
+    torchrun waiting for good) and raise, naming the silent ranks with their last phase."""
+    deadline = time.monotonic() + timeout_s
+    while launch.proc.poll() is None:
+        if time.monotonic() > deadline:
+            kill_tree(launch.proc)
+            silent = silent_ranks(files, world)
+            named = f"; ranks that never finished: {_phases(files, silent)}" if silent else ""
+            raise LaunchError(f"{what} did not finish within {timeout_s:.0f}s{named}; run it by hand: "
+                              f"{' '.join(launch.cmd)}")
+        if _only_silent_ranks_left(files, world, collective_timeout_s):
+            time.sleep(2)  # a last report on its way
+            kill_tree(launch.proc)
+            break
+        time.sleep(0.2)
+    if launch.proc.returncode == 0 and (result is None or result.is_file()):
+        return
+    reason = rank_reports(files, world, collective_timeout_s) or last_error_line(launch.output())
+    raise LaunchError(f"{what} failed:\n{reason}")
+
+
+def silent_ranks(files: RankFiles, world: int) -> list[int]:
+    errors = files.read("error", world)
+    phases = files.read("progress", world)
+    return [rank for rank in range(world) if rank not in errors and phases.get(rank) != "done"]
+
+
+def _phases(files: RankFiles, ranks: list[int]) -> str:
+    phases = files.read("progress", max(ranks) + 1 if ranks else 0)
+    return ", ".join(f"rank {rank}: {phases.get(rank, 'never started')!r}" for rank in ranks)
+
+
+def _only_silent_ranks_left(files: RankFiles, world: int, collective_timeout_s: float) -> bool:
+    """Some ranks are silent and every other one failed or finished. After a failure the
+    failing ranks' collectives already gave up on the silent ones (a short grace); when
+    the others all finished, a silent rank gets the collective timeout to catch up."""
+    silent = silent_ranks(files, world)
+    if not silent or len(silent) == world:
+        return False
+    grace = 5.0 if files.read("error", world) else collective_timeout_s + 5.0
+    return _quiet(files, silent, grace)
+
+
+def _quiet(files: RankFiles, ranks: list[int], quiet_s: float = 5.0) -> bool:
+    """Every rank that has neither failed nor finished has been quiet for a while: the
+    failing ranks' collectives already gave up on it."""
+    now = time.time()
+    for rank in ranks:
+        path = files.progress(rank)
+        if path.is_file() and now - path.stat().st_mtime < quiet_s:
+            return False
+    return True
+
+
+def rank_reports(files: RankFiles, world: int, collective_timeout_s: float) -> str:
+    """The ranks' own errors (one line per distinct error) and the ranks that went silent."""
+    errors = files.read("error", world)
+    silent = silent_ranks(files, world)
+    lines = [merge_rank_errors([errors.get(rank) for rank in range(world)])] if errors else []
+    if silent and len(silent) < world:
+        lines.insert(0, f"rank(s) {', '.join(map(str, silent))} went silent (last phase reported: "
+                        f"{_phases(files, silent)}); the other ranks gave up waiting for them "
+                        f"after {collective_timeout_s:g}s (accelerator.check_timeout_s)")
+    return "\n".join(lines)
+
+
+def merge_rank_errors(errors: list[str | None]) -> str:
+    """One line per distinct error (``rank N: text``), naming every rank that raised it."""
+    by_text: dict[str, list[int]] = {}
+    for rank, error in enumerate(errors):
+        if error:
+            text = error.split(": ", 1)[1] if error.startswith("rank ") and ": " in error else error
+            by_text.setdefault(text, []).append(rank)
+    return "\n".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}"
+                     for text, r in by_text.items())
+
+
+def last_error_line(output: str) -> str:
+    """The failing rank's own error (``[rankN]: SomeError: ...``) rather than torchrun's
+    ChildFailedError summary, which says only that a child failed."""
+    lines = [ln for ln in output.splitlines() if ln.strip() and not ln.startswith(("W1", "I1", "*"))]
+    errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+    from_ranks = [ln for ln in errors if ln.startswith("[rank") and "ChildFailedError" not in ln]
+    own = [ln for ln in errors if "ChildFailedError" not in ln and "elastic" not in ln]
+    return (from_ranks or own or errors or lines or ["(no output)"])[-1]
