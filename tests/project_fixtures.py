@@ -74,7 +74,7 @@ def tree_state(root: Path) -> dict[str, bytes | str]:
 def orphaned_scratch() -> list[str]:
     """verify/preflight scratch folders whose owning process is gone (live ones belong to
     other runs): a run must remove its own, even when it is killed."""
-    from hyper_parallel.codegen.check.launch import pid_alive
+    from hyper_parallel.codegen.artifact import pid_alive
 
     found = []
     for path in Path(tempfile.gettempdir()).glob("hp-*-*-*"):

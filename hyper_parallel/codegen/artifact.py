@@ -65,7 +65,7 @@ def remove_stale_staging_dirs(target: Path) -> list[Path]:
         pid_text = entry.name[len(prefix):].split("-", 1)[0]
         if not entry.is_dir() or entry.is_symlink() or not pid_text.isdigit():
             continue
-        if int(pid_text) != os.getpid() and _pid_alive(int(pid_text)):
+        if int(pid_text) != os.getpid() and pid_alive(int(pid_text)):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
@@ -199,7 +199,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while a process with this pid exists (ours or another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -8,6 +8,8 @@ walk the chain). Recipes come from ``config=PATH`` or, without it, every YAML un
 """
 
 import os
+import shutil
+import sys
 import traceback
 from functools import lru_cache
 from pathlib import Path
@@ -21,8 +23,36 @@ from hyper_parallel.codegen.spec.types import STAGES
 RECIPES_DIR = "recipes"
 WORKSPACE = "generated"  # relative to the folder doit runs in (where dodo.py is)
 
-# doit opens its sqlite dependency file before any task runs, so its folder must exist.
-os.makedirs(WORKSPACE, exist_ok=True)
+MIN_FREE_MB_ENV = "HYPER_PARALLEL_MIN_FREE_MB"
+MIN_FREE_MB = 64  # doit's sqlite state and one recipe's stage outputs, with room to spare
+
+
+def _workspace_ready(workspace: str) -> None:
+    """doit opens its sqlite dependency file before any task runs: its folder must exist
+    and have room, or doit dies in sqlite with a traceback. Checked here, one line, exit 2."""
+    least = int(os.environ.get(MIN_FREE_MB_ENV, MIN_FREE_MB))
+    try:
+        existing = os.path.abspath(workspace)
+        while not os.path.isdir(existing):
+            existing = os.path.dirname(existing)
+        free = shutil.disk_usage(existing).free
+        if free >= least * 2**20:
+            os.makedirs(workspace, exist_ok=True)
+    except OSError as exc:
+        _exit_bad_input(f"cannot create the pipeline workspace {os.path.abspath(workspace)}: {exc.strerror}; "
+                        f"run doit from a writable project folder")
+    if free < least * 2**20:
+        _exit_bad_input(f"the pipeline workspace {os.path.abspath(workspace)} is on a disk with {free / 2**20:.0f} "
+                        f"MiB free; doit's state and the stage outputs need at least {least} MiB "
+                        f"(${MIN_FREE_MB_ENV}); free some space and run doit again")
+
+
+def _exit_bad_input(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+_workspace_ready(WORKSPACE)
 
 DOIT_CONFIG = {
     "default_tasks": ["generate"],

@@ -11,10 +11,16 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from hyper_parallel.codegen.artifact import META_FILE, check_owned
+from hyper_parallel.codegen.artifact import META_FILE, check_owned, remove_stale_staging_dirs
 from hyper_parallel.codegen.spec.project import project_codegen_spec, signature_from_spec
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
-from hyper_parallel.codegen.stages import read_json, run_stage, stage_is_current, write_json
+from hyper_parallel.codegen.stages import (
+    read_json,
+    remove_orphaned_temp_files,
+    run_stage,
+    stage_is_current,
+    write_json,
+)
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TrainerConfig
 
@@ -36,6 +42,8 @@ def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bo
     fails in a recipe's first build leaves no workspace behind (nothing on disk changed)."""
     if "install" in stages:  # before any work: a folder install would refuse is refused now
         check_owned(spec.artifact_dir, "install", spec.bundle_file_names)
+    remove_orphaned_temp_files(spec.workspace)  # what a killed run left: the next run cleans up
+    remove_stale_staging_dirs(spec.artifact_dir)
     fresh = not spec.workspace.exists()
     fresh_root = not spec.workspace.parent.exists()
     ran = []

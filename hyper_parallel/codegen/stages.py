@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.artifact import META_FILE, ArtifactError, write_bundle_atomic
+from hyper_parallel.codegen.artifact import META_FILE, ArtifactError, pid_alive, write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
@@ -27,7 +27,7 @@ Log = Callable[[str], None]
 WORKSPACE_ENTRIES = {"source": "source.json", "plan": "plan.json", "frozen": "frozen.json", "staged": "staged",
                      "emit_stamp": "emit.json", "diff_stamp": "diff.json", "verify_stamp": "verify.json",
                      "preflight_stamp": "preflight.json"}
-_TEMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")  # write_if_changed's temp files
+_TEMP_FILE = re.compile(r"^\..+\.(\d+)\.tmp$")  # write_if_changed's temp files, named after their writer
 
 
 @dataclass(frozen=True)
@@ -367,3 +367,17 @@ def check_workspace_owned(workspace: Path) -> None:
     if foreign:
         raise ArtifactError(f"cannot remove the workspace {workspace}: it holds {len(foreign)} entr(ies) the "
                             f"pipeline did not write ({', '.join(foreign[:10])}); nothing was changed; move them out")
+
+
+def remove_orphaned_temp_files(workspace: Path) -> list[Path]:
+    """Temp files a killed run left in the workspace (their writer is gone)."""
+    removed = []
+    for folder in (workspace, workspace / WORKSPACE_ENTRIES["staged"]):
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        for entry in folder.iterdir():
+            found = _TEMP_FILE.match(entry.name)
+            if found and entry.is_file() and not entry.is_symlink() and not pid_alive(int(found.group(1))):
+                entry.unlink(missing_ok=True)
+                removed.append(entry)
+    return removed

@@ -2,7 +2,7 @@
 
 import sys
 
-from tests.project_fixtures import TINY_RECIPE, cli, doit, run
+from tests.project_fixtures import TINY_RECIPE, cli, doit, make_project, run
 
 STAGES = ["resolve", "derive", "freeze", "emit", "diff", "verify", "install", "preflight"]
 
@@ -12,6 +12,19 @@ def test_doit_list_shows_every_stage_and_the_entry_points(project):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     listed = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
     assert set(STAGES) | {"generate", "check"} <= listed
+
+
+def test_a_full_disk_is_one_line_before_doit_opens_its_database(tmp_path):
+    """doit's sqlite state would die with a traceback on a full disk: the free space under
+    the workspace is checked first (the threshold raised above what this disk has)."""
+    project = make_project(tmp_path / "project")
+    proc = doit(project, "list", env={"HYPER_PARALLEL_MIN_FREE_MB": str(2**40)}, forbid_torch=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"error: the pipeline workspace {project / 'generated'} is on a disk with "), lines
+    assert "free some space" in lines[0]
+    assert not (project / "generated").exists()
 
 
 def test_doit_clean_removes_bundle_and_workspace(project):

@@ -3,9 +3,10 @@
 A launch runs in a scratch folder of its own (``scratch_dir``) and in a process group of
 its own; each rank reports its phase and its own error in per-rank files (no closing
 collective that a silent rank could block), so ``wait_for_ranks`` can name a rank that
-went silent. A guard process (``launch_guard``) watches the launching process: if it
-dies — SIGKILL included, where no ``finally`` runs — the guard ends every process of the
-launch and removes the scratch folder. No torch import here: the launcher side stays light.
+went silent. A watcher process (``launch_guard``) removes the scratch folder and ends every
+process the run started if the run dies — SIGKILL included, where no ``finally`` runs;
+each launch also asks the kernel to kill it with its parent. No torch import here: the
+launcher side stays light.
 """
 
 import contextlib
@@ -16,10 +17,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from hyper_parallel.codegen.artifact import pid_alive
+
+GUARD = "hyper_parallel.codegen.check.launch_guard"
 SCRATCH_PREFIX = "hp-"  # scratch folders are named hp-<kind>-<pid of their owner>-<random>
 LAUNCH_ENV_DROPPED = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -30,14 +35,33 @@ class LaunchError(RuntimeError):
 
 @contextlib.contextmanager
 def scratch_dir(kind: str) -> Iterator[Path]:
-    """A temp folder named after this process, removed on the way out; folders of dead
-    owners (a run killed with SIGKILL before its guard could act) are removed first."""
+    """A temp folder named after this process, removed on the way out — and, by a watcher
+    process, also when this process dies without a way out (SIGKILL), together with every
+    process it started meanwhile. Folders of dead owners are removed first."""
     remove_orphaned_scratch()
-    path = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{kind}-{os.getpid()}-"))
+    path = Path(tempfile.gettempdir()) / f"{SCRATCH_PREFIX}{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    watcher = subprocess.Popen([sys.executable, "-m", GUARD, "watch", "--parent", str(os.getpid()),
+                                "--scratch", str(path)],
+                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
     try:
+        path.mkdir(mode=0o700)
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+        _release(watcher)
+
+
+def _release(watcher: subprocess.Popen) -> None:
+    """Tell the watcher this run cleaned up itself; it leaves without acting."""
+    try:
+        watcher.stdin.write(b"done\n")
+        watcher.stdin.close()
+    except OSError:
+        pass
+    try:
+        watcher.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        watcher.kill()
 
 
 def remove_orphaned_scratch() -> list[Path]:
@@ -55,17 +79,6 @@ def remove_orphaned_scratch() -> list[Path]:
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    """True while a process with this pid exists (ours or another user's)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -100,23 +113,21 @@ class RankFiles:
 
 
 class RankLaunch:
-    """The rank processes, in their own process group, watched by a guard process; ended
-    with everything they started when the caller leaves early (an exception, a signal
-    turned into one) or dies."""
+    """The rank processes, in their own process group, killed by the kernel if this process
+    dies (``launch_guard exec``) and ended with everything they started when the caller
+    leaves early (an exception, a signal turned into one)."""
 
-    def __init__(self, cmd: list[str], *, log: Path, scratch: Path, env: dict[str, str] | None = None):
+    def __init__(self, cmd: list[str], *, log: Path, env: dict[str, str] | None = None):
         env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
         for key in LAUNCH_ENV_DROPPED:
             env.pop(key, None)
         self.cmd = cmd
         self.log = log
+        guarded = [sys.executable, "-m", GUARD, "exec", "--parent", str(os.getpid()), "--", *cmd]
         # Output into a file, not a pipe: a pipe nobody drains while we poll would block the ranks.
         with log.open("w") as out:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self._guard = subprocess.Popen(
-            [sys.executable, "-m", "hyper_parallel.codegen.check.launch_guard", "--root", str(self.proc.pid),
-             "--scratch", str(scratch)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(guarded, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
 
     def __enter__(self) -> "RankLaunch":
         return self
@@ -124,23 +135,10 @@ class RankLaunch:
     def __exit__(self, *exc_info) -> bool:
         if self.proc.poll() is None:
             kill_tree(self.proc)
-        self._release_guard()
         return False
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.is_file() else ""
-
-    def _release_guard(self) -> None:
-        """Tell the guard the launch is over and handled here; it leaves without acting."""
-        try:
-            self._guard.stdin.write(b"done\n")
-            self._guard.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
-        try:
-            self._guard.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._guard.kill()
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -1,63 +1,99 @@
-"""Watch a launching process; if it dies, end the launch it started and remove its scratch.
+"""Nothing of a run outlives it: end its processes and remove its scratch when it dies.
 
-    python -m hyper_parallel.codegen.check.launch_guard --root PID --scratch DIR
+    python -m hyper_parallel.codegen.check.launch_guard watch --parent PID --scratch DIR
+    python -m hyper_parallel.codegen.check.launch_guard exec --parent PID -- COMMAND...
 
-Started by ``RankLaunch`` with a pipe on stdin, in a session of its own (a signal to the
-launcher's process group does not reach it). While the pipe is open it records the
-launch's process tree every quarter second — torchrun's ranks sit in sessions of their
-own, and would be re-parented to init once torchrun is gone. ``done`` on the pipe: the
-launcher ended the launch itself, leave. End of file without it: the launcher died (a
-SIGKILL runs no ``finally``), so kill every recorded process and remove the scratch folder.
-Imports psutil only.
+``watch`` is started by ``scratch_dir`` with a pipe on stdin, in a session of its own (a
+signal to the run's process group does not reach it). While the pipe is open it records
+the parent's descendants every quarter second — torchrun's ranks sit in sessions of their
+own and would be re-parented to init once torchrun is gone. ``done`` on the pipe: the run
+cleaned up itself, leave. End of file without it: the parent died (a SIGKILL runs no
+``finally``), so kill every recorded process and remove the scratch folder.
+
+``exec`` is how a launch starts: it asks the kernel to SIGKILL it when its parent dies
+(``PR_SET_PDEATHSIG``, kept across ``execv``), then becomes COMMAND. That covers a launch
+the watcher had no time to see. Imports psutil only (``watch``).
 """
 
 import argparse
+import ctypes
 import os
 import select
 import shutil
+import signal
 import sys
 
-import psutil
-
 POLL_S = 0.25
+_PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hyper_parallel.codegen.check.launch_guard")
-    parser.add_argument("--root", type=int, required=True, help="pid of the launched process")
-    parser.add_argument("--scratch", required=True, help="the launch's scratch folder")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    watch = sub.add_parser("watch", help="clean up after the parent when it dies")
+    watch.add_argument("--parent", type=int, required=True)
+    watch.add_argument("--scratch", required=True, help="the run's scratch folder")
+    run = sub.add_parser("exec", help="become COMMAND, killed when the parent dies")
+    run.add_argument("--parent", type=int, required=True)
+    run.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.mode == "exec":
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        return exec_with_parent(args.parent, command)
+    return watch_parent(args.parent, args.scratch)
+
+
+def exec_with_parent(parent: int, command: list[str]) -> int:
+    """Die with ``parent`` (Linux; elsewhere the watcher alone covers it), then exec."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the request took effect
+        return 1
+    os.execv(command[0], command)
+    return 1  # not reached
+
+
+def watch_parent(parent: int, scratch: str) -> int:
+    import psutil
+
     known: dict[int, psutil.Process] = {}
     stdin = sys.stdin.fileno()
     while True:
-        _record_tree(args.root, known)
+        _record_descendants(parent, known)
         ready, _, _ = select.select([stdin], [], [], POLL_S)
         if not ready:
             continue
         data = os.read(stdin, 64)
         if data.startswith(b"done"):
             return 0
-        if not data:  # the launcher is gone and never said done
+        if not data:  # the parent is gone and never said done
             _kill(known)
-            shutil.rmtree(args.scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
             return 0
 
 
-def _record_tree(root: int, known: dict[int, psutil.Process]) -> None:
-    """Add the root and its descendants, and the descendants of every process seen before."""
-    sources = [root, *known]
-    for pid in sources:
+def _record_descendants(parent: int, known: dict) -> None:
+    """Add the parent's descendants (this watcher aside) and those of every process seen
+    before: a rank re-parented to init is still found through the record."""
+    import psutil
+
+    for pid in [parent, *known]:
         try:
             process = known.get(pid) or psutil.Process(pid)
-            known.setdefault(pid, process)
             for child in process.children(recursive=True):
-                known.setdefault(child.pid, child)
+                if child.pid != os.getpid():
+                    known.setdefault(child.pid, child)
         except psutil.Error:
             continue
 
 
-def _kill(known: dict[int, psutil.Process]) -> None:
+def _kill(known: dict) -> None:
     """SIGKILL every recorded process still running (psutil checks the pid was not reused)."""
+    import psutil
+
     for process in known.values():
         try:
             process.kill()

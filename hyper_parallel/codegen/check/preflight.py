@@ -91,7 +91,7 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
         log(f"torchrun --nproc_per_node={world} preflight of {spec.artifact_dir}")
         env = {**os.environ, "HYPER_PARALLEL_WORKSPACE": str(spec.workspace.parent)}
         try:
-            with RankLaunch(cmd, log=tmp / "preflight.log", scratch=tmp, env=env) as launch:
+            with RankLaunch(cmd, log=tmp / "preflight.log", env=env) as launch:
                 wait_for_ranks(launch, files, world, what=what, timeout_s=PREFLIGHT_TIMEOUT_S,
                                collective_timeout_s=spec.check_timeout_s)
         except LaunchError as exc:

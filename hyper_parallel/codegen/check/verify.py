@@ -111,7 +111,7 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: 
         job = _job(spec, bundle_dir, bundle_key, files, model_class, Path(tmp), diagnose=False)
         log(f"probe: {probe.depth} of {probe.full_depth} layer(s), hidden {probe.config.hidden_size}, "
             f"{probe.seq_len} tokens x {spec.parallel.dp} sequence(s); {world} ranks as {mode}")
-        with _launch(job, mode, world, Path(tmp)) as proc:
+        with _launch(job, mode, world) as proc:
             expected = reference_run(spec, probe)  # while the ranks start and run
             _finish(proc, job, mode, world, spec)
         got = torch.load(job["result"], weights_only=True)
@@ -323,7 +323,7 @@ def _first_divergence(spec, probe, run_job: dict, tmp: Path, mode: str, world: i
     job = _job(spec, Path(run_job["bundle_dir"]), run_job["bundle_key"], run_job["files"], run_job["model_class"],
                tmp, diagnose=True)
     try:
-        with _launch(job, mode, world, tmp) as proc:
+        with _launch(job, mode, world) as proc:
             expected = _reference_outputs(spec, probe)
             _finish(proc, job, mode, world, spec)
         ranks = torch.load(job["result"], weights_only=False)["outputs"]
@@ -403,14 +403,14 @@ def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_c
     return job
 
 
-def _launch(job: dict, mode: str, world: int, scratch: Path) -> RankLaunch:
+def _launch(job: dict, mode: str, world: int) -> RankLaunch:
     worker = ["-m", "hyper_parallel.codegen.check.verify_worker", "--job", job["path"], "--mode", mode]
     if mode == "torchrun":
         # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *worker]
     else:
         cmd = [sys.executable, *worker, "--world", str(world)]
-    return RankLaunch(cmd, log=Path(job["path"]).with_suffix(".log"), scratch=scratch)
+    return RankLaunch(cmd, log=Path(job["path"]).with_suffix(".log"))
 
 
 def _finish(launched: RankLaunch, job: dict, mode: str, world: int, spec: CodegenSpec) -> None:

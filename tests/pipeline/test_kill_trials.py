@@ -1,0 +1,131 @@
+"""SIGKILL at random instants in every stage (issue: trust boundary). The recipe toggles
+between two layouts every round, so each round rebuilds every stage; each trial starts
+``generate`` and kills it at a random instant inside one chosen stage. After every kill:
+the bundle is the complete old or the complete new one, and within a few seconds no
+process and no scratch folder of the killed run is left (its guard ends them). At the
+end, one more generate recovers the original bundle byte for byte and leaves no temp
+file or staging folder behind."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from hyper_parallel.codegen.spec.types import STAGES
+from tests.pipeline.pipeline_helpers import BUNDLE, ENV, copy_project, generated_tiny_project
+from tests.project_fixtures import TINY_RECIPE, bundle_bytes, cli, orphaned_scratch
+
+TRIALS_PER_STAGE = 3  # 8 stages: 24 kills
+# How long after a stage starts to kill at most (about the stage's own duration here;
+# resolve's window starts with the process).
+KILL_WINDOW_S = {"resolve": 1.0, "derive": 6.0, "freeze": 0.3, "emit": 0.5, "diff": 0.3, "verify": 10.0,
+                 "install": 0.3, "preflight": 8.0}
+
+
+def _set_layout(recipe: Path, sequence_parallel: bool) -> None:
+    data = yaml.safe_load(recipe.read_text())
+    data["accelerator"]["sequence_parallel"] = sequence_parallel
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _start(project: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ENV}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.Popen([sys.executable, "-m", "hyper_parallel.codegen", "--verbose", "generate", "--config",
+                             TINY_RECIPE], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _kill_inside(proc: subprocess.Popen, stage: str, rng: random.Random) -> bool:
+    """Wait until ``stage`` starts (the stage before it reported done or up to date), then
+    SIGKILL at a random instant within its window. False if the run ended first."""
+    before = STAGES[STAGES.index(stage) - 1] if STAGES.index(stage) else None
+    while before is not None:
+        line = proc.stdout.readline()
+        if not line:
+            return False
+        if line.startswith((f". {before} done", f"-- {before} up to date")):
+            break
+    time.sleep(rng.uniform(0, KILL_WINDOW_S[stage]))
+    if proc.poll() is not None:
+        return False
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    return True
+
+
+def _complete(bundle: Path) -> bool:
+    """A bundle as install writes it: the manifest lists exactly the files present, each
+    with its sha256."""
+    import json
+
+    from hyper_parallel.codegen.hash import sha256_file
+
+    meta = json.loads((bundle / "codegen_meta.json").read_text())
+    present = {p.name for p in bundle.iterdir()} - {"codegen_meta.json"}
+    return present == set(meta["outputs"]) and all(sha256_file(bundle / n) == h for n, h in meta["outputs"].items())
+
+
+def _leftovers(pid: int, project: Path) -> list[str]:
+    """Processes of the killed run: its verify/preflight launches carry its pid in their
+    scratch folder's name, the preflight's ranks the project's recipe path."""
+    marks = (f"-{pid}-", str(project))
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if process.info["pid"] != os.getpid() and any(mark in cmdline for mark in marks):
+            found.append(cmdline[:200])
+    return found
+
+
+def _wait_for_cleanup(pid: int, project: Path, timeout_s: float = 10.0) -> tuple[list[str], list[str]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        processes = _leftovers(pid, project)
+        scratch = [name for name in orphaned_scratch() if f"-{pid}-" in name]
+        if (not processes and not scratch) or time.monotonic() > deadline:
+            return processes, scratch
+        time.sleep(0.25)
+
+
+def test_sigkill_in_every_stage_leaves_old_or_new_and_nothing_behind(tmp_path_factory, tmp_path):
+    project = copy_project(generated_tiny_project(tmp_path_factory), tmp_path / "project")
+    recipe, bundle = project / TINY_RECIPE, project / BUNDLE
+    original = bundle_bytes(bundle)
+    rng = random.Random(2026)
+    seen: dict[str, int] = {}
+    missed: list[str] = []
+    layout = False
+    for _ in range(TRIALS_PER_STAGE):
+        layout = not layout
+        _set_layout(recipe, layout)
+        for stage in STAGES:
+            proc = _start(project)
+            killed = _kill_inside(proc, stage, rng)
+            if not killed:
+                rest = proc.stdout.read()
+                proc.wait()
+                missed.append(f"{stage}: rc {proc.returncode}: {rest[-300:]}")
+                continue
+            seen[stage] = seen.get(stage, 0) + 1
+            assert _complete(bundle), f"killed in {stage}: the bundle is not complete"
+            processes, scratch = _wait_for_cleanup(proc.pid, project)
+            assert processes == [], f"killed in {stage}: processes left: {processes}"
+            assert scratch == [], f"killed in {stage}: scratch left: {scratch}"
+    assert sum(seen.values()) >= 20 and set(seen) == set(STAGES), (seen, missed)
+
+    _set_layout(recipe, False)
+    proc = cli(project, "generate", "--config", TINY_RECIPE, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert bundle_bytes(bundle) == original
+    staging = [p.name for p in bundle.parent.iterdir() if p.name.startswith(".hp-bundle-")]
+    temp = [p.name for p in (project / "generated").rglob("*.tmp")]
+    assert staging == [] and temp == [] and orphaned_scratch() == []
