@@ -4,9 +4,15 @@ The model is planned and parallelized on the meta device first (``apply_sharding
 then materialized with ``model.to_empty(device=...)``; every DTensor parameter's local
 piece is read straight from the checkpoint with ``safe_open(...).get_slice`` — a rank
 never holds a full tensor that it only keeps a slice of.
+
+Which checkpoint tensors make which parameter is transformers' own answer: the renamings
+and conversions ``from_pretrained`` applies to the model (per-expert tensors stacked into
+packed experts, gate and up concatenated, renamed blocks), recorded lazily by
+``checkpoint_names`` so that the slices are still read, not the whole tensors.
 """
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +21,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-Segments = list[tuple[int, int]]  # half-open index ranges along one dimension
+from hyper_parallel.distributed.checkpoint_names import LazyTensor, Segments, StoredTensor, checkpoint_sources
 
 
 class ShardedLoadError(ValueError):
@@ -27,6 +33,7 @@ class ShardedLoadReport:
     tensors: int = 0
     bytes_read: int = 0
     missing: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # converters read whole (not sliceable)
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
@@ -71,73 +78,14 @@ def _chunk_range(start: int, stop: int, pieces: int, index: int) -> tuple[int, i
     return lo, min(lo + step, stop)
 
 
-def read_segments(handle_slice, segments: list[Segments], dim: int = 0, prefix: tuple = ()) -> torch.Tensor:
-    if dim == len(segments):
-        return handle_slice[prefix]
-    parts = [read_segments(handle_slice, segments, dim + 1, prefix + (slice(lo, hi),)) for lo, hi in segments[dim]]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
-class StoredTensor:
-    """One checkpoint tensor, read lazily by index ranges."""
-
-    def __init__(self, handle, name: str):
-        self.piece = handle.get_slice(name)
-        self.shape = tuple(self.piece.get_shape())
-
-    def read(self, segments: list[Segments]) -> torch.Tensor:
-        return read_segments(self.piece, segments)
-
-
-class StackedExperts:
-    """A fused experts tensor (``gate_up_proj`` [E, 2I, H] or ``down_proj`` [E, H, I])
-    assembled from per-expert checkpoint tensors (``experts.{e}.gate_proj.weight`` ...),
-    reading only the rows and columns a rank keeps."""
-
-    def __init__(self, blocks: list[list[StoredTensor]]):
-        self.blocks = blocks  # per expert: the tensors concatenated along dim 0 of the fused block
-        rows = sum(t.shape[0] for t in blocks[0])
-        self.shape = (len(blocks), rows, blocks[0][0].shape[1])
-
-    def read(self, segments: list[Segments]) -> torch.Tensor:
-        experts = [e for lo, hi in segments[0] for e in range(lo, hi)]
-        return torch.stack([self._expert_rows(self.blocks[e], segments[1], segments[2]) for e in experts])
-
-    @staticmethod
-    def _expert_rows(parts: list[StoredTensor], rows: Segments, cols: Segments) -> torch.Tensor:
-        pieces, offset = [], 0
-        for part in parts:
-            size = part.shape[0]
-            for lo, hi in rows:
-                lo_in, hi_in = max(lo, offset) - offset, min(hi, offset + size) - offset
-                if lo_in < hi_in:
-                    pieces.append(part.read([[(lo_in, hi_in)], cols]))
-            offset += size
-        return torch.cat(pieces, dim=0)
-
-
-_PER_EXPERT = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-
-def tensor_source(name: str, where: dict[str, Path], handle_for) -> StoredTensor | StackedExperts | None:
-    """Where ``name`` comes from: the tensor itself, or per-expert tensors to stack."""
-    if name in where:
-        return StoredTensor(handle_for(where[name]), name)
-    prefix, _, leaf = name.rpartition(".")
-    if leaf not in _PER_EXPERT:
-        return None
-    blocks = []
-    while True:
-        keys = [f"{prefix}.{len(blocks)}.{proj}.weight" for proj in _PER_EXPERT[leaf]]
-        if not all(key in where for key in keys):
-            break
-        blocks.append([StoredTensor(handle_for(where[key]), key) for key in keys])
-    return StackedExperts(blocks) if blocks else None
-
-
 @torch.no_grad()
-def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, strict: bool = True) -> ShardedLoadReport:
-    """Fill every parameter and persistent buffer of a materialized model from ``model_dir``."""
+def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, strict: bool = True,
+                             key_mapping: dict[str, str] | None = None) -> ShardedLoadReport:
+    """Fill every parameter and persistent buffer of a materialized model from ``model_dir``.
+
+    Checkpoint names go through the renamings and conversions ``from_pretrained`` applies
+    to this model (``checkpoint_names``; ``key_mapping`` as ``from_pretrained`` takes it),
+    so a checkpoint saved in a family's own on-disk layout loads as it does in transformers."""
     where = checkpoint_index(model_dir)
     report = ShardedLoadReport()
     handles: dict[Path, object] = {}
@@ -149,8 +97,10 @@ def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, s
 
     loaded: set[int] = set()
     try:
+        sources = checkpoint_sources(model, lambda key: StoredTensor(handle_for(where[key]), key), where,
+                                     key_mapping=key_mapping, note=lambda line: _note(report, line))
         for name, tensor in [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]:
-            source = tensor_source(name, where, handle_for)
+            source = sources.get(name)
             if source is None:
                 if id(tensor) not in loaded:  # a tied weight stored once is fine
                     report.missing.append(name)
@@ -167,6 +117,12 @@ def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, s
     return report
 
 
+def _note(report: ShardedLoadReport, line: str) -> None:
+    """A converter read whole instead of by slices: kept in the report and warned once."""
+    report.notes.append(line)
+    warnings.warn(line, UserWarning, stacklevel=2)
+
+
 def _lookup(model: torch.nn.Module, name: str) -> torch.Tensor:
     owner, _, leaf = name.rpartition(".")
     return getattr(model.get_submodule(owner) if owner else model, leaf)
@@ -180,7 +136,7 @@ def _persistent_buffers(model: torch.nn.Module):
                 yield (f"{module_name}.{name}" if module_name else name), buf
 
 
-def _copy_local(name: str, tensor: torch.Tensor, source, model_dir: Path) -> None:
+def _copy_local(name: str, tensor: torch.Tensor, source: LazyTensor, model_dir: Path) -> None:
     if tuple(source.shape) != tuple(tensor.shape):
         raise ShardedLoadError(f"{model_dir}: {name}: checkpoint shape {tuple(source.shape)}, "
                                f"model expects {tuple(tensor.shape)}")
@@ -195,7 +151,7 @@ def _copy_local(name: str, tensor: torch.Tensor, source, model_dir: Path) -> Non
 
 
 def materialize_and_load(model: torch.nn.Module, model_dir: str | Path, *, device: str | torch.device = "cpu",
-                         strict: bool = True) -> ShardedLoadReport:
+                         strict: bool = True, key_mapping: dict[str, str] | None = None) -> ShardedLoadReport:
     """Allocate a meta-device (already parallelized) model's local shards on ``device``
     and fill them from the checkpoint. Buffers that were built for real (e.g. rotary
     ``inv_freq`` under ``accelerate.init_empty_weights(include_buffers=False)``) keep
@@ -209,4 +165,4 @@ def materialize_and_load(model: torch.nn.Module, model_dir: str | Path, *, devic
         for name, buf in model.named_buffers():
             if name in kept:
                 buf.copy_(kept[name])
-    return load_sharded_safetensors(model, model_dir, strict=strict)
+    return load_sharded_safetensors(model, model_dir, strict=strict, key_mapping=key_mapping)
