@@ -1,8 +1,24 @@
 """The sharding planner: an HF model's structure (on the meta device) -> per-module plan.
 
-Roles come from the model's own TP plan (``base_model_tp_plan`` / ``_tp_plan``, used
-as hints) and, where the hints say nothing, from structure: linears named like
-attention / MLP projections, the input and output embeddings, packed expert weights.
+Roles come from structure: linears named like attention / MLP projections, the input
+and output embeddings, packed expert weights, norms on a projection; and from the
+model's own TP plan (``base_model_tp_plan`` / ``_tp_plan``), read by what each style
+*means* (``roles.TP_STYLES``): the input it expects and the output it hands on. A hint
+is used only where it agrees with the module it sits on and with its neighbours:
+
+- a linear-kind style on a linear decides whether it splits its output (colwise) or
+  hands on every feature (colwise_gather_output); q, k and v (gate and up) must agree;
+- a rowwise projection takes its input as the projections of its block hand it on:
+  split after colwise ones (rowwise), full after gathered ones (rowwise_split_input);
+  its own hint only chooses where the block has both;
+- a norm on a projection (q_norm, k_norm, or hinted replicated_with_grad_allreduce) sees
+  what that projection hands on: all of it when gathered (replicate), its heads when
+  split (head_norm, or projection_norm for a norm over the whole projection);
+- the model's input and output embeddings and packed experts are what they are; a hint
+  of another kind on any module is ignored for the structure's role.
+
+A style the planner does not know, or one no role here means, fails planning with the
+module, the style and the ``plan_overrides`` entry that would place the module instead.
 Each role maps to one ``ShardingConfig`` over the ``tp`` axis (``roles.py``).
 
 On top of the TP roles, ``sequence_layout`` applies sequence parallel, context
@@ -16,6 +32,7 @@ is then no error if an override places it (the override is its whole entry).
 """
 
 import fnmatch
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -26,26 +43,37 @@ from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility, lint_plan
 from hyper_parallel.distributed.plan_overrides import merge_plan_overrides, overridden_modules
+from hyper_parallel.distributed.placements import placement_to_text
 from hyper_parallel.distributed.roles import (
+    ANY,
     COLWISE_NAMES,
+    EMBEDDING,
+    FULL,
     FUSED_GATE_UP_NAMES,
     FUSED_QKV_NAMES,
     HEAD_NORM_NAMES,
+    LINEAR,
     ROLE_BUILDERS,
     ROUTER_NAMES,
     ROWWISE_NAMES,
+    SPLIT,
+    StyleMeaning,
     is_packed_experts,
+    style_meaning,
 )
 from hyper_parallel.distributed.sequence_layout import apply_sequence_layout
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 __all__ = ["PlanError", "PlanResult", "ShardingPlanner", "merge_plan_overrides"]
 
-# HF tensor-parallel styles -> our roles. Styles not listed fall back to structure.
-_LINEAR_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "lm_head",
-                  "packed_colwise": "colwise"}
-_EMBEDDING_STYLES = {"embedding_rowwise": "vocab_embedding", "rowwise": "vocab_embedding"}
-_ANY_STYLES = {"replicated_with_grad_allreduce": "head_norm", "moe_tp_experts": "packed_experts"}
+# What a projection hands on to the next op of its block: this rank's features or all of them.
+_PRODUCER_LAYOUTS = {"colwise": SPLIT, "fused_qkv": SPLIT, "fused_gate_up": SPLIT, "colwise_gathered": FULL}
+# What a rowwise projection expects, by role.
+_CONSUMER_EXPECTS = {"rowwise": SPLIT, "rowwise_split_input": FULL}
+_CONSUMER = "rowwise (input as its block hands it on)"  # a rowwise by name, role from its block
+# Projections one op combines (attention scores and values; gate * up): split alike or not at all.
+_AGREEING_GROUPS = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}),
+                    frozenset({"w1", "w3"}))
 
 # Forms the plan applies besides tp (sequence_layout.py: sp, cp, loss_parallel; expert_layout.py: ep).
 _APPLIED = frozenset({"sp", "cp", "loss_parallel", "ep"})
@@ -61,6 +89,20 @@ class PlanResult:
     applied_axes: list[str]
     recorded_axes: dict[str, str]
     roles: dict[str, str] = field(default_factory=dict)
+
+
+class StyleRefusal(PlanError):
+    """A module whose TP-plan style the planner will not use: unknown, or meaning something
+    no role here means. The planner goes on with ``fallback_role`` in its place (what the
+    structure alone gives it; None for a module without parameters), so that the final
+    message can show the plan_overrides entry as the finished plan would hold it."""
+
+    def __init__(self, fqn: str, module: nn.Module, style: str, why: str):
+        self.fqn, self.style = fqn, style
+        self.fallback_role: str | None = None
+        self.head = (f"cannot plan module {fqn or '<root>'} ({type(module).__name__}): the TP plan gives it "
+                     f"style {style!r}, {why}")
+        super().__init__(self.head)
 
 
 class ShardingPlanner:
@@ -86,20 +128,30 @@ class ShardingPlanner:
         overridden = overridden_modules(self.overrides, self.model, active_axes=active_axes)
         modules: dict[str, ShardingConfig] = {}
         roles: dict[str, str] = {}
+        refusals: list[StyleRefusal] = []
         for fqn, module in self.model.named_modules():
-            if not any(True for _ in module.parameters(recurse=False)):
-                continue
             try:
+                if not _has_own_params(module):
+                    self._check_container_hint(fqn, module)
+                    continue
                 role = self._role(fqn, module)
                 config = ROLE_BUILDERS[role](module, self._param_hints(fqn, module))
-            except PlanError:
+            except PlanError as err:
                 if fqn in overridden:
                     continue  # the recipe places it; merge_plan_overrides checks the entry is complete
-                raise
+                if not isinstance(err, StyleRefusal):
+                    raise
+                refusals.append(err)
+                err.fallback_role = self._fallback_role(fqn, module)
+                if err.fallback_role is None:
+                    continue
+                role, config = err.fallback_role, ROLE_BUILDERS[err.fallback_role](module, {})
             roles[fqn], modules[fqn] = role, config
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel)
         apply_expert_layout(modules, roles, ep=self.dims.ep)
+        if refusals:
+            raise PlanError(_refusals_message(refusals, modules))
         if self.overrides:
             modules = merge_plan_overrides(modules, self.overrides, self.model, active_axes=active_axes)
             roles.update({fqn: "override" for fqn in modules if fqn not in roles})
@@ -121,38 +173,194 @@ class ShardingPlanner:
     def _recorded_axes(self) -> dict[str, str]:
         return {name: _NOT_APPLIED[name] for name in sorted(self._requested_axes() - _APPLIED)}
 
-    def _role(self, fqn: str, module: nn.Module) -> str:
-        style = self._module_hint(fqn)
-        if isinstance(module, nn.Linear) and style in _LINEAR_STYLES:
-            return _LINEAR_STYLES[style]
-        if isinstance(module, nn.Embedding) and style in _EMBEDDING_STYLES:
-            return _EMBEDDING_STYLES[style]
-        if style in _ANY_STYLES:
-            return _ANY_STYLES[style]
-        return self._structural_role(fqn, module)
+    # --- roles -------------------------------------------------------------------------------
 
-    def _structural_role(self, fqn: str, module: nn.Module) -> str:
-        name = fqn.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Embedding) and module is input_embeddings(self.model):
-            return "vocab_embedding"
+    def _role(self, fqn: str, module: nn.Module, *, use_hint: bool = True) -> str:
+        """The module's role: from its kind and neighbours, with its TP-plan hint read by
+        meaning where it agrees (module docstring)."""
+        meaning = self._hint_meaning(fqn, module) if use_hint else None
+        if meaning is not None and meaning.role == "local_params":
+            return "local_params"
+        if isinstance(module, nn.Embedding):
+            return self._embedding_role(fqn, module, meaning)
         if isinstance(module, nn.Linear):
-            if module is output_embeddings(self.model):
-                return "lm_head"
-            if name in COLWISE_NAMES:
-                return "colwise"
-            if name in ROWWISE_NAMES:
-                return "rowwise"
-            if name in FUSED_QKV_NAMES:
-                return self._fused_qkv_role(fqn, module)
-            if name in FUSED_GATE_UP_NAMES:
-                return "fused_gate_up"
+            return self._linear_role(fqn, module, meaning)
         if is_packed_experts(module):
-            return "packed_experts"
-        if name in HEAD_NORM_NAMES:
-            return self._qk_norm_role(module)
-        if name in ROUTER_NAMES or all(p.dim() < 2 for p in module.parameters(recurse=False)):
-            return "replicate"  # norms, routers: small, every rank needs all of it
+            return "packed_experts"  # whatever the hint: the shapes give the layout (roles.packed_experts)
+        name = _leaf(fqn)
+        if name in HEAD_NORM_NAMES or _all_vectors(module):
+            return self._norm_role(fqn, module, meaning)
+        if name in ROUTER_NAMES:
+            return "replicate"
+        if meaning is not None and meaning.sits_on == ANY:
+            return meaning.role
         raise PlanError(_unclassified_message(fqn, module))
+
+    def _hint_meaning(self, fqn: str, module: nn.Module) -> StyleMeaning | None:
+        """What the module's TP-plan style means; None without one. A style this planner
+        does not know, or one no role here means, is refused by name."""
+        style = self._module_hint(fqn)
+        if style is None:
+            return None
+        meaning = style_meaning(style)
+        if meaning is None:
+            raise StyleRefusal(
+                fqn, module, style, "a style this planner has no meaning for (it maps every style of "
+                "transformers' tensor-parallel vocabulary it knows, roles.TP_STYLES)")
+        if meaning.role is None:
+            raise StyleRefusal(fqn, module, style, meaning.refused)
+        return meaning
+
+    def _check_container_hint(self, fqn: str, module: nn.Module) -> None:
+        """A module without parameters of its own is not planned (its children are), but a
+        style on it that is unknown, or that changes its children's sums, is refused."""
+        style = self._module_hint(fqn)
+        if style is None:
+            return
+        meaning = style_meaning(style)
+        if meaning is None:
+            raise StyleRefusal(fqn, module, style, "a style this planner has no meaning for")
+        if not meaning.container_ok:
+            raise StyleRefusal(fqn, module, style, meaning.refused)
+
+    def _embedding_role(self, fqn: str, module: nn.Embedding, meaning: StyleMeaning | None) -> str:
+        """The model's input embedding is split by vocabulary whatever its hint says; another
+        embedding is planned only from an embedding-kind (or replicate) hint."""
+        if module is input_embeddings(self.model):
+            return "vocab_embedding"
+        if meaning is not None and meaning.sits_on in (EMBEDDING, ANY):
+            return meaning.role
+        raise PlanError(_unclassified_message(fqn, module))
+
+    def _linear_role(self, fqn: str, module: nn.Linear, meaning: StyleMeaning | None) -> str:
+        """Output embedding -> lm_head; a rowwise one takes its input as its block hands it on;
+        a projection that one op combines with its siblings must be split as they are."""
+        if module is output_embeddings(self.model):
+            return "lm_head"
+        intent = self._linear_intent(fqn, module, meaning)
+        if intent == _CONSUMER or intent in _CONSUMER_EXPECTS:
+            return self._consumer_role(fqn, intent)
+        if intent in _PRODUCER_LAYOUTS:
+            self._check_group_agrees(fqn, intent)
+        return intent
+
+    def _linear_intent(self, fqn: str, module: nn.Linear, meaning: StyleMeaning | None) -> str:
+        """What the linear is on its own, before its block is consulted: the role its
+        linear-kind hint means, else what its name says (rowwise ones as ``_CONSUMER``)."""
+        if meaning is not None and meaning.sits_on in (LINEAR, ANY):
+            return meaning.role
+        name = _leaf(fqn)
+        if name in COLWISE_NAMES:
+            return "colwise"
+        if name in ROWWISE_NAMES:
+            return _CONSUMER
+        if name in FUSED_QKV_NAMES:
+            return self._fused_qkv_role(fqn, module)
+        if name in FUSED_GATE_UP_NAMES:
+            return "fused_gate_up"
+        if name in ROUTER_NAMES:
+            return "replicate"
+        raise PlanError(_unclassified_message(fqn, module))
+
+    def _consumer_role(self, fqn: str, intent: str) -> str:
+        """rowwise after split features, rowwise_split_input after full ones; the module's own
+        hint decides only where its block hands on both (or nothing)."""
+        siblings = self._sibling_layouts(fqn)
+        layouts = set(siblings.values())
+        hinted = intent if intent in _CONSUMER_EXPECTS else None
+        if hinted is not None and (not layouts or _CONSUMER_EXPECTS[hinted] in layouts):
+            return hinted
+        if layouts == {FULL}:
+            return "rowwise_split_input"
+        if layouts <= {SPLIT}:
+            return "rowwise"
+        rowwise_entry = ROLE_BUILDERS["rowwise"](self.model.get_submodule(fqn), {})
+        raise PlanError(
+            f"cannot plan {fqn}: the projections of its block hand on split features "
+            f"({_names_with(siblings, SPLIT)}) and full ones ({_names_with(siblings, FULL)}), and nothing says "
+            "which it reads. "
+            "A TP-plan hint (rowwise: split, rowwise_split_input: full) or a plan_overrides entry decides, e.g. "
+            f"{override_entry_text(fqn, rowwise_entry)}")
+
+    def _sibling_layouts(self, fqn: str) -> dict[str, str]:
+        """What each projection beside ``fqn`` hands on (split or full features), from its
+        own hint or name; projections the planner cannot classify are left out."""
+        parent_fqn, _, own = fqn.rpartition(".")
+        parent = self.model.get_submodule(parent_fqn)
+        layouts = {}
+        for name, child in parent.named_children():
+            if name == own or not isinstance(child, nn.Linear) or child is output_embeddings(self.model):
+                continue
+            child_fqn = f"{parent_fqn}.{name}" if parent_fqn else name
+            try:
+                intent = self._linear_intent(child_fqn, child, self._hint_meaning(child_fqn, child))
+            except PlanError:
+                continue  # planned (or refused, or overridden) in its own turn
+            if intent in _PRODUCER_LAYOUTS:
+                layouts[name] = _PRODUCER_LAYOUTS[intent]
+        return layouts
+
+    def _check_group_agrees(self, fqn: str, intent: str) -> None:
+        """q, k and v feed one attention (gate and up one product): one split, one full
+        cannot line up, whatever each one's hint says."""
+        own = _leaf(fqn)
+        group = next((g for g in _AGREEING_GROUPS if own in g), None)
+        if group is None:
+            return
+        mine = _PRODUCER_LAYOUTS[intent]
+        others = {name: layout for name, layout in self._sibling_layouts(fqn).items() if name in group}
+        clashing = sorted(name for name, layout in others.items() if layout != mine)
+        if clashing:
+            raise PlanError(
+                f"cannot plan {fqn}: it hands on {mine} features but {', '.join(clashing)} beside it "
+                f"hand{'s' if len(clashing) == 1 else ''} on {others[clashing[0]]} ones, and "
+                f"{', '.join(sorted(group))} are combined by one op; give them the same TP-plan style "
+                "(colwise, or colwise_gather_output) or plan_overrides entries")
+
+    def _norm_role(self, fqn: str, module: nn.Module, meaning: StyleMeaning | None) -> str:
+        """A norm on a projection sees what that projection hands on: all of it when
+        gathered (replicate), its heads or its slice when split (head_norm,
+        projection_norm). Other norms (and routers) are replicated."""
+        named = _leaf(fqn) in HEAD_NORM_NAMES
+        feeders = self._feeder_layouts(fqn, module)
+        if not named and not (meaning is not None and meaning.role == "head_norm" and feeders):
+            return "replicate"
+        layouts = set(feeders.values())
+        if layouts == {FULL}:
+            return "replicate"
+        if len(layouts) > 1:
+            raise PlanError(
+                f"cannot plan norm {fqn}: of the projections that may feed it, {_names_with(feeders, SPLIT)} "
+                f"hand on split features and {_names_with(feeders, FULL)} full ones; give them the same "
+                "TP-plan style or the norm a plan_overrides entry")
+        return self._qk_norm_role(module)
+
+    def _feeder_layouts(self, fqn: str, module: nn.Module) -> dict[str, str]:
+        """The projections beside a norm that can feed it: ``<x>_proj`` (or ``<x>``) for a norm
+        named ``<x>_norm``, else every one whose output is a whole number of norm widths."""
+        siblings = self._sibling_layouts(fqn)
+        if not siblings:
+            return {}
+        prefix = _leaf(fqn).removesuffix("_norm")
+        named = {name: layout for name, layout in siblings.items() if name in (f"{prefix}_proj", prefix)}
+        if named:
+            return named
+        width = _norm_width(module)
+        parent = self.model.get_submodule(fqn.rpartition(".")[0])
+        return {name: layout for name, layout in siblings.items()
+                if width and getattr(parent, name).out_features % width == 0}
+
+    # --- refusals -----------------------------------------------------------------------------
+
+    def _fallback_role(self, fqn: str, module: nn.Module) -> str | None:
+        """What the structure alone makes of a module whose style was refused: its role with
+        the hint ignored (replicated where the structure has none; None without parameters)."""
+        if not _has_own_params(module):
+            return None
+        try:
+            return self._role(fqn, module, use_hint=False)
+        except PlanError:
+            return "replicate"
 
     def _head_dim(self) -> int | None:
         config = getattr(self.model, "config", None)
@@ -183,12 +391,88 @@ class ShardingPlanner:
         return _lookup(self.hints, fqn)
 
     def _param_hints(self, fqn: str, module: nn.Module) -> dict[str, str]:
+        """TP-plan styles written on the module's parameters themselves; a style that gives
+        a parameter no layout is refused by name."""
         found = {}
         for name, _ in module.named_parameters(recurse=False):
-            style = _lookup(self.hints, f"{fqn}.{name}" if fqn else name)
-            if style is not None:
-                found[name] = style
+            full_name = f"{fqn}.{name}" if fqn else name
+            style = _lookup(self.hints, full_name)
+            if style is None:
+                continue
+            meaning = style_meaning(style)
+            if meaning is None or meaning.param_layout is None:
+                raise StyleRefusal(
+                    fqn, module, style, f"written on its parameter {name!r}, "
+                    + ("a style this planner has no meaning for" if meaning is None
+                       else "which gives a parameter no layout"))
+            found[name] = style
         return found
+
+
+def _has_own_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _all_vectors(module: nn.Module) -> bool:
+    """Only 1-d (or scalar) parameters: a norm's scale and shift."""
+    return all(p.dim() < 2 for p in module.parameters(recurse=False))
+
+
+def _leaf(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[-1]
+
+
+def _norm_width(module: nn.Module) -> int | None:
+    """The feature width a norm normalizes over: the length of its weight (or first vector)."""
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        weight = next(module.parameters(recurse=False), None)
+    return int(weight.shape[-1]) if weight is not None and weight.dim() else None
+
+
+def _names_with(layouts: dict[str, str], layout: str) -> str:
+    return ", ".join(sorted(name for name, value in layouts.items() if value == layout))
+
+
+def _layer_glob(fqn: str) -> str:
+    """``model.layers.3.mlp`` -> ``model.layers.*.mlp``: one entry for every layer, as HF's plans are written."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", fqn)
+
+
+def _named_text(named: Mapping) -> str:
+    return "{" + ", ".join(f"{axis}: {placement_to_text(p)}" for axis, p in named.items()) + "}"
+
+
+def _refusals_message(refusals: list[StyleRefusal], modules: Mapping[str, ShardingConfig]) -> str:
+    """One paragraph per refused module pattern (every layer's copy is refused alike)."""
+    paragraphs = {}
+    for refusal in refusals:
+        pattern = _layer_glob(refusal.fqn)
+        if pattern in paragraphs:
+            continue
+        entry = modules.get(refusal.fqn, ShardingConfig())
+        how = ("as the structure alone would" if refusal.fallback_role is None
+               else f"as the structure alone would ({refusal.fallback_role})")
+        paragraphs[pattern] = (f"{refusal.head}. A recipe plan_overrides entry places it instead, {how}, e.g. "
+                               f"{override_entry_text(refusal.fqn, entry)}")
+    return "\n".join(paragraphs.values())
+
+
+def override_entry_text(fqn: str, config: ShardingConfig) -> str:
+    """``config`` as a fully specified plan_overrides entry (YAML flow style) for ``fqn`` in
+    every layer (layer indices written ``*``), as a recipe would hold it."""
+    parts = [f"match: {_layer_glob(fqn)}",
+             "params: {" + ", ".join(f"{name}: {_named_text(named)}"
+                                     for name, named in config.state_shardings.items()) + "}"]
+    for key in ("in_src", "in_dst", "out_src", "out_dst"):
+        value = getattr(config, key)
+        if value is not None:
+            items = (value,) if isinstance(value, Mapping) else value
+            parts.append(f"{key}: [" + ", ".join("null" if item is None else _named_text(item)
+                                                 for item in items) + "]")
+    if config.local_map:
+        parts.append("local_map: true")
+    return "{" + ", ".join(parts) + "}"
 
 
 def _unclassified_message(fqn: str, module: nn.Module) -> str:

@@ -3,26 +3,36 @@
 Between modules activations are plain local tensors; each entry says how its inputs
 arrive (``in_src``), how the module needs them (``in_dst``) and what it hands on.
 
-| role            | parameters                         | inputs            | outputs                  |
-|-----------------|------------------------------------|-------------------|--------------------------|
-| colwise         | weight/bias shard(0)               | replicate         | shard(-1), kept local    |
-| rowwise         | weight shard(1), bias replicate    | shard(-1)         | partial -> replicate     |
-| vocab_embedding | weight shard(0) (vocab rows)       | replicate ids     | partial -> replicate     |
-| lm_head         | weight shard(0) (vocab rows)       | replicate         | shard(-1) -> replicate   |
-| packed_experts  | gate_up packed_shard, down shard   | replicate         | partial -> replicate     |
-| head_norm       | replicate (grads summed over tp)   | shard(-2) (heads) | unchanged (local)        |
-| fused_qkv       | weight/bias packed_shard(0,3)      | replicate         | this rank's q, k, v      |
-| fused_gate_up   | weight packed_shard(0,2)           | replicate         | this rank's gate, up     |
-| projection_norm | replicate                          | shard(-1) -> rep. | replicate -> shard(-1)   |
-| replicate       | replicate                          | unchanged         | unchanged                |
+| role                | parameters                         | inputs              | outputs                  |
+|---------------------|------------------------------------|---------------------|--------------------------|
+| colwise             | weight/bias shard(0)               | replicate           | shard(-1), kept local    |
+| colwise_gathered    | weight/bias shard(0)               | replicate           | shard(-1) -> replicate   |
+| rowwise             | weight shard(1), bias replicate    | shard(-1)           | partial -> replicate     |
+| rowwise_split_input | weight shard(1), bias replicate    | replicate -> sh(-1) | partial -> replicate     |
+| vocab_embedding     | weight shard(0) (vocab rows)       | replicate ids       | partial -> replicate     |
+| lm_head             | weight shard(0) (vocab rows)       | replicate           | shard(-1) -> replicate   |
+| packed_experts      | gate_up packed_shard, down shard   | replicate           | partial -> replicate     |
+| head_norm           | replicate (grads summed over tp)   | shard(-2) (heads)   | unchanged (local)        |
+| fused_qkv           | weight/bias packed_shard(0,3)      | replicate           | this rank's q, k, v      |
+| fused_gate_up       | weight packed_shard(0,2)           | replicate           | this rank's gate, up     |
+| projection_norm     | replicate                          | shard(-1) -> rep.   | replicate -> shard(-1)   |
+| local_params        | each as its own TP-plan entry says | unchanged           | unchanged                |
+| replicate           | replicate                          | unchanged           | unchanged                |
 
 Every role but ``vocab_embedding`` (whose out-of-shard ids DTensor masks) and a
 ``rowwise`` linear with a bias runs as ``local_map``: it computes on local tensors, which
 needs no DTensor support from the ops inside (top-k routing, grouped GEMMs, norms) and
 costs no DTensor dispatch; the boundary conversions carry the collectives.
+
+The second half of this module is transformers' tensor-parallel vocabulary read by
+meaning (``TP_STYLES``): for every style name, what transformers does to the weights,
+which input the module expects, what it hands on, and the role that means the same
+here (or why no role does). The planner uses a style only where it agrees with the
+module it sits on (``planner.py``).
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -78,9 +88,27 @@ def vocab_embedding(module: nn.Module, hints: dict) -> ShardingConfig:
         out_src=(_on_tp(Partial()),), out_dst=(_on_tp(Replicate()),))
 
 
-def lm_head(module: nn.Module, hints: dict) -> ShardingConfig:
+def colwise_gathered(module: nn.Module, hints: dict) -> ShardingConfig:
+    """A colwise projection whose consumer needs every feature (OLMo-2's q_norm over the
+    whole projection, Phi-3's slicing of its fused qkv and chunk of gate_up): each rank
+    computes its rows, the output boundary gathers them, and the next op sees all of them."""
     config = colwise(module, hints)
-    config.out_dst = (_on_tp(Replicate()),)  # full logits for the (not yet parallel) loss
+    config.out_dst = (_on_tp(Replicate()),)
+    return config
+
+
+def lm_head(module: nn.Module, hints: dict) -> ShardingConfig:
+    """The output embedding: a gathered colwise projection (full logits for the loss);
+    its own role because the sequence layouts and loss parallel rewrite its output."""
+    return colwise_gathered(module, hints)
+
+
+def rowwise_split_input(module: nn.Module, hints: dict) -> ShardingConfig:
+    """A rowwise projection whose input arrives full (after a gathered colwise one): the
+    input boundary keeps this rank's slice of the features (no data moves forward; the
+    backward gathers the input gradient), then it computes as ``rowwise``."""
+    config = rowwise(module, hints)
+    config.in_src = (_on_tp(Replicate()),)
     return config
 
 
@@ -90,18 +118,33 @@ def is_packed_experts(module: nn.Module) -> bool:
             and params["gate_up_proj"].dim() == 3 and params["down_proj"].dim() == 3)
 
 
+def expert_intermediate_dims(module: nn.Module) -> tuple[int, int]:
+    """Which dim of ``gate_up_proj`` and of ``down_proj`` holds the intermediate size: read
+    from the shapes, [E, 2I, H] with [E, H, I] (HF's layout) or [E, H, 2I] with [E, I, H]
+    (transposed: Llama 4, ``is_transposed`` experts). Exactly one of the two fits any
+    shapes, so neither a flag nor a TP-plan hint can make the split land on the hidden size."""
+    gate_up, down = module.gate_up_proj.shape, module.down_proj.shape
+    if gate_up[1] == 2 * down[2] and gate_up[2] == down[1]:
+        return 1, 2
+    if gate_up[2] == 2 * down[1] and gate_up[1] == down[2]:
+        return 2, 1
+    raise PlanError(f"{type(module).__name__}: gate_up_proj {list(gate_up)} and down_proj {list(down)} are not "
+                    "[E, 2I, H] with [E, H, I] nor [E, H, 2I] with [E, I, H]; give its module a fully specified "
+                    "plan_overrides entry")
+
+
 def packed_experts(module: nn.Module, hints: dict) -> ShardingConfig:
-    """HF fused experts: gate_up_proj [E, 2I, H] packs gate and up along the intermediate
-    dim (chunk(2) after the matmul), down_proj [E, H, I]. Each rank keeps its slice of I
-    in both halves, so the local chunk(2) still pairs gate with up; the down projection
-    then yields a partial sum over tp."""
-    transposed = bool(getattr(module, "is_transposed", False))  # [E, H, 2I] / [E, I, H]
-    inter_in, inter_out = (2, 1) if transposed else (1, 2)
+    """HF fused experts: gate_up_proj packs gate and up along the intermediate dim (chunk(2)
+    after the matmul), down_proj maps the intermediate dim back. Each rank keeps its slice
+    of I in both halves, so the local chunk(2) still pairs gate with up; the down
+    projection then yields a partial sum over tp. The layout comes from the shapes
+    (``expert_intermediate_dims``); the parameters' TP-plan styles (packed_colwise,
+    packed_rowwise, rowwise, ...) name the same dims for HF's layouts and are not needed."""
+    inter_in, inter_out = expert_intermediate_dims(module)
     states = {}
     for name in _params(module):
         if name == "gate_up_proj":
-            packed = hints.get(name, "packed_colwise") == "packed_colwise"
-            states[name] = _on_tp(_StridedShard(inter_in, split_factor=2) if packed else Shard(inter_in))
+            states[name] = _on_tp(_StridedShard(inter_in, split_factor=2))
         elif name == "down_proj":
             states[name] = _on_tp(Shard(inter_out))
         elif name == "gate_up_proj_bias":
@@ -153,6 +196,15 @@ def projection_norm(module: nn.Module, hints: dict) -> ShardingConfig:
         out_src=(_on_tp(Replicate()),), out_dst=(_on_tp(Shard(-1)),), local_map=True)
 
 
+def local_params(module: nn.Module, hints: dict) -> ShardingConfig:
+    """HF's ``local_params``: a module (attention with per-head sinks) whose own parameters
+    are laid out as their own TP-plan entries say and used as local tensors while it runs;
+    a parameter without an entry is replicated."""
+    states = {name: _on_tp(parameter_placement(hints.get(name), name, param.dim()))
+              for name, param in module.named_parameters(recurse=False)}
+    return ShardingConfig(state_shardings=states, local_map=True)
+
+
 def replicate(module: nn.Module, hints: dict) -> ShardingConfig:
     return ShardingConfig(state_shardings={name: _on_tp(Replicate()) for name in _params(module)}, local_map=True)
 
@@ -161,11 +213,157 @@ ROLE_BUILDERS: dict[str, Callable[[nn.Module, dict], ShardingConfig]] = {
     "colwise": colwise,
     "rowwise": rowwise,
     "vocab_embedding": vocab_embedding,
+    "colwise_gathered": colwise_gathered,
+    "rowwise_split_input": rowwise_split_input,
     "lm_head": lm_head,
     "packed_experts": packed_experts,
     "head_norm": head_norm,
     "fused_qkv": fused_qkv,
     "fused_gate_up": fused_gate_up,
     "projection_norm": projection_norm,
+    "local_params": local_params,
     "replicate": replicate,
 }
+
+
+# --- transformers' tensor-parallel vocabulary, read by meaning ----------------------------------
+#
+# What a style is written for (``sits_on``) and what the activations are around it:
+LINEAR, EMBEDDING, EXPERTS, NORM, PARAMETER, ANY = "linear", "embedding", "experts", "norm", "parameter", "any"
+FULL, SPLIT, SEQUENCE, AS_IS = "full", "split", "sequence", "as is"
+# How a parameter-level entry lays out one parameter (``parameter_placement``): rows are
+# dim ndim-2 (a vector's only dim), columns the last dim (a ``bias`` is replicated),
+# packed ones split inside each of 2 blocks, dim 0 / dim 1 whatever the rank.
+ROWS, COLUMNS, PACKED_ROWS, PACKED_COLUMNS, DIM0, DIM1, REPLICATED, EXPERT_DIM = (
+    "rows", "columns", "packed rows", "packed columns", "dim 0", "dim 1", "replicated", "expert dim over ep")
+
+
+@dataclass(frozen=True)
+class StyleMeaning:
+    """One transformers tensor-parallel style, read for what it does rather than its name.
+
+    ``sits_on``: the kind of module (or parameter) it is written for; ``weights``: what
+    transformers does to them; ``expects`` / ``produces``: the activation the module needs
+    and the one it hands on: ``FULL`` (every feature on every rank), ``SPLIT`` (this rank's
+    features), ``SEQUENCE`` (this rank's tokens), ``AS_IS``. ``role``: the role here that
+    means the same; None when none does, ``refused`` saying why. ``param_layout``: the
+    placement of a parameter the style is written on directly. ``container_ok``: on a
+    module without parameters of its own the style needs nothing here (its children carry
+    their own entries)."""
+
+    sits_on: str
+    weights: str
+    expects: str
+    produces: str
+    role: str | None = None
+    param_layout: str | None = None
+    refused: str = ""
+    container_ok: bool = True
+
+
+_MLA_REFUSAL = (
+    "which replicates MLA's kv_a_proj_with_mqa and all-reduces the gradient of only the rope slice of its "
+    "output (that slice goes straight to the head-split attention, the rest through kv_b_proj, which sums "
+    "its own input gradient); no placement of one module says that")
+_IDENTITY_EXPERT_REFUSAL = (
+    "which divides an identity (zero-compute) expert's input by the tp size so that the experts' partial-sum "
+    "reduction counts it once; the packed-experts role here reduces only the packed experts' own output")
+
+# Every style transformers 5.24 registers in ``ALL_PARALLEL_STYLES`` (``transformers.distributed``).
+TP_STYLES: dict[str, StyleMeaning] = {
+    "colwise": StyleMeaning(LINEAR, "rows (output features) split; bias split", FULL, SPLIT,
+                            role="colwise", param_layout=ROWS),
+    "colwise_gather_output": StyleMeaning(LINEAR, "rows split; output gathered", FULL, FULL,
+                                          role="colwise_gathered", param_layout=ROWS),
+    "colwise_rep": StyleMeaning(LINEAR, "rows split; output gathered", FULL, FULL,
+                                role="colwise_gathered", param_layout=ROWS),
+    "rowwise": StyleMeaning(LINEAR, "columns (input features) split; bias replicated, added once", SPLIT, FULL,
+                            role="rowwise", param_layout=COLUMNS),
+    "rowwise_split_input": StyleMeaning(LINEAR, "columns split; the full input sliced on entry", FULL, FULL,
+                                        role="rowwise_split_input", param_layout=COLUMNS),
+    "rowwise_rep": StyleMeaning(LINEAR, "columns split; the full input sliced on entry", FULL, FULL,
+                                role="rowwise_split_input", param_layout=COLUMNS),
+    "packed_colwise": StyleMeaning(LINEAR, "rows split inside each of 2 packed blocks ([gate | up])", FULL, SPLIT,
+                                   role="fused_gate_up", param_layout=PACKED_ROWS),
+    "packed_rowwise": StyleMeaning(
+        PARAMETER, "last dim split inside each of 2 packed blocks (transposed expert gate_up)", AS_IS, AS_IS,
+        param_layout=PACKED_COLUMNS,
+        refused="a parameter-level style (packed expert weights); on a module transformers shards nothing"),
+    "embedding_rowwise": StyleMeaning(EMBEDDING, "rows (vocabulary) split; partial sums all-reduced", FULL, FULL,
+                                      role="vocab_embedding", param_layout=DIM0),
+    # Same module contract as embedding_rowwise (full ids in, full hidden states out); the
+    # table is split by vocabulary rows here, which the output embedding can share when tied.
+    "embedding_colwise": StyleMeaning(EMBEDDING, "columns (hidden) split; output gathered", FULL, FULL,
+                                      role="vocab_embedding", param_layout=DIM1),
+    # The sequence split itself is the sequence layout's (sequence_parallel: true).
+    "sequence_parallel": StyleMeaning(NORM, "replicated; input split on the sequence", SEQUENCE, SEQUENCE,
+                                      role="replicate", param_layout=REPLICATED),
+    "replicated_with_grad_allreduce": StyleMeaning(
+        NORM, "replicated; gradients summed over tp (the input is this rank's heads)", SPLIT, SPLIT,
+        role="head_norm", param_layout=REPLICATED),
+    "mla_kv_a_proj": StyleMeaning(LINEAR, "replicated; the rope slice's gradient all-reduced", FULL, FULL,
+                                  refused=_MLA_REFUSAL),
+    # A container whose children hand on partial sums; the roles here reduce their own.
+    "all_reduce": StyleMeaning(ANY, "untouched; the partial output all-reduced", AS_IS, FULL,
+                               refused="which all-reduces a partial-sum output of the module's own computation"),
+    "moe_tp_experts": StyleMeaning(EXPERTS, "each expert's intermediate dim split (by the parameters' entries)",
+                                   FULL, FULL, role="packed_experts"),
+    "moe_identity_expert": StyleMeaning(ANY, "none; the input divided by tp", FULL, FULL,
+                                        refused=_IDENTITY_EXPERT_REFUSAL, container_ok=False),
+    "local_params": StyleMeaning(ANY, "each parameter as its own entry says, used as local tensors", AS_IS, AS_IS,
+                                 role="local_params"),
+    "replicate": StyleMeaning(ANY, "replicated", AS_IS, AS_IS, role="replicate", param_layout=REPLICATED),
+    # Expert-parallel styles (transformers' ep plan); ep is the expert layout's, the tp
+    # layout of the expert weights comes from their shapes.
+    "grouped_gemm": StyleMeaning(PARAMETER, "expert dim split over ep", AS_IS, AS_IS, role="packed_experts",
+                                 param_layout=EXPERT_DIM),
+    "ep_dispatch_experts": StyleMeaning(EXPERTS, "whole experts per ep rank; tokens dispatched to them",
+                                        FULL, FULL, role="packed_experts"),
+}
+
+# Styles of transformers 4.x that remote code written against it may still carry.
+LEGACY_TP_STYLES: dict[str, StyleMeaning] = {
+    "local_colwise": StyleMeaning(LINEAR, "rows split, computed on local tensors", FULL, SPLIT,
+                                  role="colwise", param_layout=ROWS),
+    # 4.x left the partial sum for an enclosing ``gather`` module; rowwise reduces it itself
+    # and container styles need nothing here, so the pair sums exactly once either way.
+    "local_rowwise": StyleMeaning(LINEAR, "columns split, partial output left to an enclosing gather",
+                                  SPLIT, FULL, role="rowwise", param_layout=COLUMNS),
+    "local_packed_rowwise": StyleMeaning(PARAMETER, "last dim split inside each of 2 packed blocks", AS_IS, AS_IS,
+                                         param_layout=PACKED_COLUMNS,
+                                         refused="a parameter-level style; on a module it shards nothing"),
+    "local": StyleMeaning(EXPERTS, "the module's parameters used as local tensors (experts)", FULL, FULL,
+                          role="packed_experts"),
+    "gather": StyleMeaning(ANY, "untouched; the partial output all-reduced", AS_IS, FULL,
+                           refused="which all-reduces a partial-sum output of the module's own computation"),
+    "ep_router": StyleMeaning(LINEAR, "replicated; expert ids outside this ep rank masked", FULL, FULL,
+                              role="replicate", param_layout=REPLICATED),
+}
+
+
+def style_meaning(style: str) -> StyleMeaning | None:
+    """The meaning of a TP-plan style name; None for a name this planner does not know."""
+    return TP_STYLES.get(style) or LEGACY_TP_STYLES.get(style)
+
+
+def parameter_placement(style: str | None, name: str, ndim: int):
+    """The placement on ``tp`` a parameter-level TP-plan entry gives one parameter, as
+    transformers lays it out (``param_layout``); no entry: replicated. Expert-dim styles
+    place the parameter on ``ep`` (the expert layout's), so on ``tp`` it is replicated."""
+    meaning = None if style is None else style_meaning(style)
+    if style is not None and (meaning is None or meaning.param_layout is None):
+        raise PlanError(f"parameter {name!r}: TP-plan style {style!r} gives no parameter layout; give its "
+                        "module a fully specified plan_overrides entry")
+    layout = REPLICATED if meaning is None else meaning.param_layout
+    rows, last = max(ndim - 2, 0), ndim - 1
+    if layout == ROWS:
+        return Shard(rows)
+    if layout == COLUMNS:
+        return Replicate() if name == "bias" else Shard(last)
+    if layout == PACKED_ROWS:
+        return Shard(0) if ndim == 1 else _StridedShard(rows, split_factor=2)
+    if layout == PACKED_COLUMNS:
+        return Replicate() if ndim == 1 else _StridedShard(last, split_factor=2)
+    if layout in (DIM0, DIM1):
+        return Shard(0 if layout == DIM0 else 1)
+    return Replicate()  # REPLICATED, EXPERT_DIM
