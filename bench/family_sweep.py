@@ -4,6 +4,8 @@
     python bench/family_sweep.py --families llama,qwen3,mixtral --layouts tp2,cp2
     python bench/family_sweep.py --list                          # kept and skipped families only
     python bench/family_sweep.py --families llama --keep /tmp/sweep --no-docs
+    python bench/family_sweep.py --remote-only --no-peer           # the remote-code fixtures only
+    python bench/family_sweep.py --families remote:list_moe --layouts ep2
 
 What it does (issue 11, items 1 and 2):
 
@@ -31,16 +33,28 @@ What it does (issue 11, items 1 and 2):
    (``hyper_parallel.trainer``; each rank reads its slices of the checkpoint) against
    single-process HF training on the same data: loss rtol 1e-5 and gradient norm rtol 1e-4
    at every step (``--no-train`` skips this).
-   Status: ``pass`` (generated, verified, trained equal); ``refused`` (generate stopped with
-   one of the project's own error classes from resolve / derive / freeze / emit or the verify
-   probe, i.e. a clean error naming a module or key); ``fail`` (anything else: a verify
-   mismatch, a crash in a stage or in verify's ranks, a training mismatch or crash, a
-   timeout).
-4. Peer column: the same checkpoints through transformers' own
+   Status: ``pass`` (generated, verified, trained equal); ``refused`` (generate exited 2,
+   the CLI's code for bad input and the project's refusals, with one of the project's own
+   error classes from resolve / derive / freeze or the verify probe, i.e. a clean error
+   naming a module or key); ``fail`` (anything else: a verify mismatch, a crash in a stage
+   or in verify's ranks, a refusal-class error with another exit code, a training mismatch
+   or crash, a timeout).
+4. Remote-code fixtures. Every folder of ``tests/data/remote_code/`` (a config.json with an
+   ``auto_map``, its ``configuration_*.py`` and ``modeling_*.py``) is swept too, as family
+   ``remote:<folder>``: decoders transformers does not ship, with module names and block
+   structures no transformers family has. The fixture's own config.json is its tiny
+   config; its checkpoint is written by ``save_pretrained`` of
+   ``AutoModelForCausalLM.from_config(..., trust_remote_code=True)`` (which copies the
+   code beside the weights), and its recipes set ``model.trust_remote_code: true``. A
+   fixture with experts gets the MoE layouts. ``--remote-only`` runs only these (and does
+   not enumerate transformers' families); the summary counts them apart from the kept
+   transformers families.
+5. Peer column: the same checkpoints through transformers' own
    ``from_pretrained(dir, tp_plan="auto")`` at tp2 (torchrun, world 2, gloo; several
    families per launch, ``bench/family_sweep_worker.py``) against single-process HF, 3 AdamW
    steps, loss rtol 1e-5 and gradient norm rtol 1e-4: ``pass`` / ``fail`` / ``unsupported``
-   (the config has no ``base_model_tp_plan``).
+   (the config has no ``base_model_tp_plan``; so for a remote-code fixture unless it
+   defines one).
 
 Prints a table and a summary line; writes ``docs/families.md`` and ``docs/families.json``
 (``--no-docs``: don't) with exactly the rows that were run: a run over fewer families or
@@ -80,6 +94,8 @@ from hyper_parallel.trainer.data import global_batch, micro_batches
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "bench" / "family_sweep_worker.py"
+REMOTE_DATA = REPO / "tests" / "data" / "remote_code"  # remote-code decoder fixtures, one folder each
+REMOTE_PREFIX = "remote:"
 DOCS_MD, DOCS_JSON = REPO / "docs" / "families.md", REPO / "docs" / "families.json"
 REGENERATE = "python bench/family_sweep.py"
 
@@ -212,7 +228,8 @@ def meta_model(config):
     """The model on the meta device: structure without memory."""
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                trust_remote_code=is_remote_config(config))
 
 
 def kinds_of(config) -> set | None:
@@ -229,7 +246,9 @@ def tiny_config(family: str):
     """2-4 layers holding every layer kind of the family's default depth: the config class
     built at 2, 3, 4 layers (it derives its own layer pattern), else the default pattern cut
     short, else ``layer_types`` reordered so each distinct type comes early. Cached: callers
-    read it, never change it."""
+    read it, never change it. A remote-code fixture's tiny config is its own config.json."""
+    if is_remote(family):
+        return transformers.AutoConfig.from_pretrained(remote_folder(family), trust_remote_code=True)
     full = construct_config(family)
     if "num_hidden_layers" in FAMILY_FIXES.get(family, {}) or not isinstance(
             getattr(full, "num_hidden_layers", None), int):
@@ -323,6 +342,35 @@ def enumerate_families() -> tuple[list[str], dict[str, str]]:
     return kept, skipped
 
 
+def remote_families() -> list[str]:
+    """``remote:<folder>`` for every remote-code fixture: a folder of REMOTE_DATA whose
+    config.json maps AutoModelForCausalLM in its ``auto_map``."""
+    found = []
+    for folder in sorted(REMOTE_DATA.iterdir()) if REMOTE_DATA.is_dir() else []:
+        config = folder / "config.json"
+        if config.is_file() and "AutoModelForCausalLM" in json.loads(config.read_text()).get("auto_map", {}):
+            found.append(REMOTE_PREFIX + folder.name)
+    return found
+
+
+def is_remote(family: str) -> bool:
+    return family.startswith(REMOTE_PREFIX)
+
+
+def remote_folder(family: str) -> Path:
+    return REMOTE_DATA / family[len(REMOTE_PREFIX):]
+
+
+def is_remote_config(config) -> bool:
+    """A config loaded from a remote-code folder (transformers' own configs have no auto_map)."""
+    return bool(getattr(config, "auto_map", None))
+
+
+def family_dir(family: str) -> str:
+    """The family's folder name in the throwaway project (no ``:`` in paths)."""
+    return family.replace(":", "-")
+
+
 def first_line(text: str, limit: int = 240) -> str:
     """One trimmed line of an error message for a table cell."""
     line = next((part.strip() for part in text.strip().splitlines() if part.strip()), "")
@@ -332,10 +380,12 @@ def first_line(text: str, limit: int = 240) -> str:
 # --- one case: recipe, generate, train ---------------------------------------------------------
 
 # The project's own "cannot plan this" errors: a clean refusal when raised before emit or by
-# verify's probe. Anything else (TypeError, KeyError, a VerifyError, ...) is a fault.
+# verify's probe, and the CLI exits EXIT_REFUSED for them. Anything else (TypeError,
+# KeyError, a VerifyError, ...) is a fault.
 REFUSAL_ERRORS = {"DeriveError", "PlanError", "FreezeError", "PlanFormatError", "PlacementTextError",
                   "SourceError", "RecipeError", "ProbeError"}
 REFUSAL_STAGES = ("resolve", "derive", "freeze")
+EXIT_REFUSED = 2  # python -m hyper_parallel.codegen: bad input and the project's refusals
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\w*): ?(.*)$")
 
 
@@ -367,13 +417,21 @@ def make_project(dest: Path) -> Path:
 
 
 def save_checkpoint(family: str, model_dir: Path) -> None:
-    """Random weights for the tiny config, written by transformers itself (real tensor names)."""
+    """Random weights for the tiny config, written by transformers itself (real tensor names).
+    A remote-code fixture's save_pretrained also writes its config.json (with ``auto_map``)
+    and copies its code; the fixture's own .py files are copied over them, so the model
+    folder runs exactly the fixture's bytes."""
     config = tiny_config(family)
+    remote = is_remote(family)
     torch.manual_seed(1234)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
+                                                 trust_remote_code=remote)
         model.save_pretrained(model_dir)
+    if remote:
+        for source in remote_folder(family).glob("*.py"):
+            shutil.copyfile(source, model_dir / source.name)
 
 
 def world_of(layout: str) -> int:
@@ -383,12 +441,13 @@ def world_of(layout: str) -> int:
 
 def write_recipe(project: Path, family: str, layout: str) -> Path:
     """recipes/<family>/<layout>/recipe.yaml next to recipes/<family>/model (the checkpoint);
-    the shape of recipes/tiny_cpu/qwen3_moe_tiny.yaml, with this layout's parallel sizes."""
+    the shape of recipes/tiny_cpu/qwen3_moe_tiny.yaml, with this layout's parallel sizes
+    (and ``model.trust_remote_code: true`` for a remote-code fixture)."""
     world = world_of(layout)
     dp = LAYOUTS[layout].get("dp_size", 1)
     data = {
         "model": {"pretrained_model_name_or_path": "../model", "torch_dtype": "float32",
-                  "attn_implementation": "eager"},
+                  "attn_implementation": "eager", **({"trust_remote_code": True} if is_remote(family) else {})},
         "accelerator": {"device_type": "cpu", "nproc_per_node": world, "nnodes": 1, "tp_size": 1,
                         **LAYOUTS[layout]},
         "codegen": True,
@@ -396,7 +455,7 @@ def write_recipe(project: Path, family: str, layout: str) -> Path:
                      "seed": 0},
         "optimizer": {"name": "adamw", "lr": 1.0e-3},
     }
-    recipe = project / "recipes" / family / layout / "recipe.yaml"
+    recipe = project / "recipes" / family_dir(family) / layout / "recipe.yaml"
     recipe.parent.mkdir(parents=True, exist_ok=True)
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     return recipe
@@ -461,11 +520,15 @@ def classify_generate(code: int | None, output: str, project: Path, timeout: flo
     kind, _ = final_exception(output)
     message = error_message(output).replace(str(project) + "/", "").replace(str(project), "<project>")
     message = re.sub(r"^recipes/\S+/recipe\.yaml: ", "", message)  # the row names family and layout
-    if kind in REFUSAL_ERRORS and (stage in REFUSAL_STAGES or kind == "ProbeError"):
+    refusal = kind in REFUSAL_ERRORS and (stage in REFUSAL_STAGES or kind == "ProbeError")
+    if refusal and code == EXIT_REFUSED:
         return "refused", f"{stage}: {first_line(message, 300)}"
+    if refusal:  # a refusal's error class, but the CLI did not report it as one
+        return "fail", f"{stage}: {kind} with exit code {code}, not {EXIT_REFUSED}: {first_line(message)}"
     if kind == "VerifyError" or stage == "verify":
         return "fail", f"verify: {verify_reason(message)}"
-    return "fail", f"{stage}: {kind or 'exit ' + str(code)}: {first_line(message)}"
+    label = f"{kind} (exit {code})" if kind else f"exit {code}"
+    return "fail", f"{stage}: {label}: {first_line(message)}"
 
 
 def verify_reason(message: str) -> str:
@@ -474,9 +537,15 @@ def verify_reason(message: str) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     head = re.sub(r"^verify failed for \S+ \(world \d+, \w+\) at ", "", lines[0]) if lines else ""
     head = re.sub(r"^verify on \d+ ranks \(\w+\) for \S+ failed:?", "ranks failed:", head)
+    # A rank that went silent is reported first; the error of the rank that did fail (its
+    # crash usually stopped the other) says more.
+    rank_error = next((line for line in lines[1:] if re.match(r"ranks? [\d, ]+: \S", line)), None)
+    silent = next((line.split(";")[0] for line in lines[1:] if "went silent" in line), None)
     extra = next((line for line in lines[1:] if line.startswith("first module")), None) \
+        or (f"{rank_error} (and {silent})" if rank_error and silent else rank_error) \
         or next((line for line in lines[1:] if not line.startswith("the previous bundle")), "")
     joined = f"{head} {extra}" if head.endswith(":") else f"{head}; {extra}"
+    joined = joined.replace(" in  (no plan entry)", " in <root> (no plan entry)")  # the model's own forward
     return first_line(compact_plan_entries(joined if extra else head), 400)
 
 
@@ -524,7 +593,8 @@ def reference_training(recipe: Path) -> list[dict]:
 
     config = load_training_config(str(recipe))
     model = AutoModelForCausalLM.from_pretrained(recipe.parent / config.model.pretrained_model_name_or_path,
-                                                 attn_implementation="eager", dtype=torch.float32)
+                                                 attn_implementation="eager", dtype=torch.float32,
+                                                 trust_remote_code=config.model.trust_remote_code)
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                   weight_decay=opt.weight_decay, foreach=False)
@@ -583,20 +653,22 @@ def run_peer(project: Path, families: list[str], timeout: float) -> dict[str, tu
     the rest run in as few torchrun launches as the failures allow."""
     results, cases = {}, []
     for family in families:
-        model_dir = project / "recipes" / family / "model"
-        if not getattr(transformers.AutoConfig.from_pretrained(model_dir), "base_model_tp_plan", None):
+        model_dir = project / "recipes" / family_dir(family) / "model"
+        config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=is_remote(family))
+        if not getattr(config, "base_model_tp_plan", None):
             results[family] = ("unsupported", "the config has no base_model_tp_plan")
-        else:
-            cases.append({"family": family, "model_dir": str(model_dir)})
+        else:  # the worker names its files after "family": no ":" in it; "name" is the row's
+            cases.append({"family": family_dir(family), "model_dir": str(model_dir),
+                          "trust_remote_code": is_remote(family), "name": family})
     out = project / "peer"
     out.mkdir(exist_ok=True)
     while cases:
         start = time.perf_counter()
         tail = launch_peer(cases, out, timeout * len(cases))
         for case in list(cases):
-            family = case["family"]
-            result = read_peer_result(out, family)
-            if result is None and (out / f"{family}.started").is_file():
+            family, files = case["name"], case["family"]
+            result = read_peer_result(out, files)
+            if result is None and (out / f"{files}.started").is_file():
                 result = {"error": f"the launch ended in this case: {tail or 'timed out'}"}
             if result is None:
                 break  # not reached: the next launch runs it
@@ -652,19 +724,36 @@ def layouts_for(family: str, moe: bool, layouts: list[str]) -> list[str]:
     return [layout for layout in layouts if moe or layout not in MOE_LAYOUTS]
 
 
-def summary_line(cases: list[Case], peer: dict, kept: int, skipped: int, run_note: str) -> str:
-    """``families: N kept (M skipped); tp2 pass X/R (P%), ...; zero-fail: yes/no; transformers V``."""
+def summary_line(cases: list[Case], peer: dict, kept: int | None, skipped: int, run_note: str,
+                 remote: int = 0) -> str:
+    """``families: N kept (M skipped); tp2 pass X/R (P%), ...; remote-code fixtures: K; tp2
+    pass ...; zero-fail: yes/no; transformers V``. transformers' families and the remote-code
+    fixtures are counted apart; ``kept`` None: transformers' families were not enumerated
+    (--remote-only)."""
+    sections = []
+    for label, ours, count in (("families", lambda f: not is_remote(f), kept),
+                               ("remote-code fixtures", is_remote, remote if remote else None)):
+        if count is None:
+            continue
+        parts = pass_counts([c for c in cases if ours(c.family)])
+        their_peer = [status for family, (status, _) in peer.items() if ours(family)]
+        if their_peer:
+            parts.append(f"peer tp2 pass {their_peer.count('pass')}/{len(their_peer)}")
+        head = f"{label}: {count} kept ({skipped} skipped)" if label == "families" else f"{label}: {count}"
+        sections.append("; ".join([head, ", ".join(parts)] if parts else [head]))
+    zero_fail = "yes" if not any(c.status == "fail" for c in cases) else "no"
+    return f"{'; '.join(sections)}; zero-fail: {zero_fail}; transformers {transformers.__version__}{run_note}"
+
+
+def pass_counts(cases: list[Case]) -> list[str]:
+    """``tp2 pass X/R (P%)`` per layout that has rows."""
     parts = []
     for layout in LAYOUTS:
         rows = [c for c in cases if c.layout == layout]
         if rows:
             passed = sum(c.status == "pass" for c in rows)
             parts.append(f"{layout} pass {passed}/{len(rows)} ({100 * passed / len(rows):.0f}%)")
-    if peer:
-        parts.append(f"peer tp2 pass {sum(s == 'pass' for s, _ in peer.values())}/{len(peer)}")
-    zero_fail = "yes" if not any(c.status == "fail" for c in cases) else "no"
-    return (f"families: {kept} kept ({skipped} skipped); {', '.join(parts)}; zero-fail: {zero_fail}; "
-            f"transformers {transformers.__version__}{run_note}")
+    return parts
 
 
 def status_cell(case: Case | None) -> str:
@@ -755,8 +844,8 @@ def docs_header(summary, command, partial, cases, peer) -> list[str]:
         "1e-5, gradient norm rtol 1e-4, every step).",
         "",
         "- **pass**: generated, verified, and trained equal to one process;",
-        "- **refused**: generate stopped with one of the project's own errors (resolve, derive, freeze, or "
-        "verify's probe), naming what it cannot plan;",
+        "- **refused**: generate stopped (exit code 2) with one of the project's own errors (resolve, derive, "
+        "freeze, or verify's probe), naming what it cannot plan;",
         "- **FAIL**: anything else: a verify mismatch, a crash in a stage or in verify's ranks, a training "
         "mismatch or crash (e.g. the checkpoint does not load), a timeout;",
         "- **peer tp2**: the same checkpoint through transformers' `from_pretrained(dir, tp_plan=\"auto\")` at "
@@ -764,7 +853,11 @@ def docs_header(summary, command, partial, cases, peer) -> list[str]:
         "1e-4): pass / fail / unsupported (no `base_model_tp_plan`);",
         "- layouts: `tp2`; `tp2_sp_lp` = tp2 + sequence parallel + loss parallel; `cp2`; `dp2` (FSDP2); for MoE "
         "families `ep2` (dp2 + ep2, world 2) and `tp2_ep2` (tp2 + dp2 + ep2, world 4) — ep is borrowed from "
-        "dp x cp; `n/a`: the layout does not apply.",
+        "dp x cp; `n/a`: the layout does not apply;",
+        "- `remote:<name>`: a decoder transformers does not ship, from the project's remote-code fixtures "
+        "(`tests/data/remote_code/<name>`: `auto_map`, its own configuration and modeling files; module names "
+        "and block structures of no transformers family); its config.json is the tiny config and its recipes "
+        "set `model.trust_remote_code: true`.",
         "",
     ]
 
@@ -781,6 +874,8 @@ def docs_tables(families, layouts, cases, peer, moe, skipped) -> list[str]:
         lines += ["## Peer (transformers tp_plan=\"auto\", tp2)", "", "| family | status | detail |", "|---|---|---|"]
         lines += [f"| {f} | {peer[f][0]} | {md_cell(peer[f][1])} |" for f in families if f in peer]
         lines.append("")
+    if not skipped:  # --remote-only: transformers' families were not enumerated
+        return lines
     lines += [f"## Skipped types ({len(skipped)})", "",
               "Types of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` that are not attention-based decoder-only text LMs "
               "(or cannot be built offline):", "", "| type | reason |", "|---|---|"]
@@ -797,7 +892,8 @@ def md_cell(text: str) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", help="comma-separated model types (default: every kept family)")
+    parser.add_argument("--families", help=f"comma-separated model types and {REMOTE_PREFIX}<fixture> names "
+                                            "(default: every kept family and every remote-code fixture)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all; ep layouts only for MoE)")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at a time (default 1)")
@@ -805,34 +901,54 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="also write the JSON here")
     parser.add_argument("--no-docs", action="store_true", help="don't write docs/families.md and docs/families.json")
     parser.add_argument("--keep", metavar="DIR", help="build the throwaway project here and keep it")
-    parser.add_argument("--list", action="store_true", help="print kept and skipped families, run nothing")
+    parser.add_argument("--list", action="store_true",
+                        help="print kept and skipped families and the remote-code fixtures, run nothing")
     parser.add_argument("--no-train", action="store_true", help="skip the gen-backend training after generate")
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers tp_plan='auto' column")
+    parser.add_argument("--remote-only", action="store_true",
+                        help=f"run only the remote-code fixtures ({REMOTE_PREFIX}<folder> of tests/data/remote_code)")
     return parser.parse_args()
 
 
-def select(args, kept: list[str], skipped: dict[str, str]) -> tuple[list[str], list[str]]:
-    """The families and layouts asked for, checked against what exists."""
+def select(args, kept: list[str], skipped: dict[str, str], remote: list[str]) -> tuple[list[str], list[str]]:
+    """The families and layouts asked for, checked against what exists: transformers'
+    families first, then the remote-code fixtures (only those with --remote-only)."""
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
         sys.exit(f"--layouts: unknown {unknown}; known: {', '.join(LAYOUTS)}")
+    layouts = [name for name in LAYOUTS if name in layouts]
     if not args.families:
-        return kept, [name for name in LAYOUTS if name in layouts]
-    families = sorted({name.strip() for name in args.families.split(",") if name.strip()})
+        return (remote if args.remote_only else kept + remote), layouts
+    families = sorted({name.strip() for name in args.families.split(",") if name.strip()},
+                      key=lambda name: (is_remote(name), name))
     for family in families:
-        if family in skipped:
+        if is_remote(family):
+            if family not in remote:
+                sys.exit(f"--families: {family} is not a remote-code fixture; fixtures: {', '.join(remote)}")
+        elif args.remote_only:
+            sys.exit(f"--families: {family} is not a remote-code fixture (--remote-only); fixtures: "
+                     f"{', '.join(remote)}")
+        elif family in skipped:
             sys.exit(f"--families: {family} is skipped: {skipped[family]}")
-        if family not in kept:
+        elif family not in kept:
             sys.exit(f"--families: {family} is not a model type of the causal-LM mapping")
-    return families, [name for name in LAYOUTS if name in layouts]
+    return families, layouts
 
 
 def partial_note(args, families: list[str], layouts: list[str], kept: list[str]) -> str:
     """Empty for the full sweep; otherwise what this run covered."""
     notes = []
-    if families != kept:
-        notes.append(f"Ran {len(families)} of {len(kept)} kept families: {', '.join(families)}.")
+    remote = remote_families()
+    if args.remote_only:
+        notes.append(f"Ran only remote-code fixtures (--remote-only), {len(families)} of {len(remote)}: "
+                     f"{', '.join(families)}; transformers' families were not run.")
+    elif families != kept + remote:
+        hf = [family for family in families if not is_remote(family)]
+        ours = [family for family in families if is_remote(family)]
+        notes.append(f"Ran {len(hf)} of {len(kept)} kept families"
+                     f"{': ' + ', '.join(hf) if hf and hf != kept else ''}, and {len(ours)} of {len(remote)} "
+                     f"remote-code fixtures{': ' + ', '.join(ours) if ours and ours != remote else ''}.")
     if layouts != list(LAYOUTS):
         notes.append(f"Layouts run: {', '.join(layouts)} (of {', '.join(LAYOUTS)}).")
     if args.no_train:
@@ -845,6 +961,8 @@ def partial_note(args, families: list[str], layouts: list[str], kept: list[str])
 def command_line(args) -> str:
     """The command as it affects the results (no paths, no --jobs)."""
     parts = [REGENERATE]
+    if args.remote_only:
+        parts.append("--remote-only")
     if args.families:
         parts.append(f"--families {args.families}")
     if args.layouts != ",".join(LAYOUTS):
@@ -858,7 +976,7 @@ def prepare(project: Path, families: list[str]) -> dict[str, bool]:
     moe = {}
     for family in families:
         start = time.perf_counter()
-        save_checkpoint(family, project / "recipes" / family / "model")
+        save_checkpoint(family, project / "recipes" / family_dir(family) / "model")
         moe[family] = is_moe(tiny_config(family))
         progress(f"checkpoint {family}{' (MoE)' if moe[family] else ''}", time.perf_counter() - start)
     return moe
@@ -894,14 +1012,19 @@ def main() -> None:
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    kept, skipped = enumerate_families()
+    # --remote-only does not enumerate transformers' families (it builds a meta model of each)
+    kept, skipped = ([], {}) if args.remote_only else enumerate_families()
+    remote = remote_families()
     if args.list:
-        print(f"kept ({len(kept)}): {' '.join(kept)}")
-        print(f"skipped ({len(skipped)}):")
-        for family, reason in skipped.items():
-            print(f"  {family}: {reason}")
+        if not args.remote_only:
+            print(f"kept ({len(kept)}): {' '.join(kept)}")
+        print(f"remote-code fixtures ({len(remote)}): {' '.join(remote)}")
+        if not args.remote_only:
+            print(f"skipped ({len(skipped)}):")
+            for family, reason in skipped.items():
+                print(f"  {family}: {reason}")
         return
-    families, layouts = select(args, kept, skipped)
+    families, layouts = select(args, kept, skipped, remote)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="family_sweep_") as tmp:
         project = make_project(Path(args.keep).resolve() if args.keep else Path(tmp) / "project")
@@ -910,7 +1033,8 @@ def main() -> None:
         run_cases(project, cases, args)
         peer = {} if args.no_peer else run_peer(project, families, args.timeout)
     note = partial_note(args, families, layouts, kept)
-    summary = summary_line(cases, peer, len(kept), len(skipped), "; partial run" if note else "")
+    summary = summary_line(cases, peer, None if args.remote_only else len(kept), len(skipped),
+                           "; partial run" if note else "", remote=len(remote))
     print_report(families, layouts, cases, peer, moe, summary)
     print_timings(cases)
     print(f"total {time.perf_counter() - started:.0f}s")
