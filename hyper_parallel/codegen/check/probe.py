@@ -13,7 +13,9 @@ The rules (docs/guide/codegen.md, "What verify proves") are:
   model has (a kind = the layer's module types and parameter shapes, and its attention
   type: sliding vs full, dense vs sparse MLP, shared experts...); per-layer lists in the
   config (``layer_types``) are cut to that prefix;
-- sliding windows shrink below the probe's sequence, so the window is exercised.
+- sliding windows shrink below the probe's sequence, so the window is exercised;
+- every dropout probability is 0: the probe runs in training mode, and ranks draw other
+  random masks than one process does, so dropout would make a right plan mismatch.
 
 Everything else (biases, tied embeddings, norms, rotary settings, activation) is the
 recipe's. A config that cannot be shrunk this way is refused, naming the config key.
@@ -21,6 +23,7 @@ recipe's. A config that cannot be shrunk this way is refused, naming the config 
 
 import copy
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +37,9 @@ INTERMEDIATE_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_exper
 TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id")
 # Attributes of a layer's modules that make two layers of equal structure different kinds.
 KIND_ATTRIBUTES = ("sliding_window", "is_sliding", "attention_type", "use_sliding_window", "is_causal")
+# Config attributes that are dropout probabilities: "dropout" anywhere (attention_dropout,
+# hidden_dropout_prob), or ending like GPT-2's resid_pdrop, LayerDrop's layerdrop, drop_rate.
+DROPOUT_KEY = re.compile(r"dropout|pdrop$|layerdrop$|drop_(path_)?rate$")
 
 
 class ProbeError(ValueError):
@@ -64,7 +70,12 @@ def _first_key(config: Any, keys: tuple[str, ...]) -> str | None:
 
 
 def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) -> Any:
-    """A copy of ``config`` with the probe's widths (full depth); see the module docstring."""
+    """A copy of ``config`` with the probe's widths (full depth); see the module docstring.
+
+    Every dropout probability of the copy is 0 (``zero_dropout``): verify compares
+    training-mode steps of the bundle at the recipe's world size with one process, and
+    dropout draws different random masks there, so the runs would differ by their masks
+    however right the plan is. Verify checks the plan, not dropout."""
     probe = copy.deepcopy(config)
     values: dict[str, Any] = {}
     heads = getattr(config, "num_attention_heads", None)
@@ -101,7 +112,26 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
         token = getattr(probe, key, None)
         if isinstance(token, int) and token >= values.get("vocab_size", math.inf):
             _set(probe, key, values["vocab_size"] - 1 - TOKEN_ID_KEYS.index(key), where)
+    zero_dropout(probe, where)
     return probe
+
+
+def zero_dropout(config: Any, where: str) -> None:
+    """Set every dropout probability of ``config`` and of its sub-configs to 0, in place:
+    float attributes named like ``DROPOUT_KEY`` (``attention_dropout``, ``hidden_dropout``,
+    ``resid_pdrop``, ``layerdrop``, ...). Found by name, so every family's keys are met."""
+    for key, value in list(vars(config).items()):
+        if _is_config(value):
+            zero_dropout(value, f"{where} {key}")
+        elif DROPOUT_KEY.search(key) and isinstance(value, float) and value:
+            _set(config, key, 0.0, where)
+
+
+def _is_config(value: Any) -> bool:
+    """A nested transformers config (``text_config``, dbrx's ``attn_config``, ...)."""
+    from transformers import PretrainedConfig
+
+    return isinstance(value, PretrainedConfig)
 
 
 def _expert_counts(config: Any, ep: int, where: str) -> dict[str, int]:

@@ -6,6 +6,7 @@ of the model folder when it holds safetensors, else freshly initialized. The
 applier (``hyper_parallel.distributed.applier``).
 """
 
+import contextlib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -104,16 +105,66 @@ def build_generated_model(model_class: type, hf_config: Any, config: TrainerConf
 def build_generated_model_sharded(model_class: type, hf_config: Any, config: TrainerConfig,
                                   module: ModuleType, mesh_context: Any) -> nn.Module:
     """The generated model parallelized by its bundle's ``hyper_parallelize`` on the meta
-    device, then materialized with only this rank's shards read from the checkpoint."""
+    device, then materialized with only this rank's shards read from the checkpoint.
+    Weights transformers ties stay one parameter throughout (``tie_like_transformers``)."""
     from accelerate import init_empty_weights
 
     from hyper_parallel.distributed.sharded_load import materialize_and_load
 
     with init_empty_weights(include_buffers=False):
         model = model_class(hf_config)
+    tied = tie_like_transformers(model)
     module.hyper_parallelize(model, mesh_context)
-    materialize_and_load(model, recipe_model_dir(config), device=target_device(config))
-    return model.to(torch_dtype_of(config)).train()
+    with parameters_keep_identity():
+        materialize_and_load(model, recipe_model_dir(config), device=target_device(config))
+        model = model.to(torch_dtype_of(config)).train()
+    check_tied(model, tied, "after loading the checkpoint")
+    return model
+
+
+def tie_like_transformers(model: nn.Module) -> dict[str, str]:
+    """Tie the weights transformers ties, with the model's own ``tie_weights()`` (its
+    ``_tied_weights_keys`` where ``config.tie_word_embeddings``, e.g. ``lm_head.weight``
+    to ``model.embed_tokens.weight``); returns ``all_tied_weights_keys`` (target -> source).
+
+    ``post_init`` ties them, but under ``accelerate.init_empty_weights`` each parameter
+    ``setattr`` registers a new meta copy, so that tie is lost. Tied before
+    ``hyper_parallelize``, the names are one parameter: the applier shards it once (one
+    DTensor for both) and the loader fills it from the one tensor ``save_pretrained`` wrote."""
+    if not callable(getattr(model, "tie_weights", None)):
+        return {}
+    model.tie_weights()
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    check_tied(model, tied, "after tie_weights()")
+    return tied
+
+
+def check_tied(model: nn.Module, tied: dict[str, str], when: str) -> None:
+    """Every tied target is its source's tensor object (else the two would train apart)."""
+    for target, source in tied.items():
+        if _tensor_named(model, target) is not _tensor_named(model, source):
+            raise ModelBuildError(f"{type(model).__name__}: {target} must be the parameter {source} "
+                                  f"(tie_word_embeddings / _tied_weights_keys), but they are two parameters "
+                                  f"{when}")
+
+
+def _tensor_named(model: nn.Module, name: str) -> Any:
+    """The parameter or buffer ``name`` (transformers may tie either)."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, leaf)
+
+
+@contextlib.contextmanager
+def parameters_keep_identity():
+    """``to_empty`` keeps each parameter object (``torch.utils.swap_tensors``), so a tied
+    parameter stays tied. torch swaps DTensors anyway; a plain meta parameter would
+    otherwise become one new parameter per module that holds it (restored on exit)."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 def _adopt_meta_buffers(model: nn.Module, source: nn.Module) -> None:

@@ -1,0 +1,109 @@
+"""A family with tied embeddings (starcoder2: ``tie_word_embeddings`` true, so
+``save_pretrained`` stores ``model.embed_tokens.weight`` and no ``lm_head.weight``) builds
+with the gen backend's sharded loader, the head and the embedding one parameter, and trains
+at tp2 equal to single-process HF: loss rtol 1e-5 and gradient norm rtol 1e-4 every step."""
+
+import json
+import math
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+import transformers
+import yaml
+from safetensors import safe_open
+
+from hyper_parallel.config import load_training_config
+from hyper_parallel.models._transformers.model_builder import build_generated_model_sharded
+from hyper_parallel.trainer.data import global_batch, micro_batches
+from tests.project_fixtures import REPO, run
+
+FAMILY = "starcoder2"
+TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "vocab_size": 256, "num_hidden_layers": 2, "max_position_embeddings": 128, "use_cache": False,
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True}
+STEPS, LOSS_RTOL, NORM_RTOL = 3, 1e-5, 1e-4
+
+
+@pytest.fixture
+def tied_recipe(tmp_path):
+    """A throwaway project: dodo.py, a tiny starcoder2 checkpoint written by
+    ``save_pretrained`` (its real tensor names) and a tp2 recipe for the gen backend."""
+    project = tmp_path / "project"
+    model_dir = project / "recipes" / FAMILY / "model"
+    model_dir.mkdir(parents=True)
+    (project / "dodo.py").write_bytes((REPO / "dodo.py").read_bytes())
+    config = transformers.AutoConfig.for_model(FAMILY, **TINY)
+    torch.manual_seed(1234)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+        model.save_pretrained(model_dir)
+    recipe = project / "recipes" / FAMILY / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"pretrained_model_name_or_path": "model", "torch_dtype": "float32", "attn_implementation": "eager"},
+        "accelerator": {"device_type": "cpu", "nproc_per_node": 2, "nnodes": 1, "tp_size": 2},
+        "codegen": True,
+        "training": {"steps": STEPS, "global_batch_size": 2, "micro_batch_size": 1, "seq_len": 16, "seed": 0},
+        "optimizer": {"name": "adamw", "lr": 1.0e-3}}, sort_keys=False))
+    return recipe
+
+
+def _stored_names(model_dir) -> set[str]:
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
+        return set(handle.keys())
+
+
+def test_sharded_build_ties_the_head_to_the_stored_embedding(tied_recipe):
+    """One process, no mesh (hyper_parallelize does nothing): the meta build, the tie and the
+    materialization of plain parameters, which ``to_empty`` would otherwise split apart."""
+    model_dir = tied_recipe.parent / "model"
+    assert "lm_head.weight" not in _stored_names(model_dir)  # save_pretrained stores the tied head once
+    config = load_training_config(str(tied_recipe))
+    hf_config = transformers.AutoConfig.from_pretrained(model_dir)
+    model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    bundle = types.SimpleNamespace(hyper_parallelize=lambda model, mesh: model)
+    model = build_generated_model_sharded(model_class, hf_config, config, bundle, None)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.testing.assert_close(model.lm_head.weight, reference.model.embed_tokens.weight, rtol=0, atol=0)
+
+
+def _reference_training(recipe) -> list[dict]:
+    """Single-process HF training of the checkpoint on the trainer's batches."""
+    config = load_training_config(str(recipe))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        recipe.parent / config.model.pretrained_model_name_or_path, attn_implementation="eager",
+        dtype=torch.float32)
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                  weight_decay=opt.weight_decay, foreach=False)
+    records = []
+    for step in range(config.training.steps):
+        batch = global_batch(step, config.training, config.dataset, model.config.vocab_size)
+        parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "reference"))
+        total = 0.0
+        for micro in parts:
+            loss = model(input_ids=micro, labels=micro).loss / len(parts)
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        records.append({"loss": total, "grad_norm": norm})
+    return records
+
+
+def test_tied_family_trains_at_tp2_like_one_process(tied_recipe, tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "-m", "hyper_parallel.trainer", "--config", str(tied_recipe), "--metrics", str(metrics)],
+               cwd=tied_recipe.parents[2])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got, want = json.loads(metrics.read_text()), _reference_training(tied_recipe)
+    assert len(got) == len(want) == STEPS
+    for step, (have, ref) in enumerate(zip(got, want), start=1):
+        assert math.isclose(have["loss"], ref["loss"], rel_tol=LOSS_RTOL), (step, got, want)
+        assert math.isclose(have["grad_norm"], ref["grad_norm"], rel_tol=NORM_RTOL), (step, got, want)
