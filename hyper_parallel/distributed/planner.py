@@ -139,6 +139,9 @@ class ShardingPlanner:
             except PlanError as err:
                 if fqn in overridden:
                     continue  # the recipe places it; merge_plan_overrides checks the entry is complete
+                if not isinstance(err, StyleRefusal) and self._splits_no_module():
+                    roles[fqn], modules[fqn] = "replicate", ROLE_BUILDERS["replicate"](module, {})
+                    continue  # nothing is split per module: a module needs no tensor-parallel role
                 if not isinstance(err, StyleRefusal):
                     raise
                 refusals.append(err)
@@ -156,8 +159,13 @@ class ShardingPlanner:
             modules = merge_plan_overrides(modules, self.overrides, self.model, active_axes=active_axes)
             roles.update({fqn: "override" for fqn in modules if fqn not in roles})
         lint_plan(self.model, modules, self.mesh)
-        return PlanResult(modules=modules, applied_axes=self._applied_axes(), recorded_axes=self._recorded_axes(),
-                          roles=roles)
+        return PlanResult(modules=modules, applied_axes=self._applied_axes(modules),
+                          recorded_axes=self._recorded_axes(), roles=roles)
+
+    def _splits_no_module(self) -> bool:
+        """tp 1 and cp 1 (dp, or ep with nothing tensor-parallel): every module keeps its
+        whole weights and whole sequence, so no module needs a role to be planned."""
+        return self.dims.tp == 1 and self.dims.cp == 1 and not self.sequence_parallel
 
     def _requested_axes(self) -> set[str]:
         requested = {name for name in ("cp", "ep", "pp", "dp") if getattr(self.dims, name) > 1}
@@ -167,8 +175,15 @@ class ShardingPlanner:
             requested.add("loss_parallel")
         return requested
 
-    def _applied_axes(self) -> list[str]:
-        return ["tp", *sorted(self._requested_axes() & _APPLIED)]
+    def _applied_axes(self, modules: dict[str, ShardingConfig]) -> list[str]:
+        """An axis counts as applied only if it has more than one rank and some plan entry
+        places something on it (sp and loss parallel ride on tp)."""
+        placed = {axis for axis in _axes_placed(modules) if getattr(self.dims, axis, 1) > 1}
+        applied = ["tp"] if "tp" in placed else []
+        for name in sorted(self._requested_axes() & _APPLIED):
+            if name in ("sp", "loss_parallel") and "tp" in placed or name in placed:
+                applied.append(name)
+        return applied
 
     def _recorded_axes(self) -> dict[str, str]:
         return {name: _NOT_APPLIED[name] for name in sorted(self._requested_axes() - _APPLIED)}
@@ -475,13 +490,29 @@ def override_entry_text(fqn: str, config: ShardingConfig) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
+def _axes_placed(modules: dict[str, ShardingConfig]) -> set[str]:
+    """Mesh axes some entry shards a parameter or an input/output on (not only replicates)."""
+    from torch.distributed.tensor import Replicate
+
+    placed = set()
+    for config in modules.values():
+        named = list(config.state_shardings.values())
+        for io in (config.in_src, config.in_dst, config.out_src, config.out_dst):
+            items = [io] if isinstance(io, dict) else list(io or ())
+            named.extend(entry for entry in items if isinstance(entry, dict))
+        for entry in named:
+            placed.update(str(axis) for axis, placement in entry.items()
+                          if not isinstance(placement, Replicate) and placement != "replicate")
+    return placed
+
+
 def _unclassified_message(fqn: str, module: nn.Module) -> str:
     named = list(module.named_parameters(recurse=False))
     params = ", ".join(f"{n} {list(p.shape)}" for n, p in named)
     example = ", ".join(f"{n}: {{tp: replicate}}" for n, _ in named)
     return (f"cannot classify module {fqn} ({type(module).__name__}; parameters {params}): no tensor-parallel "
             "role from its type, its name or the model's TP plan. A recipe plan_overrides entry can specify "
-            f"it, with params for every parameter, e.g. {{match: {fqn}, params: {{{example}}}}}, "
+            f"it, with params for every parameter, e.g. {{match: {fqn}, params: {{{example}}}, local_map: true}}, "
             "or give the planner a hint")
 
 

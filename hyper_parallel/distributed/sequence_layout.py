@@ -17,7 +17,10 @@ sequence dim (``R`` below) and only the blocks that need more see more:
 | MLP / MoE block            | input gathered over tp only (SP); tokens stay split over cp (per-token    |
 |                            | work); output partial(tp) -> ``R``                                        |
 | lm_head                    | input gathered over tp; logits stay split over cp (and over the vocab     |
-|                            | with loss parallel) into the applier's sharded cross entropy              |
+|                            | with loss parallel) into the applier's sharded cross entropy — when the   |
+|                            | model's forward computes its loss through ``self.loss_function``, which   |
+|                            | the applier replaces; a model computing its loss inline gets its logits   |
+|                            | gathered over cp, and loss parallel is refused for it                     |
 
 Inside a block the TP roles stay as they are, except that the block's last
 projections (rowwise, experts) hand on their partial sums and the block's output
@@ -47,10 +50,29 @@ _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_exp
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
                           cp: bool, sp: bool, loss_parallel: bool) -> None:
     """Rewrite ``modules``/``roles`` in place for the requested sequence layout."""
+    sharded_loss = loss_goes_through_loss_function(model)
+    if loss_parallel and not sharded_loss:
+        raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
+                        f"through self.loss_function, so the logits cannot reach it sharded over the vocabulary; "
+                        f"set loss_parallel: false")
     if cp or sp:
-        _split_sequence(model, modules, roles, cp=cp, sp=sp)
+        _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss)
     if loss_parallel:
         _keep_logits_vocab_sharded(modules, roles)
+
+
+def loss_goes_through_loss_function(model: nn.Module) -> bool:
+    """Whether the model's forward hands its logits to ``self.loss_function`` (every HF
+    causal LM does; the applier makes it sharding-aware) rather than computing the loss
+    inline, where logits left split over the vocabulary or the sequence would meet full
+    labels. Read from the source of the forward that runs; unreadable counts as inline."""
+    import inspect
+
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    return "self.loss_function(" in source
 
 
 def residual_placement(*, cp: bool, sp: bool) -> dict:
@@ -59,7 +81,7 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
     return placement
 
 
-def _split_sequence(model, modules, roles, *, cp: bool, sp: bool) -> None:
+def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool) -> None:
     layers_fqn, layers = _decoder_layers(model)
     residual = residual_placement(cp=cp, sp=sp)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
@@ -82,7 +104,7 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool) -> None:
         if role == "replicate" and not inside_layers:
             _residual_module(modules[fqn], residual)  # the final norm
         elif role == "lm_head":
-            _gathered_lm_head(modules[fqn], residual, cp=cp)
+            _gathered_lm_head(modules[fqn], residual, cp=cp, keep_cp_split=logits_split_over_cp)
 
 
 def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -176,12 +198,13 @@ def _add_token_split(config: ShardingConfig, placement) -> None:
             setattr(config, key, tuple(None if named is None else {CP: placement, **named} for named in value))
 
 
-def _gathered_lm_head(config: ShardingConfig, residual: dict, *, cp: bool) -> None:
+def _gathered_lm_head(config: ShardingConfig, residual: dict, *, cp: bool, keep_cp_split: bool) -> None:
     seq = {CP: Shard(1)} if cp else {}
     config.in_src = (dict(residual),)
     config.in_dst = ({**seq, TP: Replicate()},)
     config.out_src = ({**seq, TP: Shard(-1)},)
-    config.out_dst = ({**seq, TP: config.out_dst[0][TP]},)
+    out_seq = {CP: Shard(1) if keep_cp_split else Replicate()} if cp else {}
+    config.out_dst = ({**out_seq, TP: config.out_dst[0][TP]},)
 
 
 def _keep_logits_vocab_sharded(modules, roles) -> None:

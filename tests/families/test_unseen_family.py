@@ -61,7 +61,7 @@ def test_unclassifiable_module_fails_naming_it():
     assert "cannot classify module layers.1.attn.mixer" in message, message
     assert "MixingProjection" in message and "mixer [64, 64]" in message, message
     assert "plan_overrides entry can specify it" in message, message
-    assert "{match: layers.1.attn.mixer, params: {mixer: {tp: replicate}}}" in message, message
+    assert "{match: layers.1.attn.mixer, params: {mixer: {tp: replicate}}, local_map: true}" in message, message
 
 
 def test_recipe_override_places_an_unclassifiable_module():

@@ -1,0 +1,71 @@
+"""What a layout needs from the planner, and what it reports: a layout that splits no
+module (dp, ep without tensor parallel) plans a model whose modules have no known role;
+an axis is reported applied only when some entry places something on it; a model whose
+forward computes its loss inline gets its logits gathered over cp, and loss parallel is
+refused for it by recipe key. Planned on the remote-code fixtures, which use no HF names."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch.distributed.tensor import Replicate, Shard
+
+from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
+
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "remote_code"
+
+
+def _meta(name: str):
+    config = transformers.AutoConfig.from_pretrained(FIXTURES / name, trust_remote_code=True)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+
+
+def _plan(model, **dims):
+    sp = dims.pop("sp", False)
+    lp = dims.pop("loss_parallel", False)
+    parallel = ParallelDims(**dims)
+    return ShardingPlanner(model, dims=parallel, mesh=build_offline_mesh(parallel), sequence_parallel=sp,
+                           loss_parallel=lp).plan()
+
+
+UNCLASSIFIED = {"meta_reference": "layers.0.attention.wq", "fused_gqa": "decoder.blocks.0.attention.query_key_value",
+                "list_moe": "backbone.pos_embed"}
+
+
+@pytest.mark.parametrize("name", sorted(UNCLASSIFIED))
+def test_data_parallel_plans_any_model_and_applies_no_axis(name):
+    with pytest.raises(PlanError, match="cannot classify module"):
+        _plan(_meta(name), tp=2)  # at tp 2 the module needs a role
+    result = _plan(_meta(name), dp=2)
+    assert result.roles[UNCLASSIFIED[name]] == "replicate"
+    assert result.applied_axes == []
+
+
+def test_expert_parallel_over_a_module_list_is_not_reported_applied():
+    """list_moe's experts are a ModuleList: nothing is placed on ep, so ep is not applied."""
+    result = _plan(_meta("list_moe"), dp=2, ep=2)
+    assert "ep" not in result.applied_axes, result.applied_axes
+
+
+def test_inline_loss_gets_logits_gathered_over_cp():
+    result = _plan(_meta("fused_decoder"), cp=2)
+    head = result.modules["lm_head"]
+    assert isinstance(head.out_dst[0]["cp"], Replicate), head.out_dst
+    assert "cp" in result.applied_axes
+
+
+def test_a_loss_function_model_keeps_logits_split_over_cp():
+    config = transformers.AutoConfig.from_pretrained(Path(__file__).resolve().parents[1] / "data/families/llama")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    head = _plan(model, cp=2).modules["lm_head"]
+    assert head.out_dst[0]["cp"] == Shard(1), head.out_dst
+
+
+def test_loss_parallel_is_refused_for_an_inline_loss():
+    with pytest.raises(PlanError, match=r"accelerator.loss_parallel: FusedDecoderForCausalLM.forward computes its "
+                                        r"loss itself.*set loss_parallel: false"):
+        _plan(_meta("fused_decoder"), tp=2, sp=True, loss_parallel=True)
