@@ -38,6 +38,7 @@ sequence on each cp rank (exact, but the attention work itself is not split over
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.protocols.sharding import ShardingConfig
 
@@ -55,10 +56,22 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
                         f"through self.loss_function, so the logits cannot reach it sharded over the vocabulary; "
                         f"set loss_parallel: false")
+    if cp and _ties_embeddings(model):
+        raise PlanError(f"accelerator.cp_size: {type(model).__name__} ties its input and output embeddings (one "
+                        f"weight used on the full sequence and on each rank's piece of it); context parallel does "
+                        f"not reduce such a weight's gradient correctly yet: set cp_size: 1, or untie with "
+                        f"model.config_overrides: {{tie_word_embeddings: false}}")
     if cp or sp:
         _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss)
     if loss_parallel:
         _keep_logits_vocab_sharded(modules, roles)
+
+
+def _ties_embeddings(model: nn.Module) -> bool:
+    """The input embedding's weight is the output embedding's (tie_word_embeddings)."""
+    inputs, outputs = input_embeddings(model), output_embeddings(model)
+    weight = getattr(inputs, "weight", None)
+    return weight is not None and weight is getattr(outputs, "weight", None)
 
 
 def loss_goes_through_loss_function(model: nn.Module) -> bool:

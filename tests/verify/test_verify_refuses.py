@@ -29,11 +29,8 @@ BROKEN = {
               "in_dst": [{"cp": "shard(1)"}]},
         ["gradient of model.layers.0.self_attn.o_proj.weight", "plan entry 'model.layers.*.self_attn.o_proj'",
          "error is in backward"]),
-    # Found by verify: under cp the tied embedding/output weight gets the embedding's full
-    # gradient plus only this rank's share of the output head's, so the cp ranks' copies
-    # differ (they would train apart). The planner does not handle it yet; verify refuses.
-    "tied_embeddings_under_cp2": (
-        CP2, None, ["the ranks hold different gradients for model.embed_tokens.weight (tied with lm_head.weight)"]),
+    # (Tied embeddings under cp, found by verify — the cp ranks' copies of the tied weight
+    # differ — are now refused at derive: tests/data/bad_recipes/cp_with_tied_embeddings.yaml.)
     "replacement_of_the_wrong_shape": (
         {}, {"match": "*.self_attn.o_proj",
              "replace_module": {"_target_": "tests.verify.broken_replacements.wider_o_proj"}},
@@ -58,11 +55,8 @@ def test_verify_refuses_a_broken_plan_and_keeps_the_old_bundle(installed, tmp_pa
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
     data["accelerator"].update(accelerator)
-    if override is None:  # the plan as derived, on a tied model
-        data["model"]["config_overrides"] = {"tie_word_embeddings": True}
-    else:
-        data["plan_overrides"] = [override]
-        data["model"]["trusted_modules"] = ["tests.verify"]  # broken_replacements
+    data["plan_overrides"] = [override]
+    data["model"]["trusted_modules"] = ["tests.verify"]  # broken_replacements
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
 
     # The replacement factory lives in this test package.
