@@ -221,10 +221,25 @@ def rank_reports(files: RankFiles, world: int, collective_timeout_s: float) -> s
     silent = silent_ranks(files, world)
     lines = [merge_rank_errors([errors.get(rank) for rank in range(world)])] if errors else []
     if silent and len(silent) < world:
-        lines.insert(0, f"rank(s) {', '.join(map(str, silent))} went silent (last phase reported: "
-                        f"{_phases(files, silent)}); the other ranks gave up waiting for them "
-                        f"after {collective_timeout_s:g}s (accelerator.check_timeout_s)")
+        ranks = ", ".join(map(str, silent))
+        if errors and not _waited_out(files, silent, errors, collective_timeout_s):
+            lines.append(f"rank(s) {ranks} were ended while waiting for the failed rank(s) (last phase reported: "
+                         f"{_phases(files, silent)})")
+        else:
+            lines.insert(0, f"rank(s) {ranks} went silent (last phase reported: {_phases(files, silent)}); the "
+                            f"other ranks gave up waiting for them after {collective_timeout_s:g}s "
+                            f"(accelerator.check_timeout_s)")
     return "\n".join(lines)
+
+
+def _waited_out(files: RankFiles, silent: list[int], errors: dict[int, str], collective_timeout_s: float) -> bool:
+    """Whether the first error came about a collective timeout after the silent ranks last
+    reported (they went quiet and the others gave up), rather than sooner (a rank failed
+    on its own and the others were left waiting for it)."""
+    first_error = min(files.error(rank).stat().st_mtime for rank in errors)
+    last_heard = max((files.progress(rank).stat().st_mtime for rank in silent if files.progress(rank).is_file()),
+                     default=0.0)
+    return first_error - last_heard >= 0.8 * collective_timeout_s
 
 
 def merge_rank_errors(errors: list[str | None]) -> str:
