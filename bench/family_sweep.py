@@ -90,7 +90,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from hyper_parallel.codegen.check.probe import ProbeError, cut_depth, layer_kinds, shortest_faithful_depth
 from hyper_parallel.codegen.spec.types import STAGES
-from hyper_parallel.trainer.data import global_batch, micro_batches
+from hyper_parallel.trainer.reference import reference_training
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "bench" / "family_sweep_worker.py"
@@ -585,33 +585,6 @@ def run_training(project: Path, recipe: Path, world: int, timeout: float) -> tup
     got = json.loads(metrics.read_text())
     want = reference_training(recipe)
     return compare_training(got, want)
-
-
-def reference_training(recipe: Path) -> list[dict]:
-    """Single-process HF training of the recipe's checkpoint on the trainer's batches."""
-    from hyper_parallel.config import load_training_config
-
-    config = load_training_config(str(recipe))
-    model = AutoModelForCausalLM.from_pretrained(recipe.parent / config.model.pretrained_model_name_or_path,
-                                                 attn_implementation="eager", dtype=torch.float32,
-                                                 trust_remote_code=config.model.trust_remote_code)
-    opt = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                  weight_decay=opt.weight_decay, foreach=False)
-    records = []
-    for step in range(config.training.steps):
-        batch = global_batch(step, config.training, config.dataset, model.config.vocab_size)
-        parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "reference"))
-        total = 0.0
-        for micro in parts:
-            loss = model(input_ids=micro, labels=micro).loss / len(parts)
-            loss.backward()
-            total += loss.item()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        records.append({"loss": total, "grad_norm": norm})
-    return records
 
 
 def compare_training(got: list[dict], want: list[dict]) -> tuple[str, str]:

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import torch
 import transformers
+import yaml
 from safetensors.torch import save_file
+
+from tests.project_fixtures import cli
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILY_CONFIGS = REPO / "tests/data/families"
@@ -50,3 +53,24 @@ def assert_equivalent(result: dict, form: str) -> None:
     assert losses["parallel"][-1] < losses["parallel"][0]  # the steps did something
     for ref, par in zip(losses["reference"], losses["parallel"], strict=True):
         assert abs(par - ref) <= 1e-5 * abs(ref), losses
+
+
+def generate_tp2(project: Path, name: str, write_config) -> tuple[Path, str]:
+    """A project with one tp2 recipe ``recipes/<name>/recipe.yaml`` whose model folder
+    ``write_config(folder)`` fills; generate it (through verify). Returns the recipe and
+    the CLI's whole output; the caller asserts on it."""
+    model_dir = project / "recipes" / name / "model"
+    model_dir.mkdir(parents=True)
+    (project / "dodo.py").write_bytes((REPO / "dodo.py").read_bytes())
+    write_config(model_dir)
+    recipe = model_dir.parent / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"pretrained_model_name_or_path": "model", "torch_dtype": "float32", "attn_implementation": "eager"},
+        "accelerator": {"device_type": "cpu", "nproc_per_node": 2, "nnodes": 1, "tp_size": 2},
+        "codegen": True,
+        "training": {"steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "seq_len": 16, "seed": 0},
+        "optimizer": {"name": "adamw", "lr": 1.0e-3}}, sort_keys=False))
+    proc = cli(project, "--verbose", "generate", "--skip-preflight", "--config", str(recipe))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return recipe, out

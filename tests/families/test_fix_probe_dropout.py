@@ -5,10 +5,10 @@
 import json
 
 import transformers
-import yaml
 
 from hyper_parallel.codegen.check.probe import shrink_widths
-from tests.project_fixtures import REPO, cli
+from tests.families.family_cases import generate_tp2
+from tests.project_fixtures import REPO
 
 LLAMA = REPO / "tests/data/families/llama"
 
@@ -37,22 +37,11 @@ def _dropouts(config, prefix: str = "") -> dict[str, float]:
 
 
 def test_llama_with_attention_dropout_verifies_at_tp2(tmp_path):
-    project = tmp_path / "project"
-    model_dir = project / "recipes/llama_dropout/model"
-    model_dir.mkdir(parents=True)
-    (project / "dodo.py").write_bytes((REPO / "dodo.py").read_bytes())
-    config = json.loads((LLAMA / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}, indent=1))
-    recipe = project / "recipes/llama_dropout/recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": {"pretrained_model_name_or_path": "model", "torch_dtype": "float32", "attn_implementation": "eager"},
-        "accelerator": {"device_type": "cpu", "nproc_per_node": 2, "nnodes": 1, "tp_size": 2},
-        "codegen": True,
-        "training": {"steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "seq_len": 16, "seed": 0},
-        "optimizer": {"name": "adamw", "lr": 1.0e-3}}, sort_keys=False))
-    proc = cli(project, "--verbose", "generate", "--skip-preflight", "--config", str(recipe))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    def llama_with_dropout(folder):
+        config = json.loads((LLAMA / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}, indent=1))
+
+    recipe, out = generate_tp2(tmp_path / "project", "llama_dropout", llama_with_dropout)
     assert "[verify] ok: world 2 (torchrun)" in out, out[-4000:]
     verified = json.loads((recipe.parent / "generated/codegen_meta.json").read_text())["verified"]
     assert verified["max_loss_rel"] <= 1e-5 and verified["max_grad_rel"] <= 1e-4, verified

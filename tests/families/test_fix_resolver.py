@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import transformers
-import yaml
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hyper_parallel.codegen.source import resolver
 from hyper_parallel.codegen.source.resolver import SourceError, modeling_path
-from tests.project_fixtures import REPO, cli
+from tests.families.family_cases import generate_tp2
+from tests.project_fixtures import REPO
 
 # Types whose modeling file is not models/<type>/modeling_<type>.py (refused before).
 NOT_BY_NAME = {
@@ -84,25 +84,14 @@ def test_unknown_and_non_causal_types_are_refused_by_name():
 
 def test_a_type_outside_its_own_folder_generates(tmp_path):
     """exaone (LlamaForCausalLM, no modeling_exaone.py) goes through every stage at tp2."""
-    project = tmp_path / "project"
-    (project / "recipes/exaone/model").mkdir(parents=True)
-    (project / "dodo.py").write_bytes((REPO / "dodo.py").read_bytes())
-    config = transformers.AutoConfig.for_model(
-        "exaone", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=256, num_layers=2, max_position_embeddings=128, use_cache=False, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0)
-    config.save_pretrained(project / "recipes/exaone/model")
-    recipe = project / "recipes/exaone/recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": {"pretrained_model_name_or_path": "model", "torch_dtype": "float32", "attn_implementation": "eager"},
-        "accelerator": {"device_type": "cpu", "nproc_per_node": 2, "nnodes": 1, "tp_size": 2},
-        "codegen": True,
-        "training": {"steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "seq_len": 16, "seed": 0},
-        "optimizer": {"name": "adamw", "lr": 1.0e-3}}, sort_keys=False))
-    proc = cli(project, "--verbose", "generate", "--skip-preflight", "--config", str(recipe))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    def exaone(folder):
+        transformers.AutoConfig.for_model(
+            "exaone", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=256, num_layers=2, max_position_embeddings=128, use_cache=False, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0).save_pretrained(folder)
+
+    recipe, out = generate_tp2(tmp_path / "project", "exaone", exaone)
     assert "source transformers.models.llama.modeling_llama" in out, out[-4000:]
     assert "[verify] ok: world 2 (torchrun)" in out, out[-4000:]
-    bundle = project / "recipes/exaone/generated"
+    bundle = recipe.parent / "generated"
     assert "class LlamaForCausalLM(" in (bundle / "modeling_Exaone_gen_cpu.py").read_text()

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from hyper_parallel.config import load_training_config
 from hyper_parallel.models._transformers.model_builder import build_generated_model_sharded
-from hyper_parallel.trainer.data import global_batch, micro_batches
+from hyper_parallel.trainer.reference import reference_training
 from tests.project_fixtures import REPO, run
 
 FAMILY = "starcoder2"
@@ -71,38 +71,13 @@ def test_sharded_build_ties_the_head_to_the_stored_embedding(tied_recipe):
     torch.testing.assert_close(model.lm_head.weight, reference.model.embed_tokens.weight, rtol=0, atol=0)
 
 
-def _reference_training(recipe) -> list[dict]:
-    """Single-process HF training of the checkpoint on the trainer's batches."""
-    config = load_training_config(str(recipe))
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        recipe.parent / config.model.pretrained_model_name_or_path, attn_implementation="eager",
-        dtype=torch.float32)
-    opt = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                  weight_decay=opt.weight_decay, foreach=False)
-    records = []
-    for step in range(config.training.steps):
-        batch = global_batch(step, config.training, config.dataset, model.config.vocab_size)
-        parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "reference"))
-        total = 0.0
-        for micro in parts:
-            loss = model(input_ids=micro, labels=micro).loss / len(parts)
-            loss.backward()
-            total += loss.item()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        records.append({"loss": total, "grad_norm": norm})
-    return records
-
-
 def test_tied_family_trains_at_tp2_like_one_process(tied_recipe, tmp_path):
     metrics = tmp_path / "metrics.json"
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "-m", "hyper_parallel.trainer", "--config", str(tied_recipe), "--metrics", str(metrics)],
                cwd=tied_recipe.parents[2])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got, want = json.loads(metrics.read_text()), _reference_training(tied_recipe)
+    got, want = json.loads(metrics.read_text()), reference_training(tied_recipe)
     assert len(got) == len(want) == STEPS
     for step, (have, ref) in enumerate(zip(got, want), start=1):
         assert math.isclose(have["loss"], ref["loss"], rel_tol=LOSS_RTOL), (step, got, want)
