@@ -15,6 +15,7 @@ from hyper_parallel.codegen.artifact import META_FILE, check_owned, remove_stale
 from hyper_parallel.codegen.spec.project import project_codegen_spec, signature_from_spec
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
 from hyper_parallel.codegen.stages import (
+    check_workspace_owned,
     read_json,
     remove_orphaned_temp_files,
     run_stage,
@@ -66,8 +67,6 @@ def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bo
 
 def clean_recipe(spec: CodegenSpec, log: Log = print, *, what: tuple[str, ...] = ("bundle", "workspace")) -> None:
     """Remove the installed bundle and/or the recipe's workspace (doit and the CLI)."""
-    from hyper_parallel.codegen.stages import check_workspace_owned
-
     targets = []
     if "bundle" in what and (spec.artifact_dir.is_dir() or spec.artifact_dir.is_symlink()):
         check_owned(spec.artifact_dir, "remove")
