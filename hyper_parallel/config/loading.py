@@ -62,6 +62,8 @@ def load_training_config(path: str | os.PathLike) -> TrainerConfig:
     """Parse and validate the recipe at ``path``. Never writes anything."""
     yaml_path = Path(path).resolve()
     try:
+        if yaml_path.is_dir():
+            raise RecipeError(f"{path}: is a folder; expected a recipe YAML file (e.g. {Path(path) / 'recipe.yaml'})")
         size = yaml_path.stat().st_size
         if size > MAX_RECIPE_BYTES:
             raise RecipeError(f"{path}: {size} bytes; a recipe may have at most {MAX_RECIPE_BYTES} "

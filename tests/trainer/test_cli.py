@@ -51,3 +51,11 @@ def test_a_text_dataset_that_is_a_folder_is_named(tmp_path):
                env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {recipe}: dataset.path: {tmp_path / 'corpus'} is not a file; expected a local text file"
+
+
+def test_a_recipe_path_that_is_a_folder_is_one_line(tmp_path):
+    proc = run([sys.executable, "-m", "hyper_parallel.codegen", "generate", "--config", str(tmp_path)], cwd=tmp_path,
+               timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: {tmp_path}: is a folder; expected a recipe YAML file "
+                                   f"(e.g. {tmp_path / 'recipe.yaml'})")

@@ -49,7 +49,29 @@ def build_hf_config(spec: CodegenSpec, config_class: type | None = None):
         except Exception as exc:  # transformers' strict configs validate on set (huggingface_hub's own error)
             reason = " ".join(str(exc).split())
             raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: {reason}") from None
+    _check_config_relations(spec, config)
     return config
+
+
+# (smaller, larger): sizes a decoder needs in this order; the first name found on the config counts.
+_SIZE_RELATIONS = ((("num_experts_per_tok",), ("num_experts", "num_local_experts", "n_routed_experts")),
+                   (("num_key_value_heads",), ("num_attention_heads",)))
+
+
+def _check_config_relations(spec: CodegenSpec, config) -> None:
+    """Sizes that must not exceed each other (top-k within the experts, kv heads within the
+    heads): otherwise the model's own code fails deep inside (torch.topk out of range)."""
+    for smaller_names, larger_names in _SIZE_RELATIONS:
+        smaller = next((n for n in smaller_names if isinstance(getattr(config, n, None), int)), None)
+        larger = next((n for n in larger_names if isinstance(getattr(config, n, None), int)), None)
+        if smaller is None or larger is None or not getattr(config, larger) > 0:
+            continue
+        low, high = getattr(config, smaller), getattr(config, larger)
+        if low > high:
+            source = ("model.config_overrides" if {smaller, larger} & set(spec.config_overrides)
+                      else f"{spec.model_dir / 'config.json'}")
+            raise DeriveError(f"{spec.recipe_path}: {source}: {smaller} = {low} exceeds {larger} = {high}; "
+                              f"expected {smaller} <= {larger}")
 
 
 def build_meta_model(spec: CodegenSpec, model_class: type | None = None):
