@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from hyper_parallel.distributed.dataflow import Dataflow, pattern, roles_for
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
@@ -108,8 +109,12 @@ class StyleRefusal(PlanError):
 class ShardingPlanner:
     def __init__(self, model: nn.Module, *, dims: ParallelDims, mesh: OfflineMesh,
                  sequence_parallel: bool = False, loss_parallel: bool = False, hints: dict | None = None,
-                 overrides: Iterable[Mapping] | None = None):
+                 overrides: Iterable[Mapping] | None = None, dataflow: Dataflow | None = None,
+                 dataflow_error: str = ""):
         self.model = model
+        self.dataflow, self.dataflow_error = dataflow, dataflow_error
+        self.flow_roles: dict[str, str] = {}  # blocks the names and hints do not classify whole
+        self.flow_fallback: dict[str, str] = {}  # where names and hints give no role
         self.overrides = list(overrides or ())
         self.dims = dims
         self.mesh = mesh
@@ -126,6 +131,7 @@ class ShardingPlanner:
         lint_config_divisibility(config, self.dims)
         active_axes = self.dims.active_axes(sequence_parallel=self.sequence_parallel)
         overridden = overridden_modules(self.overrides, self.model, active_axes=active_axes)
+        self._prepare_flow()
         modules: dict[str, ShardingConfig] = {}
         roles: dict[str, str] = {}
         refusals: list[StyleRefusal] = []
@@ -139,10 +145,16 @@ class ShardingPlanner:
             except PlanError as err:
                 if fqn in overridden:
                     continue  # the recipe places it; merge_plan_overrides checks the entry is complete
+                if not isinstance(err, StyleRefusal) and fqn in self.flow_fallback:
+                    role = self.flow_fallback[fqn]
+                    roles[fqn], modules[fqn] = role, ROLE_BUILDERS[role](module, {})
+                    continue
                 if not isinstance(err, StyleRefusal) and self._splits_no_module():
                     roles[fqn], modules[fqn] = "replicate", ROLE_BUILDERS["replicate"](module, {})
                     continue  # nothing is split per module: a module needs no tensor-parallel role
                 if not isinstance(err, StyleRefusal):
+                    if self.dataflow_error:
+                        raise PlanError(f"{err} (the planner went by names and hints only: {self.dataflow_error})")
                     raise
                 refusals.append(err)
                 err.fallback_role = self._fallback_role(fqn, module)
@@ -151,7 +163,7 @@ class ShardingPlanner:
                 role, config = err.fallback_role, ROLE_BUILDERS[err.fallback_role](module, {})
             roles[fqn], modules[fqn] = role, config
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel)
+                              loss_parallel=self.loss_parallel, attention_inputs=self._attention_inputs())
         apply_expert_layout(modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
@@ -188,11 +200,45 @@ class ShardingPlanner:
     def _recorded_axes(self) -> dict[str, str]:
         return {name: _NOT_APPLIED[name] for name in sorted(self._requested_axes() - _APPLIED)}
 
+    # --- dataflow ----------------------------------------------------------------------------
+
+    def _prepare_flow(self) -> None:
+        """Which modules the dataflow plans (``dataflow.py``): every member and norm of a
+        block whose members the names and hints do not all classify (so a block is planned
+        by one source, never half by each), and, as a fallback, any linear or embedding
+        the names cannot classify."""
+        if self.dataflow is None:
+            return
+        by_name = roles_for(self.model, self.dataflow)
+        modules = dict(self.model.named_modules())
+        flow_patterns = set()
+        for block in self.dataflow.blocks:
+            if not all(name in modules and self._named_role(name, modules[name]) for name in block.members):
+                flow_patterns |= {pattern(name) for name in (*block.members, *block.norms)}
+        for name, role in by_name.items():
+            target = self.flow_roles if pattern(name) in flow_patterns else self.flow_fallback
+            target[name] = role
+
+    def _named_role(self, fqn: str, module: nn.Module) -> str | None:
+        try:
+            return self._role(fqn, module)
+        except PlanError:
+            return None
+
+    def _attention_inputs(self) -> frozenset[str]:
+        """The model's modules whose output reaches an attention's q, k or v (by pattern)."""
+        if self.dataflow is None:
+            return frozenset()
+        patterns = {pattern(name) for name in self.dataflow.attention_inputs}
+        return frozenset(name for name, _ in self.model.named_modules() if name and pattern(name) in patterns)
+
     # --- roles -------------------------------------------------------------------------------
 
     def _role(self, fqn: str, module: nn.Module, *, use_hint: bool = True) -> str:
         """The module's role: from its kind and neighbours, with its TP-plan hint read by
         meaning where it agrees (module docstring)."""
+        if fqn in self.flow_roles:
+            return self.flow_roles[fqn]
         meaning = self._hint_meaning(fqn, module) if use_hint else None
         if meaning is not None and meaning.role == "local_params":
             return "local_params"
@@ -519,8 +565,8 @@ def _unclassified_message(fqn: str, module: nn.Module) -> str:
 def _lookup(hints: dict[str, str], name: str) -> str | None:
     if name in hints:
         return hints[name]
-    for pattern, style in hints.items():
-        if fnmatch.fnmatchcase(name, pattern):
+    for glob, style in hints.items():
+        if fnmatch.fnmatchcase(name, glob):
             return style
     return None
 

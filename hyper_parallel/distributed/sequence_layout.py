@@ -49,8 +49,10 @@ _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_exp
 
 
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
-                          cp: bool, sp: bool, loss_parallel: bool) -> None:
-    """Rewrite ``modules``/``roles`` in place for the requested sequence layout."""
+                          cp: bool, sp: bool, loss_parallel: bool, attention_inputs: frozenset[str] = frozenset()) -> None:
+    """Rewrite ``modules``/``roles`` in place for the requested sequence layout.
+    ``attention_inputs``: modules the dataflow saw feeding an attention's q, k or v; a
+    layer's child holding one is an attention block whatever its modules are called."""
     sharded_loss = loss_goes_through_loss_function(model)
     if loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
@@ -62,7 +64,8 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
                         f"not reduce such a weight's gradient correctly yet: set cp_size: 1, or untie with "
                         f"model.config_overrides: {{tie_word_embeddings: false}}")
     if cp or sp:
-        _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss)
+        _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss,
+                        attention_inputs=attention_inputs)
     if loss_parallel:
         _keep_logits_vocab_sharded(modules, roles)
 
@@ -94,7 +97,8 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
     return placement
 
 
-def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool) -> None:
+def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
+                    attention_inputs: frozenset[str]) -> None:
     layers_fqn, layers = _decoder_layers(model)
     residual = residual_placement(cp=cp, sp=sp)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
@@ -108,14 +112,16 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                 continue
             if roles.get(fqn) == "replicate":
                 _residual_module(modules[fqn], residual)
-            elif _is_attention(fqn, child, roles):
+            elif _is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp)
             else:
                 _mlp_block(fqn, child, modules, roles, residual, cp=cp)
     for fqn, role in list(roles.items()):
         inside_layers = fqn == layers_fqn or fqn.startswith(layers_fqn + ".")
-        if role == "replicate" and not inside_layers:
-            _residual_module(modules[fqn], residual)  # the final norm
+        if role == "replicate" and not inside_layers and not isinstance(model.get_submodule(fqn), nn.Embedding):
+            # the final norm; an embedding beside the input one (learned positions) reads
+            # ids or positions, which stay full like the token embedding's
+            _residual_module(modules[fqn], residual)
         elif role == "lm_head":
             _gathered_lm_head(modules[fqn], residual, cp=cp, keep_cp_split=logits_split_over_cp)
 
@@ -133,10 +139,11 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _is_attention(fqn: str, block: nn.Module, roles: dict[str, str]) -> bool:
-    """A block holding q/k/v projections or per-head norms (by name or by role)."""
+def _is_attention(fqn: str, block: nn.Module, roles: dict[str, str], attention_inputs: frozenset[str]) -> bool:
+    """A block holding q/k/v projections or per-head norms (by name, by role, or seen
+    feeding attention in the traced forward)."""
     return any(name.rpartition(".")[2] in _ATTENTION_LEAVES or roles.get(f"{fqn}.{name}") in _ATTENTION_ROLES
-               for name, _ in block.named_modules() if name)
+               or f"{fqn}.{name}" in attention_inputs for name, _ in block.named_modules() if name)
 
 
 def _residual_module(config: ShardingConfig, residual: dict) -> None:

@@ -209,3 +209,17 @@ def shortest_faithful_depth(full_kinds: list[tuple]) -> int:
         if seen == wanted:
             return index + 1
     return len(full_kinds)
+
+
+def faithful_probe_config(wide: Any, *, remote: bool, where: str) -> tuple[Any, int, list[tuple]]:
+    """``wide`` (``shrink_widths``' output) cut to the shortest prefix of layers that holds
+    every layer kind of the full depth: (the cut config, its depth, the full depth's kinds).
+    The kinds come from the model built on the meta device (no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        full = AutoModelForCausalLM.from_config(wide, trust_remote_code=remote)
+    kinds = layer_kinds(full, wide)
+    depth = shortest_faithful_depth(kinds)
+    return cut_depth(wide, depth, where), depth, kinds

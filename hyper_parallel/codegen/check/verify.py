@@ -135,10 +135,9 @@ def build_probe(spec: CodegenSpec, probe_dir: Path) -> Probe:
 
     from hyper_parallel.codegen.check.probe import (
         ProbeError,
-        cut_depth,
+        faithful_probe_config,
         layer_kinds,
         probe_shape,
-        shortest_faithful_depth,
         shrink_widths,
     )
     from hyper_parallel.codegen.plan.derive import build_hf_config, trusts_remote_code
@@ -151,11 +150,7 @@ def build_probe(spec: CodegenSpec, probe_dir: Path) -> Probe:
     config._attn_implementation = spec.attn_implementation
     wide = shrink_widths(config, tp=p.tp, ep=p.ep, seq_len=shape.seq_len, where=where)
     remote = trusts_remote_code(spec)
-    with torch.device("meta"):
-        full = AutoModelForCausalLM.from_config(wide, trust_remote_code=remote)
-    kinds = layer_kinds(full, wide)
-    depth = shortest_faithful_depth(kinds)
-    probe_config = cut_depth(wide, depth, where)
+    probe_config, depth, kinds = faithful_probe_config(wide, remote=remote, where=where)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(probe_config, trust_remote_code=remote, dtype=torch.float32)
     if layer_kinds(reference, probe_config) != kinds[:depth]:

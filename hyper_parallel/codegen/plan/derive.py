@@ -131,9 +131,49 @@ def plan_model(model, spec: CodegenSpec):
     mesh = build_offline_mesh(dims)
     # The planner reads the HF config's base_model_tp_plan itself, as role hints, merges
     # the recipe's overrides (which may specify modules it cannot classify), then lints.
+    flow, flow_error = trace_dataflow(spec)
     result = ShardingPlanner(model, dims=dims, mesh=mesh, sequence_parallel=p.sequence_parallel,
-                             loss_parallel=p.loss_parallel, overrides=placement_overrides(spec)).plan()
+                             loss_parallel=p.loss_parallel, overrides=placement_overrides(spec),
+                             dataflow=flow, dataflow_error=flow_error).plan()
     return result, mesh
+
+
+TRACE_TOKENS = 8
+
+
+def trace_dataflow(spec: CodegenSpec):
+    """The dataflow of the recipe's model (``distributed/dataflow.py``): one forward of a
+    tiny random-weight copy on CPU: the verify probe's widths and depth (the shortest
+    prefix of layers holding every layer kind, so every module pattern is traced; module
+    names are the model's), replacements applied. Returns (Dataflow, "") or (None, why) when
+    the copy cannot be built or run; the planner then goes by names and hints alone and
+    says so where that is not enough."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hyper_parallel.codegen.check.probe import faithful_probe_config, shrink_widths
+    from hyper_parallel.codegen.runtime import hyper_apply_replacements
+    from hyper_parallel.distributed.dataflow import analyze, local_widths_dry_run
+
+    p = spec.parallel
+    try:
+        config = build_hf_config(spec)
+        config._attn_implementation = spec.attn_implementation
+        where = f"{spec.model_dir / 'config.json'} (dataflow trace)"
+        wide = shrink_widths(config, tp=p.tp, ep=p.ep, seq_len=TRACE_TOKENS, where=where)
+        tiny, _, _ = faithful_probe_config(wide, remote=trusts_remote_code(spec), where=where)
+        state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny, attn_implementation=spec.attn_implementation,
+                                                     trust_remote_code=trusts_remote_code(spec), dtype=torch.float32)
+            hyper_apply_replacements(model, spec.replacements)
+            ids = torch.randint(0, tiny.vocab_size, (1, TRACE_TOKENS))
+            return analyze(model, ids, tp=p.tp, dry_run=local_widths_dry_run(model, ids, p.tp)), ""
+        finally:
+            torch.random.set_rng_state(state)
+    except Exception as exc:  # any failure of the model's own code: plan by names and hints instead
+        return None, f"the dataflow trace of a tiny copy failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 def derive_plan(spec: CodegenSpec) -> dict[str, Any]:

@@ -1,0 +1,520 @@
+"""Roles from dataflow: what each module does, read from one forward of a tiny real copy.
+
+The planner's names and TP-plan hints say what a module is called; this module says what
+it does. One forward of a tiny random-weight instance of the model (the recipe's config
+with the verify probe's widths, full depth, replacements applied) runs under a
+``TorchFunctionMode`` that tags every tensor with the modules its values come from:
+
+- a module with its own parameters (and no parameterized children) re-tags its outputs
+  with its own name; a norm (vector parameters only) is transparent when tags are
+  resolved, so ``q_proj -> q_norm -> attention`` still reads as q_proj feeding attention;
+- integer tensors (token ids, expert indices) select values, they carry none, so they
+  add no tags to the floats they index;
+- attention is seen where it happens: ``scaled_dot_product_attention``, or a product of
+  two activations that goes through a softmax and then multiplies a third (eager);
+- a router is a module whose output reaches ``topk`` (or a sort).
+
+From the tags: the **stream** is everything the output head reads (the embeddings and
+every module that adds to the residual stream); a **block** is a set of projections
+joined by edges that do not go through the stream (q/k/v -> attention -> o; gate, up ->
+down; fc_in -> fc_out of one expert; MLA's chains), with its **consumers** (the members
+that write to the stream), its **producers** (the members that read it) and inner members.
+
+Whether a block can be split over ``tp`` the Megatron way (producers colwise, consumer
+rowwise) is measured, not assumed: for every tp rank, the gradient of that rank's slice
+of the consumer's input features with respect to every member's output says which of the
+member's output features that rank needs. The block splits when each feature is needed by
+at most one rank and the owners form a layout the roles have: contiguous rows
+(``colwise``; per-head fused layouts such as Bloom's), or 2 or 3 equal packed parts each
+split over tp (``fused_gate_up`` / ``fused_qkv``). A dry run then checks that the model's
+own code runs on those local widths (a reshape with the global head count does not). A
+block that fails either check is planned **gathered**: each member computes its rows and
+hands on all of them (``colwise_gathered``), the consumer slices its input
+(``rowwise_split_input``): exact for any dataflow, weights still split, the inner
+computation not. Fused projections whose q/k/v parts differ in width (GQA) land here.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
+
+SPLIT_MODE, GATHERED_MODE = "split", "gathered"
+_ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flex_attention"})
+_MATMULS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum"})
+_SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax"})
+_SELECTIONS = frozenset({"topk", "sort", "argsort", "argmax"})
+# Roles a block member can get, by the layout its rank owners form (parts split over tp).
+_SPLIT_ROLE_BY_PARTS = {1: "colwise", 2: "fused_gate_up", 3: "fused_qkv"}
+
+
+@dataclass
+class Block:
+    """Projections joined by non-stream edges, and how the block is planned."""
+
+    members: tuple[str, ...]
+    consumers: tuple[str, ...]
+    producers: tuple[str, ...]
+    norms: tuple[str, ...] = ()
+    mode: str = GATHERED_MODE
+    layouts: dict[str, int] = field(default_factory=dict)  # member -> packed parts (split mode)
+    why: str = ""
+
+    def roles(self) -> dict[str, str]:
+        """The role of every member and norm in this block's mode."""
+        roles = {}
+        for name in self.members:
+            if name in self.consumers:
+                roles[name] = "rowwise" if self.mode == SPLIT_MODE else "rowwise_split_input"
+            elif self.mode == SPLIT_MODE:
+                roles[name] = _SPLIT_ROLE_BY_PARTS[self.layouts[name]]
+            else:
+                roles[name] = "colwise_gathered"
+        for name in self.norms:
+            roles[name] = "head_norm" if self.mode == SPLIT_MODE else "replicate"
+        return roles
+
+
+@dataclass
+class Dataflow:
+    """What one traced forward says about the model's modules (names of the traced copy)."""
+
+    stream: frozenset[str]
+    routers: frozenset[str]
+    blocks: list[Block]
+    standalone: frozenset[str]  # linears and embeddings off any block (extra embeddings, gates): replicated
+    attention_inputs: frozenset[str] = frozenset()  # modules whose output reaches an attention's q, k or v
+
+    def roles(self) -> dict[str, str]:
+        roles = {name: "replicate" for name in self.standalone | self.routers}
+        for block in self.blocks:
+            roles.update(block.roles())
+        return roles
+
+    def block_of(self, name: str) -> Block | None:
+        return next((block for block in self.blocks if name in block.members or name in block.norms), None)
+
+
+class _Tags(TorchFunctionMode):
+    """Tags every tensor with the sources of its values (module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags: dict[int, tuple[torch.Tensor, frozenset]] = {}
+        self.pairs: list[tuple[frozenset, frozenset]] = []
+        self.attention: list[tuple[frozenset, frozenset, frozenset]] = []
+        self.selected: set = set()
+        self.running: list[str] = []  # the tagged modules whose forward is running, innermost last
+        self.selecting: set[str] = set()  # tagged modules that select (top-k) inside their own forward
+
+    def of(self, value) -> frozenset:
+        entry = self.tags.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else frozenset()
+
+    def set(self, value, tags: Iterable) -> None:
+        if isinstance(value, torch.Tensor):
+            self.tags[id(value)] = (value, frozenset(tags))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        values = [t for t in tensors if _carries_values(t) and not isinstance(t, nn.Parameter)]
+        carried = frozenset().union(*(self.of(t) for t in values)) if values else frozenset()
+        if name in _ATTENTION_FUNCTIONS and len(values) >= 3:
+            self.attention.append((self.of(args[0]), self.of(args[1]), self.of(args[2])))
+            carried = frozenset({("attn", len(self.attention) - 1)})
+        elif name in _MATMULS:
+            carried = self._matmul(values, carried)
+        elif name in _SOFTMAXES:
+            carried = frozenset(("probs", tag[1]) if tag[0] == "pair" else tag for tag in carried)
+        elif name in _SELECTIONS:
+            if self.running:  # a router module whose own forward picks the experts
+                self.selecting.add(self.running[-1])
+            else:
+                self.selected |= carried
+        if name.endswith("_") and not name.startswith("__") or name in ("__setitem__", "__iadd__", "__imul__"):
+            target = args[0] if args else None
+            if isinstance(target, torch.Tensor):
+                self.set(target, self.of(target) | carried)
+        for result in tree_flatten(out)[0]:
+            if isinstance(result, torch.Tensor) and id(result) not in map(id, tensors):
+                self.set(result, carried if _carries_values(result) else
+                         carried | frozenset().union(*(self.of(t) for t in tensors)))
+        return out
+
+    def _matmul(self, values: list[torch.Tensor], carried: frozenset) -> frozenset:
+        """attention scores (a product of two activations), or probabilities times values."""
+        operands = [t for t in values if self.of(t)]
+        if len(operands) < 2:
+            return carried
+        first, second = operands[-2], operands[-1]
+        probs = {tag[1] for tag in self.of(first) if tag[0] == "probs"}
+        if probs:
+            left, right = self.pairs[min(probs)]
+            self.attention.append((left, right, self.of(second)))
+            return frozenset({("attn", len(self.attention) - 1)})
+        self.pairs.append((self.of(first), self.of(second)))
+        return frozenset({("pair", len(self.pairs) - 1)})
+
+
+@dataclass
+class _Trace:
+    model: nn.Module
+    mode: _Tags
+    inputs: dict[str, frozenset]
+    first_input: dict[str, torch.Tensor]
+    first_output: dict[str, torch.Tensor]
+    leaves: dict[str, nn.Module]
+    logits_tags: frozenset
+
+
+def _carries_values(tensor: torch.Tensor) -> bool:
+    """Floating and complex tensors carry values (rotary embeddings in complex form);
+    integer and boolean ones select (ids, expert indices, masks)."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _own_params(module: nn.Module) -> list[torch.Tensor]:
+    return list(module.parameters(recurse=False))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    params = _own_params(module)
+    return bool(params) and all(p.dim() < 2 for p in params)
+
+
+def _leaves(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules with their own parameters and no parameterized children: what the tags name."""
+    return {name: module for name, module in model.named_modules()
+            if _own_params(module) and not any(_own_params(child) for child in module.modules() if child is not module)}
+
+
+def _first_float(value) -> torch.Tensor | None:
+    return next((t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
+def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
+    mode = _Tags()
+    leaves = _leaves(model)
+    inputs: dict[str, frozenset] = {}
+    first_input: dict[str, torch.Tensor] = {}
+    first_output: dict[str, torch.Tensor] = {}
+
+    def pre(name):
+        def hook(module, args, kwargs):
+            floats = [t for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor) and _carries_values(t) and not isinstance(t, nn.Parameter)]
+            mode.running.append(name)
+            inputs[name] = inputs.get(name, frozenset()).union(*(mode.of(t) for t in floats))
+            if floats:
+                first_input.setdefault(name, floats[0])
+        return hook
+
+    def post(name):
+        def hook(module, args, kwargs, output):
+            mode.running.pop()
+
+            def retag(value):
+                mode.set(value, {("mod", name)})
+                return value
+            tree_map(lambda v: retag(v) if isinstance(v, torch.Tensor) and _carries_values(v) else v, output)
+            found = _first_float(output)
+            if found is not None:
+                first_output.setdefault(name, found)
+        return hook
+
+    handles = []
+    for name, module in leaves.items():
+        handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+        handles.append(module.register_forward_hook(post(name), with_kwargs=True))
+    try:
+        with mode:
+            output = model(input_ids=input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    logits = getattr(output, "logits", None)
+    logits = logits if isinstance(logits, torch.Tensor) else _first_float(output)
+    return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits))
+
+
+class _Resolver:
+    """Tags -> the modules, attention calls and inputs they come from, through norms."""
+
+    def __init__(self, trace: _Trace):
+        self.trace = trace
+        self.norms = {name for name, module in trace.leaves.items() if _is_norm(module)}
+
+    def __call__(self, tags: Iterable, seen: frozenset = frozenset()) -> frozenset:
+        out = set()
+        for tag in tags:
+            if tag[0] == "mod" and tag[1] in self.norms:
+                if tag[1] not in seen:
+                    out |= self(self.trace.inputs.get(tag[1], ()), seen | {tag[1]})
+            elif tag[0] in ("pair", "probs"):
+                left, right = self.trace.mode.pairs[tag[1]]
+                out |= self(left | right, seen)
+            else:
+                out.add(tag)
+        return frozenset(out)
+
+
+def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
+            dry_run: Callable[[nn.Module, dict[str, int], Block], str | None] | None = None) -> Dataflow:
+    """Trace ``model`` (a tiny real instance) on ``input_ids`` and plan its blocks for ``tp``."""
+    model.train(False)
+    trace = _trace(model, input_ids)
+    resolve = _Resolver(trace)
+    head = output_embeddings(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    head_name = names.get(id(head))
+    embed_name = names.get(id(input_embeddings(model)))
+    stream_tags = resolve(trace.inputs[head_name] if head_name in trace.inputs else trace.logits_tags)
+    stream = frozenset(tag[1] for tag in stream_tags if tag[0] == "mod")
+    routers = frozenset(name for name in (
+        {tag[1] for tag in resolve(trace.mode.selected) if tag[0] == "mod"} | trace.mode.selecting)
+        if isinstance(trace.leaves.get(name), nn.Linear))  # other selecting modules (experts) are the planner's
+    matrices = [name for name, module in trace.leaves.items()
+                if not _is_norm(module) and name not in (head_name, embed_name) and name not in routers]
+    blocks = _blocks(trace, resolve, matrices, stream)
+    _plan_blocks(trace, blocks, tp, dry_run)
+    in_blocks = {name for block in blocks for name in block.members}
+    standalone = frozenset(name for name in matrices if name not in in_blocks
+                           and isinstance(trace.leaves[name], (nn.Linear, nn.Embedding)))
+    attention_inputs = frozenset(tag[1] for operands in trace.mode.attention
+                                 for tag in resolve(frozenset().union(*operands)) if tag[0] == "mod")
+    return Dataflow(stream=stream, routers=routers, blocks=blocks, standalone=standalone,
+                    attention_inputs=attention_inputs)
+
+
+def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: frozenset[str]) -> list[Block]:
+    """Union the matrices over edges that do not go through the stream (module docstring)."""
+    parent: dict = {}
+
+    def find(node):
+        parent.setdefault(node, node)
+        while parent[node] != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    def union(a, b):
+        parent[find(a)] = find(b)
+
+    inner_of: dict[str, frozenset] = {}
+    for name in matrices:
+        sources = resolve(trace.inputs.get(name, ()))
+        inner = frozenset(tag for tag in sources if not (tag[0] == "mod" and tag[1] in stream) and tag[0] != "input")
+        inner_of[name] = inner
+        find(("mod", name))
+        for tag in inner:
+            if tag[0] == "attn" or tag[1] in matrices:
+                union(("mod", name), tag)
+    for index, operands in enumerate(trace.mode.attention):
+        for tag in resolve(frozenset().union(*operands)):
+            if tag[0] == "mod" and tag[1] in matrices:
+                union(("attn", index), tag)
+    groups: dict = {}
+    for name in matrices:
+        groups.setdefault(find(("mod", name)), []).append(name)
+    blocks = []
+    for members in groups.values():
+        member_set = set(members)
+
+        def fed_inside(name):
+            return any(tag[0] == "attn" or tag[0] == "mod" and tag[1] in member_set for tag in inner_of[name])
+
+        consumers = tuple(name for name in members if name in stream and fed_inside(name))
+        producers = tuple(name for name in members if not fed_inside(name))
+        if len(members) < 2 or not consumers or not all(isinstance(trace.leaves[m], nn.Linear) for m in members):
+            continue  # the roles lay out nn.Linear weights ([out, in]); other matrices are the planner's
+        inner = member_set - set(consumers)  # a norm on a consumer's output (a post-norm) is on the stream
+        norms = tuple(sorted(name for name in resolve.norms if _inside(resolve(trace.inputs.get(name, ())), inner)))
+        blocks.append(Block(members=tuple(members), consumers=consumers, producers=producers, norms=norms))
+    return blocks
+
+
+def _inside(sources: frozenset, members: set[str]) -> bool:
+    """Sources that are all modules of one block (a norm inside it)."""
+    return bool(sources) and all(tag[0] == "mod" and tag[1] in members for tag in sources)
+
+
+def _plan_blocks(trace: _Trace, blocks: list[Block], tp: int, dry_run) -> None:
+    """Plan one block per shape (its members' names with indices as ``*``: every layer's
+    attention, every expert's MLP) and give the others of that shape the same plan. The
+    representative is the first whose consumer saw tokens (an expert no token was routed
+    to in the traced forward says nothing)."""
+    by_shape: dict[tuple, list[Block]] = {}
+    for block in blocks:
+        by_shape.setdefault(tuple(sorted(pattern(name) for name in block.members)), []).append(block)
+    for same in by_shape.values():
+        seen = [b for b in same if _saw_tokens(trace, b)]
+        if not seen:
+            for block in same:
+                block.why = "no token reached it in the traced forward"
+            continue
+        first = seen[0]
+        _plan_block(trace, first, tp, dry_run)
+        for block in same[1:] if first is same[0] else [b for b in same if b is not first]:
+            by_pattern = {pattern(name): parts for name, parts in first.layouts.items()}
+            block.mode, block.why = first.mode, first.why
+            block.layouts = {name: by_pattern[pattern(name)] for name in block.members if pattern(name) in by_pattern}
+
+
+def _saw_tokens(trace: _Trace, block: Block) -> bool:
+    x = trace.first_input.get(block.consumers[0])
+    return x is not None and x.numel() > 0
+
+
+def _plan_block(trace: _Trace, block: Block, tp: int, dry_run) -> None:
+    """Split mode when every member's output features have one owning rank in a layout the
+    roles have and the dry run passes; gathered otherwise, with the reason."""
+    if tp <= 1:
+        block.mode, block.why = SPLIT_MODE, "tp 1"
+        block.layouts = {name: 1 for name in block.members}
+        return
+    if len(block.consumers) != 1:
+        block.why = f"{len(block.consumers)} members write to the residual stream"
+        return
+    consumer = block.consumers[0]
+    owners, why = _owners(trace, consumer, [m for m in block.members if m != consumer], tp)
+    if owners is None:
+        block.why = why
+        return
+    layouts = {}
+    for name, owner in owners.items():
+        parts = _layout(owner, tp)
+        if parts is None:
+            block.why = f"{name}'s output features are not split over tp as whole parts (e.g. q/k/v of unequal width)"
+            return
+        layouts[name] = parts
+    layouts[consumer] = 1
+    if dry_run is not None:
+        failure = dry_run(trace.model, layouts, block)
+        if failure:
+            block.why = f"the model's code does not run on one rank's share of the block: {failure}"
+            return
+    block.mode, block.layouts = SPLIT_MODE, layouts
+
+
+def _owners(trace: _Trace, consumer: str, members: list[str], tp: int):
+    """Per member, the tp rank that needs each of its output features (-1: none), from the
+    gradient of each rank's slice of the consumer's input; None where a feature is needed
+    by two ranks, with the reason."""
+    x = trace.first_input.get(consumer)
+    outputs = [trace.first_output.get(name) for name in members]
+    if x is None or any(out is None or not out.requires_grad for out in outputs) or not x.requires_grad:
+        return None, "the traced forward did not record the block's tensors"
+    width = x.shape[-1]
+    if width % tp:
+        return None, f"{consumer}'s input width {width} does not divide by tp={tp}"
+    generator = torch.Generator().manual_seed(0)
+    needs = [torch.zeros(tp, out.shape[-1], dtype=torch.bool) for out in outputs]
+    step = width // tp
+    for rank in range(tp):
+        piece = x[..., rank * step:(rank + 1) * step]
+        weights = torch.rand(piece.shape, generator=generator, dtype=piece.dtype) + 0.5
+        grads = torch.autograd.grad((piece * weights).sum(), outputs, retain_graph=True, allow_unused=True)
+        for index, grad in enumerate(grads):
+            if grad is not None:
+                needs[index][rank] = grad.detach().abs().reshape(-1, grad.shape[-1]).sum(0) > 0
+    owners = {}
+    for name, need in zip(members, needs):
+        shared = (need.sum(0) > 1).nonzero()
+        if len(shared):
+            feature = int(shared[0])
+            return None, (f"{name}'s output feature {feature} feeds the share of more than one tp rank "
+                          "(e.g. a norm over the whole projection, a tensor shared by every head)")
+        owner = torch.where(need.any(0), need.float().argmax(0), torch.full_like(need[0], -1, dtype=torch.long))
+        owners[name] = owner.tolist()
+    return owners, ""
+
+
+def _layout(owner: list[int], tp: int) -> int | None:
+    """The number of equal packed parts (1, 2 or 3) whose contiguous split over tp gives
+    ``owner``; None if none does. Features no rank needs fit any layout."""
+    width = len(owner)
+    for parts in _SPLIT_ROLE_BY_PARTS:
+        if width % (parts * tp):
+            continue
+        piece = width // (parts * tp)
+        if all(rank < 0 or rank == (feature % (width // parts)) // piece for feature, rank in enumerate(owner)):
+            return parts
+    return None
+
+
+def local_widths_dry_run(model: nn.Module, input_ids: torch.Tensor, tp: int) -> Callable:
+    """A dry run for ``analyze``: rank 0's output of every split member (its rows of each
+    packed part) and the consumer's input padded back to full width; the model's own code
+    between them must run on the narrower tensors. Returns the error text, or None."""
+
+    def run(_model, layouts: dict[str, int], block: Block) -> str | None:
+        modules = dict(model.named_modules())
+        handles = []
+        for name, parts in layouts.items():
+            if name in block.consumers:
+                handles.append(modules[name].register_forward_pre_hook(_pad_input(tp)))
+            else:
+                handles.append(modules[name].register_forward_hook(_rank0_rows(parts, tp)))
+        try:
+            with torch.no_grad():
+                model(input_ids=input_ids)
+        except Exception as exc:  # the model's own code: any error means it does not run locally
+            return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        finally:
+            for handle in handles:
+                handle.remove()
+        return None
+
+    return run
+
+
+def _rank0_rows(parts: int, tp: int):
+    def hook(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            return output
+        width = output.shape[-1]
+        size = width // parts
+        piece = size // tp
+        return torch.cat([output[..., p * size:p * size + piece] for p in range(parts)], dim=-1)
+    return hook
+
+
+def _pad_input(tp: int):
+    def hook(module, args):
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        local = args[0]
+        return (torch.cat([local] * tp, dim=-1), *args[1:])
+    return hook
+
+
+def pattern(name: str) -> str:
+    """A module name with every index written ``*`` (layer and expert numbers)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def roles_for(model: nn.Module, flow: Dataflow) -> dict[str, str]:
+    """The dataflow roles by the planned model's module names: the traced copy has the
+    same depth (names match) but may have fewer experts, so names match by pattern too."""
+    traced = flow.roles()
+    by_pattern: dict[str, set[str]] = {}
+    for name, role in traced.items():
+        by_pattern.setdefault(pattern(name), set()).add(role)
+    roles = {}
+    for name, _ in model.named_modules():
+        if name in traced:
+            roles[name] = traced[name]
+        else:
+            found = by_pattern.get(pattern(name), set())
+            if len(found) == 1:
+                roles[name] = next(iter(found))
+    return roles
+

@@ -1,0 +1,112 @@
+"""Roles from dataflow (hyper_parallel/distributed/dataflow.py): traced on tiny real models
+whose module names say nothing (the remote-code fixtures) and on transformers families
+whose structure needs more than names (a norm over a whole projection, global head counts
+in a reshape, a fused q/k/v of unequal parts, routers, learned positions)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, BloomConfig, Olmo2Config, Qwen3Config
+
+from hyper_parallel.distributed.dataflow import GATHERED_MODE, SPLIT_MODE, analyze, local_widths_dry_run, pattern
+from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.planner import ShardingPlanner
+
+REMOTE = Path(__file__).resolve().parents[1] / "data" / "remote_code"
+TP = 2
+
+
+def _tiny(config):
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=True, dtype=torch.float32)
+
+
+def _remote(name: str):
+    return _tiny(AutoConfig.from_pretrained(REMOTE / name, trust_remote_code=True))
+
+
+def _flow(model, tp: int = TP):
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    return analyze(model, ids, tp=tp, dry_run=local_widths_dry_run(model, ids, tp))
+
+
+def _roles(flow) -> dict[str, str]:
+    """Roles by module pattern (every layer alike)."""
+    return {pattern(name): role for name, role in flow.roles().items()}
+
+
+def test_meta_reference_names_say_nothing_dataflow_splits_attention_and_mlp():
+    roles = _roles(_flow(_remote("meta_reference")))
+    for proj in ("wq", "wk", "wv"):
+        assert roles[f"layers.*.attention.{proj}"] == "colwise"
+    assert roles["layers.*.attention.wo"] == "rowwise"
+    assert roles["layers.*.feed_forward.w1"] == roles["layers.*.feed_forward.w3"] == "colwise"
+    assert roles["layers.*.feed_forward.w2"] == "rowwise"
+
+
+def test_fused_qkv_of_unequal_parts_is_gathered_with_the_reason():
+    flow = _flow(_remote("fused_gqa"))
+    attention = flow.block_of("decoder.blocks.0.attention.query_key_value")
+    assert attention.mode == GATHERED_MODE and "not split over tp as whole parts" in attention.why
+    assert attention.roles()["decoder.blocks.0.attention.dense"] == "rowwise_split_input"
+    mlp = flow.block_of("decoder.blocks.0.mlp.dense_h_to_4h")
+    assert mlp.mode == SPLIT_MODE
+
+
+def test_list_moe_routers_positions_and_expert_mlps():
+    flow = _flow(_remote("list_moe"))
+    assert {pattern(name) for name in flow.routers} == {"backbone.layers.*.moe.router"}
+    assert "backbone.pos_embed" in flow.standalone  # added to the stream, replicated
+    roles = _roles(flow)
+    assert roles["backbone.layers.*.moe.experts.*.fc_in"] == "colwise"
+    assert roles["backbone.layers.*.moe.experts.*.fc_out"] == "rowwise"
+    assert roles["backbone.layers.*.attn.query"] == "colwise"
+    assert roles["backbone.layers.*.attn.out"] == "rowwise"
+
+
+def test_norm_over_the_whole_projection_makes_attention_gathered():
+    config = Olmo2Config(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=128)
+    flow = _flow(_tiny(config))
+    block = flow.block_of("model.layers.0.self_attn.q_proj")
+    assert block.mode == GATHERED_MODE and "more than one tp rank" in block.why
+    assert flow.block_of("model.layers.0.mlp.down_proj").mode == SPLIT_MODE
+
+
+def test_per_head_norms_are_head_norms_in_a_split_block():
+    config = Qwen3Config(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, num_hidden_layers=1, vocab_size=128)
+    roles = _roles(_flow(_tiny(config)))
+    assert roles["model.layers.*.self_attn.q_norm"] == roles["model.layers.*.self_attn.k_norm"] == "head_norm"
+    assert roles["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert roles["model.layers.*.self_attn.o_proj"] == "rowwise"
+
+
+def test_a_reshape_with_the_global_head_count_fails_the_dry_run():
+    # Bloom views its fused qkv as [batch, seq, num_heads, 3, head_dim] with the config's
+    # head count: the per-head layout would split, but its code cannot run on a share.
+    config = BloomConfig(hidden_size=64, n_head=4, n_layer=1, vocab_size=128)
+    block = _flow(_tiny(config)).block_of("transformer.h.0.self_attention.query_key_value")
+    assert block.mode == GATHERED_MODE and "does not run on one rank's share" in block.why
+
+
+def test_no_split_at_tp1():
+    flow = _flow(_remote("fused_gqa"), tp=1)
+    assert all(block.mode == SPLIT_MODE for block in flow.blocks)
+
+
+@pytest.mark.parametrize("fixture", ["meta_reference", "list_moe"])
+def test_planner_uses_dataflow_for_modules_names_do_not_classify(fixture):
+    tiny = _remote(fixture)
+    flow = _flow(tiny)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny.config, trust_remote_code=True)
+    dims = ParallelDims(tp=TP)
+    without = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims))
+    with pytest.raises(Exception, match="cannot classify"):
+        without.plan()
+    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow).plan()
+    split = {name for name, role in result.roles.items() if role == "colwise"}
+    assert split and "tp" in result.applied_axes
