@@ -38,7 +38,9 @@ What it does (issue 11, items 1 and 2):
    error classes from resolve / derive / freeze or the verify probe, i.e. a clean error
    naming a module or key); ``fail`` (anything else: a verify mismatch, a crash in a stage
    or in verify's ranks, a refusal-class error with another exit code, a training mismatch
-   or crash, a timeout).
+   or crash, a timeout). A training crash's reason names torchrun's exit code, the rank that
+   failed first and how (``killed by SIGABRT (exit -6)``), the last step logged, and the
+   rank's exception or else the last lines the ranks wrote to stderr.
 4. Remote-code fixtures. Every folder of ``tests/data/remote_code/`` (a config.json with an
    ``auto_map``, its ``configuration_*.py`` and ``modeling_*.py``) is swept too, as family
    ``remote:<folder>``: decoders transformers does not ship, with module names and block
@@ -74,6 +76,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -579,12 +582,81 @@ def run_training(project: Path, recipe: Path, world: int, timeout: float) -> tup
     except subprocess.TimeoutExpired:
         return "fail", f"train: timed out after {timeout:.0f}s"
     if proc.returncode != 0 or not metrics.is_file():
-        kind, message = final_exception(proc.stdout + proc.stderr)
-        message = message.replace(str(project) + "/", "")
-        return "fail", first_line(f"train (gen backend) crashed: {kind}: {message}", 400)
+        return "fail", training_crash(proc.returncode, proc.stdout, proc.stderr, metrics.is_file(), project)
     got = json.loads(metrics.read_text())
     want = reference_training(recipe)
     return compare_training(got, want)
+
+
+# torchrun's own log lines (``W1201 02:40:35.362000 4953 .../api.py:1028] ...``) and its
+# failure report (``Root Cause`` ... ``exitcode  : -6 (pid: 5002)``) around the ranks' output.
+TORCHRUN_LOG = re.compile(r"^[WEIF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\] ")
+RANK_EXIT = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", re.M)
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|", re.M)
+
+
+def exit_text(code: int) -> str:
+    """``exit 1``, or ``killed by SIGABRT (exit -6)`` for a negative (signal) code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit {code})"
+        except ValueError:
+            return f"killed by signal {-code} (exit {code})"
+    return f"exit {code}"
+
+
+def rank_exits(stderr: str) -> list[tuple[int, int]]:
+    """(rank, exit code) from torchrun's failure report, the root cause first (torchrun
+    lists the other failures first, then ``Root Cause (first observed failure)``)."""
+    cause = stderr.rfind("Root Cause")
+    found = [(int(rank), int(code)) for rank, code in RANK_EXIT.findall(stderr[cause:] if cause >= 0 else "")]
+    for rank, code in RANK_EXIT.findall(stderr[:cause] if cause >= 0 else stderr):
+        if (int(rank), int(code)) not in found:
+            found.append((int(rank), int(code)))
+    return found
+
+
+def rank_stderr_lines(stderr: str) -> list[str]:
+    """The ranks' own stderr lines: torchrun's log lines and its closing traceback and
+    failure report (from the launcher's ``Traceback`` that ends in ChildFailedError) left out."""
+    lines = stderr.splitlines()
+    failed = next((i for i, line in enumerate(lines) if "ChildFailedError" in line), None)
+    if failed is not None:
+        start = next((i for i in range(failed, -1, -1) if lines[i].startswith("Traceback (most recent call last)")),
+                     failed)
+        lines = lines[:start]
+    return [line.strip() for line in lines if line.strip() and not TORCHRUN_LOG.match(line)]
+
+
+def training_crash(code: int, stdout: str, stderr: str, metrics_written: bool, project: Path) -> str:
+    """Why the training launch failed, never empty: torchrun's exit code, the rank that
+    failed first and how (signal names for negative codes), how far training got, and the
+    rank's exception or else the last lines of the ranks' stderr."""
+    parts = [f"torchrun {exit_text(code)}" if code else "torchrun exit 0 but rank 0 wrote no metrics"]
+    exits = rank_exits(stderr)
+    if exits:
+        rank, rank_code = exits[0]
+        parts.append(f"rank {rank} {exit_text(rank_code)}"
+                     + (f" (also {', '.join(f'rank {r} {exit_text(c)}' for r, c in exits[1:])})" if exits[1:] else ""))
+    steps = STEP_LINE.findall(stdout)
+    if steps:
+        done, total = steps[-1]
+        parts.append(f"after step {done}/{total}" + (", metrics written" if metrics_written else ""))
+    kind, message = final_exception(stdout + "\n" + stderr)
+    lines = rank_stderr_lines(stderr)
+    # A rank killed by a signal prints no traceback; what it printed last (e.g. "terminate
+    # called without an active exception") says more than the others' "connection closed".
+    unranked = [line for line in lines if not RANK_PREFIX.match(line)]
+    if exits and exits[0][1] < 0 and unranked:
+        detail = " | ".join(unranked[-3:])
+    elif kind:
+        detail = f"{kind}: {message}"
+    else:
+        tail = lines[-3:] or [line.strip() for line in stdout.splitlines() if line.strip()][-2:]
+        detail = " | ".join(tail) if tail else "no output"
+    detail = detail.replace(str(project) + "/", "").replace(str(project), "<project>")
+    return first_line(f"train (gen backend) crashed: {'; '.join(parts)}: {detail}", 400)
 
 
 def compare_training(got: list[dict], want: list[dict]) -> tuple[str, str]:
