@@ -38,7 +38,9 @@ What it does (issue 11, items 1 and 2):
    error classes from resolve / derive / freeze or the verify probe, i.e. a clean error
    naming a module or key); ``fail`` (anything else: a verify mismatch, a crash in a stage
    or in verify's ranks, a refusal-class error with another exit code, a training mismatch
-   or crash, a timeout).
+   or crash, a timeout). A training crash's reason names torchrun's exit code, the rank that
+   failed first and how (``killed by SIGABRT (exit -6)``), the last step logged, and the
+   rank's exception or else the last lines the ranks wrote to stderr.
 4. Remote-code fixtures. Every folder of ``tests/data/remote_code/`` (a config.json with an
    ``auto_map``, its ``configuration_*.py`` and ``modeling_*.py``) is swept too, as family
    ``remote:<folder>``: decoders transformers does not ship, with module names and block
@@ -59,99 +61,63 @@ What it does (issue 11, items 1 and 2):
 Prints a table and a summary line; writes ``docs/families.md`` and ``docs/families.json``
 (``--no-docs``: don't) with exactly the rows that were run: a run over fewer families or
 layouts than the full sweep says so ("partial run") in both the summary and the docs.
-Progress goes to stderr, one line per case with its seconds. Runs subprocesses with
-OMP_NUM_THREADS=1 and no torchrun variables; ``--jobs N`` runs N cases at a time.
+The tiny configs and checkpoints (``hyper_parallel/families/tiny.py``) and one case's recipe,
+generate and training (``hyper_parallel/families/case.py``) are in the package: the test
+suite's fast subset (``tests/families/test_family_subset.py``, 8 families at tp2 and cp2)
+runs the same code. Progress goes to stderr, one line per case with its seconds. Runs
+subprocesses with OMP_NUM_THREADS=1 and no torchrun variables; ``--jobs N`` runs N cases at
+a time.
 """
 
 import argparse
 import concurrent.futures
-import dataclasses
-import functools
 import importlib
 import inspect
 import json
-import math
-import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
 import transformers
-import yaml
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from hyper_parallel.codegen.check.probe import ProbeError, cut_depth, layer_kinds, shortest_faithful_depth
-from hyper_parallel.codegen.spec.types import STAGES
-from hyper_parallel.trainer.reference import reference_training
+# The tiny configs and the case runner live in the package, so the test suite's family
+# subset (tests/families/test_family_subset.py) runs the same code.
+from hyper_parallel.families.case import (
+    LAYOUTS,
+    MOE_LAYOUTS,
+    TRAIN_STEPS,
+    Case,
+    clean_env,
+    compare_training,
+    final_exception,
+    first_line,
+    layouts_for,
+    make_project,
+    run_case,
+)
+from hyper_parallel.families.tiny import (
+    REMOTE_PREFIX,
+    class_defaults,
+    family_dir,
+    is_moe,
+    is_remote,
+    meta_model,
+    remote_families,
+    save_checkpoint,
+    tiny_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "bench" / "family_sweep_worker.py"
-REMOTE_DATA = REPO / "tests" / "data" / "remote_code"  # remote-code decoder fixtures, one folder each
-REMOTE_PREFIX = "remote:"
 DOCS_MD, DOCS_JSON = REPO / "docs" / "families.md", REPO / "docs" / "families.json"
 REGENERATE = "python bench/family_sweep.py"
-
-# layout -> accelerator keys; ep is borrowed from dp*cp, so ep2 needs dp2 (DESIGN §3).
-LAYOUTS = {
-    "tp2": {"tp_size": 2},
-    "tp2_sp_lp": {"tp_size": 2, "sequence_parallel": True, "loss_parallel": True},
-    "cp2": {"cp_size": 2},
-    "dp2": {"dp_size": 2},
-    "ep2": {"dp_size": 2, "ep_size": 2},
-    "tp2_ep2": {"tp_size": 2, "dp_size": 2, "ep_size": 2},
-}
-MOE_LAYOUTS = ("ep2", "tp2_ep2")
-TRAIN_STEPS, LOSS_RTOL, NORM_RTOL = 3, 1e-5, 1e-4
-
-# --- tiny configs ------------------------------------------------------------------------------
-
-# Canonical attribute names; a config class's attribute_map translates them to its own fields.
-TINY = {
-    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 128, "use_cache": False,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_ffn_hidden_size": 32,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "num_experts_per_token": 2, "moe_k": 2,
-    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    "qk_head_dim": 16, "rotary_dim": 8, "unpadded_vocab_size": 256,
-    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
-    "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8,
-}
-# Multi-head latent attention: the rotary embedding is sized by head_dim = the rope part, and
-# keys/values are decompressed per query head (no grouped-query attention).
-MLA = {"head_dim": TINY["qk_rope_head_dim"], "num_key_value_heads": TINY["num_attention_heads"]}
-SLIDING_WINDOW = 8  # only where the family has a window by default (None keeps full attention)
-# Dropout makes a parallel run differ from one process by its random masks, not by its plan.
-DROPOUT_FIELD = re.compile(r"(dropout|pdrop|drop_rate|layerdrop)$")
-# What the generic widths cannot express, per family: passed to the config class as given
-# (also keys that are constructor keywords but not fields).
-FAMILY_FIXES = {
-    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},  # read unconditionally
-             "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}},
-    "cohere_compass_text": {"rope_parameters": {kind: {"rope_type": "default", "rope_theta": 10000.0}
-                                                for kind in ("full_attention", "sliding_attention")}},
-    "longcat_flash": {"zero_expert_num": 2},
-    "dory": {"num_hidden_layers": 4, "n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
-    # Sliding layers have their own MLA widths (swa_* keywords become per_layer_config).
-    "dots3_note_text": {"swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_q_lora_rank": 32,
-                        "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16},
-    "hrm_text": {"num_layers_per_stack": 2, "H_cycles": 1, "L_cycles": 2},
-    "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
-    "dots1": {"n_shared_experts": 1},  # None (the default) fails in the MoE block
-    "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
-                     "layer_types": ["sliding_attention", "full_attention"] * 2},
-}
-TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
-MAX_LAYERS = 4
 
 # --- which families are swept ------------------------------------------------------------------
 
@@ -168,114 +134,6 @@ SKIP_BY_READING = {
     "gemma4_unified_assistant": "speculative-decoding assistant: reads a backbone's hidden states and shared KV, "
                                 "not a standalone LM",
 }
-
-
-def config_fields(config_class) -> set[str]:
-    """transformers 5 configs are dataclasses: their fields are what the constructor accepts."""
-    if dataclasses.is_dataclass(config_class):
-        return {f.name for f in dataclasses.fields(config_class)}
-    return set(inspect.signature(config_class.__init__).parameters)
-
-
-def class_defaults(config_class) -> dict:
-    """Field -> default value of a dataclass config (MISSING where there is none)."""
-    if not dataclasses.is_dataclass(config_class):
-        return {}
-    return {f.name: f.default for f in dataclasses.fields(config_class)}
-
-
-def config_kwargs(config_class, values: dict) -> dict:
-    """``values`` in the class's own field names (``attribute_map``: hidden_size -> n_embd);
-    names the class does not have are dropped, so one table serves every family."""
-    fields, amap = config_fields(config_class), getattr(config_class, "attribute_map", {}) or {}
-    out = {}
-    for key, value in values.items():
-        real = amap.get(key, key)
-        if real in fields and value is not None:
-            out[real] = value
-    return out
-
-
-def construct_config(family: str, extra: dict | None = None):
-    """The family's config class with TINY (the fields it has) + its fixes + ``extra``; GQA
-    is dropped where the class validates that kv heads equal heads."""
-    config_class = CONFIG_MAPPING[family]
-    defaults = class_defaults(config_class)
-    values = {**TINY, **(MLA if "qk_rope_head_dim" in defaults else {})}
-    if isinstance(defaults.get("sliding_window"), int):
-        values["sliding_window"] = SLIDING_WINDOW
-    values.update({name: 0.0 for name, value in defaults.items()
-                   if DROPOUT_FIELD.search(name) and isinstance(value, float)})
-    amap = getattr(config_class, "attribute_map", {}) or {}
-    explicit = {amap.get(k, k): v for k, v in {**FAMILY_FIXES.get(family, {}), **(extra or {})}.items()}
-    kwargs = {**config_kwargs(config_class, values), **explicit}
-    try:
-        config = config_class(**kwargs)
-    except Exception as exc:  # strict configs raise their own validation error class
-        kv = amap.get("num_key_value_heads", "num_key_value_heads")
-        if "num_key_value_heads" not in str(exc) or kv not in kwargs:
-            raise
-        config = config_class(**{**kwargs, kv: kwargs.get(amap.get("num_attention_heads", "num_attention_heads"))})
-    vocab = getattr(config, "vocab_size", None)
-    for index, key in enumerate(TOKEN_ID_KEYS):  # special tokens inside the small vocabulary
-        token = getattr(config, key, None)
-        if isinstance(vocab, int) and isinstance(token, int) and token >= vocab:
-            setattr(config, key, index)
-    return config
-
-
-def meta_model(config):
-    """The model on the meta device: structure without memory."""
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                trust_remote_code=is_remote_config(config))
-
-
-def kinds_of(config) -> set | None:
-    """Distinct layer kinds (verify's probe definition: module types, shapes, sliding/full,
-    layer_types entry); None where the model has no ModuleList of num_hidden_layers."""
-    try:
-        return set(layer_kinds(meta_model(config), config))
-    except (ProbeError, AttributeError):
-        return None
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_config(family: str):
-    """2-4 layers holding every layer kind of the family's default depth: the config class
-    built at 2, 3, 4 layers (it derives its own layer pattern), else the default pattern cut
-    short, else ``layer_types`` reordered so each distinct type comes early. Cached: callers
-    read it, never change it. A remote-code fixture's tiny config is its own config.json."""
-    if is_remote(family):
-        return transformers.AutoConfig.from_pretrained(remote_folder(family), trust_remote_code=True)
-    full = construct_config(family)
-    if "num_hidden_layers" in FAMILY_FIXES.get(family, {}) or not isinstance(
-            getattr(full, "num_hidden_layers", None), int):
-        return full
-    wanted = kinds_of(full)
-    if wanted is None:
-        return construct_config(family, {"num_hidden_layers": 2})
-    depth = max(2, shortest_faithful_depth(layer_kinds(meta_model(full), full)))
-    candidates = [lambda layers=layers: construct_config(family, {"num_hidden_layers": layers})
-                  for layers in range(2, MAX_LAYERS + 1)]
-    if depth <= MAX_LAYERS:
-        candidates.append(lambda: cut_depth(full, depth, family))
-    types = getattr(full, "layer_types", None)
-    if isinstance(types, (list, tuple)) and types:
-        distinct = list(dict.fromkeys(types))
-        for layers in range(max(2, len(distinct)), MAX_LAYERS + 1):
-            order = (distinct * MAX_LAYERS)[:layers]
-            candidates.append(lambda order=order: construct_config(
-                family, {"num_hidden_layers": len(order), "layer_types": order}))
-    for make in candidates:
-        try:
-            config = make()
-        except Exception:  # this way of cutting does not fit the class; try the next
-            continue
-        if (kinds_of(config) or set()) >= wanted:
-            return config
-    return cut_depth(full, min(depth, 2 * MAX_LAYERS), family)
 
 
 def modeling_module(family: str):
@@ -324,12 +182,6 @@ def skip_reason(family: str) -> str | None:
     return None
 
 
-def is_moe(config) -> bool:
-    """MoE when some module holds experts (packed tensors or a list of expert MLPs)."""
-    return any(name.rsplit(".", 1)[-1] == "experts" or "Experts" in type(module).__name__
-               for name, module in meta_model(config).named_modules())
-
-
 def enumerate_families() -> tuple[list[str], dict[str, str]]:
     """(kept families sorted, {skipped family: reason})."""
     kept, skipped = [], {}
@@ -340,282 +192,6 @@ def enumerate_families() -> tuple[list[str], dict[str, str]]:
         else:
             skipped[family] = reason
     return kept, skipped
-
-
-def remote_families() -> list[str]:
-    """``remote:<folder>`` for every remote-code fixture: a folder of REMOTE_DATA whose
-    config.json maps AutoModelForCausalLM in its ``auto_map``."""
-    found = []
-    for folder in sorted(REMOTE_DATA.iterdir()) if REMOTE_DATA.is_dir() else []:
-        config = folder / "config.json"
-        if config.is_file() and "AutoModelForCausalLM" in json.loads(config.read_text()).get("auto_map", {}):
-            found.append(REMOTE_PREFIX + folder.name)
-    return found
-
-
-def is_remote(family: str) -> bool:
-    return family.startswith(REMOTE_PREFIX)
-
-
-def remote_folder(family: str) -> Path:
-    return REMOTE_DATA / family[len(REMOTE_PREFIX):]
-
-
-def is_remote_config(config) -> bool:
-    """A config loaded from a remote-code folder (transformers' own configs have no auto_map)."""
-    return bool(getattr(config, "auto_map", None))
-
-
-def family_dir(family: str) -> str:
-    """The family's folder name in the throwaway project (no ``:`` in paths)."""
-    return family.replace(":", "-")
-
-
-def first_line(text: str, limit: int = 240) -> str:
-    """One trimmed line of an error message for a table cell."""
-    line = next((part.strip() for part in text.strip().splitlines() if part.strip()), "")
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
-# --- one case: recipe, generate, train ---------------------------------------------------------
-
-# The project's own "cannot plan this" errors: a clean refusal when raised before emit or by
-# verify's probe, and the CLI exits EXIT_REFUSED for them. Anything else (TypeError,
-# KeyError, a VerifyError, ...) is a fault.
-REFUSAL_ERRORS = {"DeriveError", "PlanError", "FreezeError", "PlanFormatError", "PlacementTextError",
-                  "SourceError", "RecipeError", "ProbeError"}
-REFUSAL_STAGES = ("resolve", "derive", "freeze")
-EXIT_REFUSED = 2  # python -m hyper_parallel.codegen: bad input and the project's refusals
-EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\w*): ?(.*)$")
-
-
-@dataclasses.dataclass
-class Case:
-    family: str
-    layout: str
-    status: str = ""
-    reason: str = ""
-    generate_s: float = 0.0
-    train_s: float = 0.0
-
-
-def clean_env() -> dict:
-    """Subprocesses run as a user's shell would: no torchrun variables, one thread each."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)
-    return env
-
-
-def make_project(dest: Path) -> Path:
-    """A throwaway project: dodo.py as bench/gen_vs_peer.py's make_project copies it, and an
-    empty recipes/ that the sweep fills (one folder per family, one per layout below it)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(REPO / "dodo.py", dest / "dodo.py")
-    (dest / "recipes").mkdir(exist_ok=True)
-    return dest
-
-
-def save_checkpoint(family: str, model_dir: Path) -> None:
-    """Random weights for the tiny config, written by transformers itself (real tensor names).
-    A remote-code fixture's save_pretrained also writes its config.json (with ``auto_map``)
-    and copies its code; the fixture's own .py files are copied over them, so the model
-    folder runs exactly the fixture's bytes."""
-    config = tiny_config(family)
-    remote = is_remote(family)
-    torch.manual_seed(1234)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
-                                                 trust_remote_code=remote)
-        model.save_pretrained(model_dir)
-    if remote:
-        for source in remote_folder(family).glob("*.py"):
-            shutil.copyfile(source, model_dir / source.name)
-
-
-def world_of(layout: str) -> int:
-    acc = LAYOUTS[layout]
-    return acc.get("tp_size", 1) * acc.get("cp_size", 1) * acc.get("dp_size", 1)
-
-
-def write_recipe(project: Path, family: str, layout: str) -> Path:
-    """recipes/<family>/<layout>/recipe.yaml next to recipes/<family>/model (the checkpoint);
-    the shape of recipes/tiny_cpu/qwen3_moe_tiny.yaml, with this layout's parallel sizes
-    (and ``model.trust_remote_code: true`` for a remote-code fixture)."""
-    world = world_of(layout)
-    dp = LAYOUTS[layout].get("dp_size", 1)
-    data = {
-        "model": {"pretrained_model_name_or_path": "../model", "torch_dtype": "float32",
-                  "attn_implementation": "eager", **({"trust_remote_code": True} if is_remote(family) else {})},
-        "accelerator": {"device_type": "cpu", "nproc_per_node": world, "nnodes": 1, "tp_size": 1,
-                        **LAYOUTS[layout]},
-        "codegen": True,
-        "training": {"steps": TRAIN_STEPS, "global_batch_size": 2 * dp, "micro_batch_size": 1, "seq_len": 16,
-                     "seed": 0},
-        "optimizer": {"name": "adamw", "lr": 1.0e-3},
-    }
-    recipe = project / "recipes" / family_dir(family) / layout / "recipe.yaml"
-    recipe.parent.mkdir(parents=True, exist_ok=True)
-    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
-    return recipe
-
-
-def run_generate(project: Path, recipe: Path, timeout: float) -> tuple[int | None, str]:
-    """The CLI with --verbose (tracebacks name the exception class); (exit code or None on
-    timeout, stdout + stderr)."""
-    command = [sys.executable, "-m", "hyper_parallel.codegen", "--verbose", "generate", "--skip-preflight",
-               "--config", str(recipe.relative_to(project))]
-    try:
-        proc = subprocess.run(command, cwd=project, env=clean_env(), capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        return None, _text(exc.stdout) + _text(exc.stderr)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def _text(value) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
-
-
-def failed_stage(output: str) -> str:
-    """The first stage that neither finished nor was up to date (the verbose log's lines)."""
-    for stage in STAGES[:-1]:
-        if not re.search(rf"^(\. {stage} done|-- {stage} up to date)", output, re.M):
-            return stage
-    return "?"
-
-
-def final_exception(output: str) -> tuple[str, str]:
-    """(class name, message) of the exception that stopped the run: under torchrun the first
-    rank's own (``[rankN]: XError: ...``), else the last one a traceback printed (not
-    torchrun's ChildFailedError, which only says that a rank failed)."""
-    ranked, plain = [], []
-    for line in output.splitlines():
-        rank = re.match(r"^\[rank\d+\]: ?(.*)$", line)
-        text = rank.group(1) if rank else line
-        match = EXCEPTION_LINE.match(text) if not text.startswith(" ") else None
-        if match and match.group(1).rsplit(".", 1)[-1] != "ChildFailedError":
-            (ranked if rank else plain).append((match.group(1).rsplit(".", 1)[-1], match.group(2)))
-    found = ranked[:1] or plain[-1:]
-    return found[0] if found else ("", "")
-
-
-def error_message(output: str) -> str:
-    """The CLI's own ``error: ...`` text (up to the next blank or indented-fix line)."""
-    lines = output.splitlines()
-    for index, line in enumerate(lines):
-        if line.startswith("error: "):
-            return "\n".join([line[len("error: "):], *lines[index + 1:index + 8]])
-    return ""
-
-
-def classify_generate(code: int | None, output: str, project: Path, timeout: float) -> tuple[str, str]:
-    """pass / refused / fail and a one-line reason (see the module docstring)."""
-    if code == 0:
-        return "pass", ""
-    if code is None:
-        return "fail", f"generate timed out after {timeout:.0f}s in {failed_stage(output)}"
-    stage = failed_stage(output)
-    kind, _ = final_exception(output)
-    message = error_message(output).replace(str(project) + "/", "").replace(str(project), "<project>")
-    message = re.sub(r"^recipes/\S+/recipe\.yaml: ", "", message)  # the row names family and layout
-    refusal = kind in REFUSAL_ERRORS and (stage in REFUSAL_STAGES or kind == "ProbeError")
-    if refusal and code == EXIT_REFUSED:
-        return "refused", f"{stage}: {first_line(message, 300)}"
-    if refusal:  # a refusal's error class, but the CLI did not report it as one
-        return "fail", f"{stage}: {kind} with exit code {code}, not {EXIT_REFUSED}: {first_line(message)}"
-    if kind == "VerifyError" or stage == "verify":
-        return "fail", f"verify: {verify_reason(message)}"
-    label = f"{kind} (exit {code})" if kind else f"exit {code}"
-    return "fail", f"{stage}: {label}: {first_line(message)}"
-
-
-def verify_reason(message: str) -> str:
-    """A verify failure in one line: what differed, and where it first diverged or which
-    rank's error stopped it."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    head = re.sub(r"^verify failed for \S+ \(world \d+, \w+\) at ", "", lines[0]) if lines else ""
-    head = re.sub(r"^verify on \d+ ranks \(\w+\) for \S+ failed:?", "ranks failed:", head)
-    # A rank that went silent is reported first; the error of the rank that did fail (its
-    # crash usually stopped the other) says more.
-    rank_error = next((line for line in lines[1:] if re.match(r"ranks? [\d, ]+: \S", line)), None)
-    silent = next((line.split(";")[0] for line in lines[1:] if "went silent" in line), None)
-    extra = next((line for line in lines[1:] if line.startswith("first module")), None) \
-        or (f"{rank_error} (and {silent})" if rank_error and silent else rank_error) \
-        or next((line for line in lines[1:] if not line.startswith("the previous bundle")), "")
-    joined = f"{head} {extra}" if head.endswith(":") else f"{head}; {extra}"
-    joined = joined.replace(" in  (no plan entry)", " in <root> (no plan entry)")  # the model's own forward
-    return first_line(compact_plan_entries(joined if extra else head), 400)
-
-
-def compact_plan_entries(text: str) -> str:
-    """``plan entry 'K': {'role': 'R', ...}`` -> ``plan entry 'K' (role R)``: the dict is in
-    the generate log; the role says what the planner thought the module was."""
-    out, start = [], 0
-    for match in re.finditer(r"plan entry '[^']*': \{", text):
-        if match.start() < start:
-            continue
-        depth, end = 0, match.end() - 1
-        for end in range(match.end() - 1, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[end], 0)
-            if depth == 0:
-                break
-        role = re.search(r"'role': '(\w+)'", text[match.end() - 1:end + 1])
-        out.append(text[start:match.start()] + match.group(0)[:-3] + (f" (role {role.group(1)})" if role else ""))
-        start = end + 1
-    return "".join(out) + text[start:]
-
-
-def run_training(project: Path, recipe: Path, world: int, timeout: float) -> tuple[str, str]:
-    """The gen backend trains TRAIN_STEPS steps under torchrun (the installed bundle, each
-    rank reading its checkpoint slices); single-process HF trains the same steps here."""
-    metrics = recipe.parent / "metrics.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics", str(metrics)]
-    try:
-        proc = subprocess.run(command, cwd=project, env=clean_env(), capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "fail", f"train: timed out after {timeout:.0f}s"
-    if proc.returncode != 0 or not metrics.is_file():
-        kind, message = final_exception(proc.stdout + proc.stderr)
-        message = message.replace(str(project) + "/", "")
-        return "fail", first_line(f"train (gen backend) crashed: {kind}: {message}", 400)
-    got = json.loads(metrics.read_text())
-    want = reference_training(recipe)
-    return compare_training(got, want)
-
-
-def compare_training(got: list[dict], want: list[dict]) -> tuple[str, str]:
-    """Loss rtol LOSS_RTOL and gradient norm rtol NORM_RTOL at every step."""
-    if len(got) != len(want):
-        return "fail", f"train: {len(got)} steps logged, expected {len(want)}"
-    worst_loss = worst_norm = 0.0
-    for step, (have, ref) in enumerate(zip(got, want), start=1):
-        loss_rel = abs(have["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12)
-        norm_rel = abs(have["grad_norm"] - ref["grad_norm"]) / max(abs(ref["grad_norm"]), 1e-12)
-        worst_loss, worst_norm = max(worst_loss, loss_rel), max(worst_norm, norm_rel)
-        if not math.isfinite(have["loss"]) or loss_rel > LOSS_RTOL or norm_rel > NORM_RTOL:
-            return "fail", (f"train step {step}: loss {have['loss']:.7g} vs one process {ref['loss']:.7g} "
-                            f"(rel {loss_rel:.1e}), grad norm {have['grad_norm']:.6g} vs {ref['grad_norm']:.6g} "
-                            f"(rel {norm_rel:.1e})")
-    return "pass", f"train {len(got)} steps: loss rel <= {worst_loss:.0e}, grad norm rel <= {worst_norm:.0e}"
-
-
-def run_case(project: Path, case: Case, args) -> Case:
-    """Generate (with verify), then train when it generated."""
-    recipe = write_recipe(project, case.family, case.layout)
-    start = time.perf_counter()
-    code, output = run_generate(project, recipe, args.timeout)
-    case.generate_s = time.perf_counter() - start
-    case.status, case.reason = classify_generate(code, output, project, args.timeout)
-    (recipe.parent / "generate.log").write_text(output)
-    if case.status == "pass" and not args.no_train:
-        start = time.perf_counter()
-        case.status, case.reason = run_training(project, recipe, world_of(case.layout), args.timeout)
-        case.train_s = time.perf_counter() - start
-    return case
 
 
 # --- peer column: transformers' tp_plan="auto" at tp2 --------------------------------------------
@@ -690,11 +266,6 @@ def judge_peer(result: dict) -> tuple[str, str]:
 
 def progress(message: str, seconds: float) -> None:
     print(f"[{seconds:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def layouts_for(family: str, moe: bool, layouts: list[str]) -> list[str]:
-    """The requested layouts that apply: ep layouts only for MoE families."""
-    return [layout for layout in layouts if moe or layout not in MOE_LAYOUTS]
 
 
 def summary_line(cases: list[Case], peer: dict, kept: int | None, skipped: int, run_note: str,
@@ -958,7 +529,7 @@ def prepare(project: Path, families: list[str]) -> dict[str, bool]:
 def run_cases(project: Path, cases: list[Case], args) -> None:
     """Every case, ``--jobs`` at a time; a progress line per case as it finishes."""
     def one(case: Case) -> Case:
-        run_case(project, case, args)
+        run_case(project, case, timeout=args.timeout, train=not args.no_train)
         detail = f": {case.reason}" if case.status != "pass" else ""
         progress(f"{case.family} {case.layout}: {case.status}{detail} (generate {case.generate_s:.1f}s, "
                  f"train {case.train_s:.1f}s)", case.generate_s + case.train_s)

@@ -1,0 +1,60 @@
+"""The family sweep's fast subset: 8 structurally different transformers families at tp2
+and cp2, through the code the sweep runs (``hyper_parallel.families``: tiny config,
+``save_pretrained`` checkpoint, recipe, ``python -m hyper_parallel.codegen generate``).
+
+Generate runs the verify stage, which trains the bundle at the recipe's world size against
+single-process HF on a shrunk probe (2 AdamW steps, loss rtol 1e-5, every parameter's
+gradient rtol 1e-4), so a row that generates is a row whose plan is equal to one process.
+The sweep's separate 3-step training of the checkpoint under torchrun (``run_case(...,
+train=True)``) is left out here: it costs about as much again per row, and the trainer's
+sharded load and steps are tested in tests/trainer/test_train_equivalence.py and, for a
+tied head, tests/families/test_fix_tied_embeddings.py. ``python bench/family_sweep.py
+--families ... --layouts tp2,cp2`` runs the same rows with it.
+
+Each row must have the status it has today: ``pass``, or ``refused`` with the known,
+intended reason (tied input and output embeddings cannot be context-parallel).
+"""
+
+import pytest
+
+from hyper_parallel.families.case import Case, make_project, run_case
+from hyper_parallel.families.tiny import family_dir, save_checkpoint
+
+# family -> what it adds to the planner's cases
+FAMILIES = {
+    "llama": "plain: separate q/k/v/o, gated MLP, RMSNorm, untied head",
+    "qwen3": "per-head q/k norms (q_norm, k_norm over head_dim)",
+    "olmo2": "q/k norms over the whole projection (hidden wide), norms after attention and MLP",
+    "phi3": "fused qkv_proj and fused gate_up_proj",
+    "mixtral": "packed experts (one gate_up_proj / down_proj tensor per layer), router",
+    "qwen2_moe": "packed experts plus a shared expert and its sigmoid gate",
+    "gemma2": "tied embeddings, sliding and full attention layers, soft-capping, extra norms",
+    "starcoder2": "biases on every projection, non-gated c_fc/c_proj MLP, LayerNorm, tied head",
+}
+TIED_AT_CP = "ties its input and output embeddings"
+# (family, layout) -> reason substring of a refusal; every other row must pass.
+REFUSED = {("gemma2", "cp2"): TIED_AT_CP, ("starcoder2", "cp2"): TIED_AT_CP}
+LAYOUTS = ("tp2", "cp2")
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def subset_project(tmp_path_factory):
+    """A throwaway project with every family's checkpoint (``recipes/<family>/model``)."""
+    project = make_project(tmp_path_factory.mktemp("family_subset") / "project")
+    for family in FAMILIES:
+        save_checkpoint(family, project / "recipes" / family_dir(family) / "model")
+    return project
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_row(subset_project, family, layout):
+    case = run_case(subset_project, Case(family, layout), timeout=TIMEOUT_S, train=False)
+    log = subset_project / "recipes" / family_dir(family) / layout / "generate.log"
+    detail = f"{family} {layout}: {case.status}: {case.reason} (log {log})"
+    if (family, layout) in REFUSED:
+        assert case.status == "refused", detail
+        assert REFUSED[(family, layout)] in case.reason, detail
+    else:
+        assert case.status == "pass", detail
