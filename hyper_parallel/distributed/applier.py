@@ -13,6 +13,9 @@ For each planned module:
   runs. Where the module's work is split across an axis (some input or parameter is
   sharded on it), what is replicated on that axis gets a ``Partial`` gradient, so
   DTensor sums it across ranks.
+- a parameter placed ``partial`` on an axis (a bias added to a partial sum, e.g. packed
+  experts' ``down_proj_bias``) is stored replicated and added once over that axis
+  (``_partial_parameter``).
 - a parameter whose gradient arrives ``Partial`` (replicated weight, split work) is
   reduced when backward ends (``partial_grads``: one all-reduce for all of them), so
   after ``backward()`` ``param.grad`` has the parameter's placements.
@@ -72,7 +75,9 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
     shared = SharedInputReductions()
     model.register_forward_pre_hook(shared.clear)
     model.register_forward_hook(shared.clear, always_call=True)
-    for fqn, config in _resolve_targets(model, modules).items():
+    targets = _resolve_targets(model, modules)
+    blocks = _planned_ancestors(targets)
+    for fqn, config in targets.items():
         owner = _expert_mesh(mesh, fqn) if _names_ep(config) else device_mesh
         owner_axes = tuple(owner.mesh_dim_names)
         axes = _axes_of(config, owner_axes, fqn)
@@ -83,12 +88,23 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
             sub_meshes[key] = owner[axes[0]] if len(axes) == 1 else owner[axes]
         module = model.get_submodule(fqn)
         _shard_states(module, fqn, config, sub_meshes[key], axes, sharded)
-        _install_hooks(module, fqn, config, sub_meshes[key], axes, shared)
+        _install_hooks(module, fqn, config, sub_meshes[key], axes, shared, block=fqn in blocks)
         if _shards_states_on(config, EP_AXIS):
             install_expert_dispatch(module, fqn, owner.get_group(EP_AXIS), owner.size(owner_axes.index(EP_AXIS)))
         if module is output_embeddings(model):
             _install_sharded_loss(model, fqn, config, sub_meshes[key], axes)
     return model
+
+
+def _planned_ancestors(targets: Mapping[str, ShardingConfig]) -> set[str]:
+    """FQNs of planned modules' ancestors: blocks whose planned submodules convert the
+    inputs they see themselves."""
+    ancestors = set()
+    for fqn in targets:
+        if fqn:
+            parts = fqn.split(".")
+            ancestors.update(".".join(parts[:index]) for index in range(len(parts)))
+    return ancestors
 
 
 def _names_ep(config: ShardingConfig) -> bool:
@@ -212,8 +228,17 @@ def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh,
         if id(param) not in sharded:
             if isinstance(param, DTensor):
                 raise PlanApplyError(f"parameter {fqn}.{name} is already a DTensor; was the plan applied twice?")
-            sharded[id(param)] = _to_dtensor_parameter(param, _placements(named, axes, param.dim()), sub_mesh)
+            placements = _placements(named, axes, param.dim())
+            if any(isinstance(p, Partial) for p in placements) and not config.local_map:
+                raise PlanApplyError(f"plan entry {fqn!r} places {name!r} partial, which only a local_map "
+                                     "entry can use (as the local tensor it adds to a partial sum)")
+            sharded[id(param)] = _to_dtensor_parameter(param, _stored_placements(placements), sub_mesh)
         module._parameters[name] = sharded[id(param)]
+
+
+def _stored_placements(placements) -> tuple:
+    """A parameter placed ``partial`` is stored whole (replicated) on that axis."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def _to_dtensor_parameter(param: nn.Parameter, placements, sub_mesh) -> nn.Parameter:
@@ -240,7 +265,7 @@ def local_piece(tensor: torch.Tensor, placement, pieces: int, index: int) -> tor
     if isinstance(placement, Shard):
         return _chunk(tensor, placement.dim, pieces, index)
     if isinstance(placement, Partial):
-        raise PlanApplyError("a parameter cannot be placed Partial")
+        raise PlanApplyError("a parameter is stored Replicate where it is placed Partial")
     return tensor
 
 
@@ -255,11 +280,15 @@ def _chunk(tensor: torch.Tensor, dim: int, pieces: int, index: int) -> torch.Ten
 
 
 def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes,
-                   shared: SharedInputReductions) -> None:
+                   shared: SharedInputReductions, *, block: bool = False) -> None:
     in_pairs = _pairs(config.in_src, config.in_dst)
     out_pairs = _pairs(config.out_src, config.out_dst)
     arg_names = _positional_names(module)
     split_axes = _split_axes(config, axes) if config.local_map else frozenset()
+    # A block (planned submodules) hands its inputs to them, whose boundaries reduce the
+    # gradients of the split work; its own sharded parameters (an attention block's sinks,
+    # split with the heads) do not touch its inputs, so they do not make them partial.
+    input_split_axes = _split_axes(config, axes, with_states=False) if config.local_map and block else split_axes
 
     def pre_hook(mod, args, kwargs):
         args, kwargs = list(args), dict(kwargs)
@@ -271,7 +300,7 @@ def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh
                 continue
             value = where[key]
             if isinstance(value, torch.Tensor):
-                where[key] = _convert_input(value, src, dst, sub_mesh, axes, config.local_map, split_axes,
+                where[key] = _convert_input(value, src, dst, sub_mesh, axes, config.local_map, input_split_axes,
                                             f"{fqn or '<root>'} input {index}", shared)
         return tuple(args), kwargs
 
@@ -312,9 +341,10 @@ def _locate_input(index: int, args: list, kwargs: dict, names: list[str]):
     return None, None
 
 
-def _split_axes(config: ShardingConfig, axes) -> frozenset[str]:
+def _split_axes(config: ShardingConfig, axes, *, with_states: bool = True) -> frozenset[str]:
     """Axes along which a local_map module's work is split (something it sees is sharded)."""
-    named = list(config.state_shardings.values()) + [n for n in _io_list(config.in_dst) if n is not None]
+    named = (list(config.state_shardings.values()) if with_states else []) + [
+        n for n in _io_list(config.in_dst) if n is not None]
     return frozenset(str(axis) for entry in named for axis, p in entry.items()
                      if isinstance(as_placement(p), (Shard, _StridedShard)))
 
@@ -406,6 +436,9 @@ def _convert_output(value, src, dst, sub_mesh, axes, where: str):
 def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axes, split_axes) -> None:
     """While a local_map module runs, its parameters are their local shards (differentiably)."""
     names = [name for name in config.state_shardings if isinstance(module._parameters.get(name), DTensor)]
+    partial_dims = {name: tuple(dim for dim, p in enumerate(_placements(config.state_shardings[name], axes))
+                                if isinstance(p, Partial))
+                    for name in names}
     saved: list[dict] = []
 
     def swap_in(mod, args):
@@ -413,6 +446,9 @@ def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axe
         saved.append(originals)
         for name, param in originals.items():
             grads = _grad_placements(param.placements, axes, split_axes)
+            if partial_dims[name]:
+                mod._parameters[name] = _partial_parameter(param, partial_dims[name], grads)
+                continue
             mod._parameters[name] = param.to_local(grad_placements=grads)
 
     def swap_out(mod, args, output):
@@ -421,6 +457,31 @@ def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axe
 
     module.register_forward_pre_hook(swap_in)
     module.register_forward_hook(swap_out, always_call=True)
+
+
+def _partial_parameter(param: DTensor, mesh_dims: tuple[int, ...], grads: tuple) -> torch.Tensor:
+    """The local value of a parameter placed ``partial`` on ``mesh_dims``: a term of the
+    module's partial-sum output (packed experts' ``down_proj_bias``: each tp rank's output
+    is its slice of the down projection, all-reduced on the way out), so the sum must see
+    it once. The first rank of each such mesh dim uses the whole value, the others a zero
+    (``value * 0``, so that they still get a gradient, of zeros); the gradient is marked
+    ``Partial`` there (``grads`` has the other dims', e.g. cp's where the tokens are
+    split) and summed over the dims when backward ends (``partial_grads``).
+
+    This is exact: the all-reduced output is ``sum of the slices + bias`` as in one
+    process, and the summed gradient is ``g + 0 + ...`` = ``g``, the first rank's
+    gradient, which is the one-process gradient (its output gradient is the replicated
+    sum's), bit for bit for any tp.
+    DTensor's own Replicate -> Partial (each rank ``bias / n``) would round for an ``n``
+    that is not a power of two. The parameter itself stays stored whole and replicated,
+    so the optimizer steps the true bias on every rank, the checkpoint load reads it
+    whole and the gradient norm counts it once."""
+    mesh = param.device_mesh
+    coords = mesh.get_coordinate()
+    grads = tuple(Partial() if dim in mesh_dims else p for dim, p in enumerate(grads))
+    local = param.to_local(grad_placements=grads)
+    first = all(coords[dim] == 0 for dim in mesh_dims)
+    return local if first else local * 0
 
 
 # --- loss on sharded logits ------------------------------------------------------------------

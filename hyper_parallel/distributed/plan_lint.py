@@ -88,8 +88,6 @@ def _lint_divides(param: str, shape: tuple[int, ...], named: dict[str, str], mes
             raise PlanError(f"parameter {param}: placement {text} names axis {axis!r}, "
                             f"not in mesh {list(allowed)}")
         spec = parse_placement_text(text)
-        if spec.kind == "partial":
-            raise PlanError(f"parameter {param}: a parameter cannot be placed partial on {axis!r}")
         if spec.kind not in ("shard", "packed_shard"):
             continue
         dim = spec.dim + len(shape) if spec.dim < 0 else spec.dim

@@ -248,6 +248,8 @@ class ShardingPlanner:
             return self._linear_role(fqn, module, meaning)
         if is_packed_experts(module):
             return "packed_experts"  # whatever the hint: the shapes give the layout (roles.packed_experts)
+        if self._head_vectors(fqn, module):
+            return "local_params"  # attention's own per-head vectors (sinks), split with its heads
         name = _leaf(fqn)
         if name in HEAD_NORM_NAMES or _all_vectors(module):
             return self._norm_role(fqn, module, meaning)
@@ -451,10 +453,32 @@ class ShardingPlanner:
     def _module_hint(self, fqn: str) -> str | None:
         return _lookup(self.hints, fqn)
 
+    def _head_vectors(self, fqn: str, module: nn.Module) -> dict[str, str]:
+        """The module's own vectors with one entry per attention head (GPT-OSS's attention
+        sinks) where its own query projection splits the heads over tp: split with the
+        heads (``colwise``: rows), as a TP plan writes them (Granite-SWA's
+        ``self_attn.sinks: colwise``); empty for any other module."""
+        heads = getattr(getattr(self.model, "config", None), "num_attention_heads", None)
+        vectors = [name for name, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == heads]
+        if not heads or not vectors or isinstance(module, (nn.Linear, nn.Embedding)):
+            return {}
+        for name, child in module.named_children():
+            if not isinstance(child, nn.Linear) or name not in ({"q_proj"} | FUSED_QKV_NAMES):
+                continue
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            try:
+                intent = self._linear_intent(child_fqn, child, self._hint_meaning(child_fqn, child))
+            except PlanError:
+                continue
+            if _PRODUCER_LAYOUTS.get(intent) == SPLIT:
+                return {name: "colwise" for name in vectors}
+        return {}
+
     def _param_hints(self, fqn: str, module: nn.Module) -> dict[str, str]:
-        """TP-plan styles written on the module's parameters themselves; a style that gives
+        """TP-plan styles written on the module's parameters themselves (per-head vectors of a
+        head-split attention split by default, ``_head_vectors``); a style that gives
         a parameter no layout is refused by name."""
-        found = {}
+        found = self._head_vectors(fqn, module)
         for name, _ in module.named_parameters(recurse=False):
             full_name = f"{fqn}.{name}" if fqn else name
             style = _lookup(self.hints, full_name)

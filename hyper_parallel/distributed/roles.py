@@ -134,22 +134,32 @@ def expert_intermediate_dims(module: nn.Module) -> tuple[int, int]:
 
 
 def packed_experts(module: nn.Module, hints: dict) -> ShardingConfig:
-    """HF fused experts: gate_up_proj packs gate and up along the intermediate dim (chunk(2)
-    after the matmul), down_proj maps the intermediate dim back. Each rank keeps its slice
-    of I in both halves, so the local chunk(2) still pairs gate with up; the down
-    projection then yields a partial sum over tp. The layout comes from the shapes
-    (``expert_intermediate_dims``); the parameters' TP-plan styles (packed_colwise,
-    packed_rowwise, rowwise, ...) name the same dims for HF's layouts and are not needed."""
+    """HF fused experts: gate_up_proj packs gate and up along the intermediate dim, down_proj
+    maps the intermediate dim back. Each rank keeps its slice of I for both gate and up, so
+    the local gate/up split still pairs them; the down projection then yields a partial sum
+    over tp. Gate and up are concatenated ([gate | up], chunk(2) after the matmul: a
+    packed shard keeps this rank's slice of each block) or, where the module says
+    ``is_concatenated = False`` (transformers' ``use_experts_implementation``, GPT-OSS),
+    interleaved ([g0, u0, g1, u1, ...], split with ``[..., ::2]``: a plain shard keeps
+    whole pairs, the same intermediate units as down_proj's shard). The layout comes from
+    the shapes (``expert_intermediate_dims``); the parameters' TP-plan styles
+    (packed_colwise, packed_rowwise, rowwise, ...) name the same dims for HF's layouts and
+    are not needed. ``down_proj_bias`` is added to the down projection's output, which is
+    a partial sum here: it is placed ``partial`` (stored whole, added once over tp; see the
+    applier)."""
     inter_in, inter_out = expert_intermediate_dims(module)
+    interleaved = getattr(module, "is_concatenated", True) is False
     states = {}
     for name in _params(module):
         if name == "gate_up_proj":
-            states[name] = _on_tp(_StridedShard(inter_in, split_factor=2))
+            states[name] = _on_tp(Shard(inter_in) if interleaved else _StridedShard(inter_in, split_factor=2))
         elif name == "down_proj":
             states[name] = _on_tp(Shard(inter_out))
         elif name == "gate_up_proj_bias":
-            states[name] = _on_tp(_StridedShard(1, split_factor=2))
-        else:  # e.g. down_proj_bias: added on every rank it would be summed tp times
+            states[name] = _on_tp(Shard(1) if interleaved else _StridedShard(1, split_factor=2))
+        elif name == "down_proj_bias":
+            states[name] = _on_tp(Partial())
+        else:
             raise PlanError(
                 f"{type(module).__name__}: no tensor-parallel layout for expert parameter {name!r}; "
                 "give its module a fully specified plan_overrides entry")

@@ -110,10 +110,10 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             fqn = f"{layers_fqn}.{index}.{name}"
             if not _has_params(child):
                 continue
-            if roles.get(fqn) == "replicate":
-                _residual_module(modules[fqn], residual)
-            elif _is_attention(fqn, child, roles, attention_inputs):
+            if _is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp)
+            elif roles.get(fqn) == "replicate":
+                _residual_module(modules[fqn], residual)
             else:
                 _mlp_block(fqn, child, modules, roles, residual, cp=cp)
     for fqn, role in list(roles.items()):
@@ -154,7 +154,8 @@ def _residual_module(config: ShardingConfig, residual: dict) -> None:
 def _attention_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
     partial = {**({CP: Replicate()} if cp else {}), TP: Partial()}
-    modules[fqn] = ShardingConfig(in_src=(residual,), in_dst=(full,),
+    own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. GPT-OSS's sinks
+    modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=(residual,), in_dst=(full,),
                                   out_src=(partial, None), out_dst=(dict(residual), None), local_map=True)
     roles[fqn] = "attention_block"
     for inner in _inner_entries(fqn, block, modules):
