@@ -513,6 +513,7 @@ def reinstall_grad_hooks(model: nn.Module) -> int:
             # dict survives but the autograd registration behind it does not. Clearing the
             # dict makes the next registration install it again.
             param._post_accumulate_grad_hooks = None
-            param.register_post_accumulate_grad_hook(reduce_partial_grad)
+            if param.requires_grad:  # a frozen parameter (AFMoE's expert_bias) takes no hook
+                param.register_post_accumulate_grad_hook(reduce_partial_grad)
             count += 1
     return count

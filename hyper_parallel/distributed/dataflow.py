@@ -60,7 +60,8 @@ class Block:
     members: tuple[str, ...]
     consumers: tuple[str, ...]
     producers: tuple[str, ...]
-    norms: tuple[str, ...] = ()
+    norms: tuple[str, ...] = ()  # vector-only modules inside (per-head norms, learned activations)
+    norm_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # norm -> the members feeding it
     mode: str = GATHERED_MODE
     layouts: dict[str, int] = field(default_factory=dict)  # member -> packed parts (split mode)
     why: str = ""
@@ -337,7 +338,9 @@ def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: froz
             continue  # the roles lay out nn.Linear weights ([out, in]); other matrices are the planner's
         inner = member_set - set(consumers)  # a norm on a consumer's output (a post-norm) is on the stream
         norms = tuple(sorted(name for name in resolve.norms if _inside(resolve(trace.inputs.get(name, ())), inner)))
-        blocks.append(Block(members=tuple(members), consumers=consumers, producers=producers, norms=norms))
+        fed_by = {name: tuple(sorted(tag[1] for tag in resolve(trace.inputs[name]))) for name in norms}
+        blocks.append(Block(members=tuple(members), consumers=consumers, producers=producers, norms=norms,
+                            norm_inputs=fed_by))
     return blocks
 
 

@@ -212,12 +212,25 @@ class ShardingPlanner:
         by_name = roles_for(self.model, self.dataflow)
         modules = dict(self.model.named_modules())
         flow_patterns = set()
+        split_inside: set[str] = set()
         for block in self.dataflow.blocks:
-            if not all(name in modules and self._named_role(name, modules[name]) for name in block.members):
+            named = {name: self._named_role(name, modules[name]) if name in modules else None
+                     for name in block.members}
+            if not all(named.values()):
                 flow_patterns |= {pattern(name) for name in (*block.members, *block.norms)}
+                continue
+            # A vector module the names replicate, fed only by projections they split (a
+            # learned activation between up and down): it sees this rank's features, so
+            # its gradient is a partial sum over tp, as a per-head norm's is.
+            split_inside |= {norm for norm, feeders in block.norm_inputs.items()
+                             if norm in modules and self._named_role(norm, modules[norm]) == "replicate"
+                             and all(_PRODUCER_LAYOUTS.get(named.get(f)) == SPLIT for f in feeders)}
         for name, role in by_name.items():
             target = self.flow_roles if pattern(name) in flow_patterns else self.flow_fallback
             target[name] = role
+        split_patterns = {pattern(name) for name in split_inside} if self.dims.tp > 1 else set()
+        self.flow_roles.update({name: "head_norm" for name, _ in self.model.named_modules()
+                                if pattern(name) in split_patterns})
 
     def _named_role(self, fqn: str, module: nn.Module) -> str | None:
         try:

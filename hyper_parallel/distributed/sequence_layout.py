@@ -112,8 +112,8 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                 continue
             if _is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp)
-            elif roles.get(fqn) == "replicate":
-                _residual_module(modules[fqn], residual)
+            elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
+                _residual_module(modules[fqn], residual)  # a norm of the layer; not a block with own vectors
             else:
                 _mlp_block(fqn, child, modules, roles, residual, cp=cp)
     for fqn, role in list(roles.items()):
@@ -171,7 +171,8 @@ def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
     # Partial sums may cross the block's plain code only if that code is linear in them.
     hand_on_partial = not (moe and _plain_code_gates(fqn, block, roles))
     block_out = Partial() if hand_on_partial else Replicate()
-    modules[fqn] = ShardingConfig(in_src=(residual,), in_dst=({**tokens, TP: Replicate()},),
+    own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. AFMoE's expert_bias
+    modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=(residual,), in_dst=({**tokens, TP: Replicate()},),
                                   out_src=({**tokens, TP: block_out},), out_dst=(dict(residual),),
                                   local_map=True)
     roles[fqn] = "moe_block" if moe else "mlp_block"
