@@ -402,7 +402,7 @@ class ShardingPlanner:
         if not named and not (meaning is not None and meaning.role == "head_norm" and feeders):
             return "replicate"
         layouts = set(feeders.values())
-        if layouts == {FULL}:
+        if layouts <= {FULL}:  # gathered feeders, or none the names split (DSA's indexer k_norm after wk)
             return "replicate"
         if len(layouts) > 1:
             raise PlanError(
