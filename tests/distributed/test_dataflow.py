@@ -110,3 +110,40 @@ def test_planner_uses_dataflow_for_modules_names_do_not_classify(fixture):
     result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow).plan()
     split = {name for name, role in result.roles.items() if role == "colwise"}
     assert split and "tp" in result.applied_axes
+
+
+def _planned(config, dims: ParallelDims):
+    """The planner's result for ``config`` with the dataflow of its tiny copy."""
+    tiny = _tiny(config)
+    flow = _flow(tiny, tp=dims.tp)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny.config)
+    return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow).plan()
+
+
+def test_learned_activation_between_split_projections_sums_its_gradient_over_tp():
+    # Apertus' XIELU has learned scalars between up_proj (colwise) and down_proj (rowwise):
+    # each rank sees its features only, so their gradients are partial sums over tp.
+    from transformers import ApertusConfig
+
+    config = ApertusConfig(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                           num_hidden_layers=1, vocab_size=128)
+    result = _planned(config, ParallelDims(tp=TP))
+    assert result.roles["model.layers.0.mlp.act_fn"] == "head_norm"
+    assert result.roles["model.layers.0.mlp.up_proj"] == "colwise"
+
+
+def test_moe_block_with_its_own_vector_is_a_block_under_cp():
+    # AFMoE's MoE block holds expert_bias itself (a frozen vector): under cp it is still the
+    # MoE block (tokens split inside, router gradients summed over cp) and keeps the vector.
+    from transformers import AfmoeConfig
+
+    config = AfmoeConfig(hidden_size=64, intermediate_size=32, moe_intermediate_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_hidden_layers=2, num_dense_layers=1,
+                         num_experts=4, num_experts_per_tok=2, vocab_size=128)
+    result = _planned(config, ParallelDims(cp=2))
+    block = "model.layers.1.mlp"
+    assert result.roles[block] == "moe_block"
+    assert "expert_bias" in result.modules[block].state_shardings
+    router = result.modules["model.layers.1.mlp.router.gate"]
+    assert router.in_src is not None and "cp" in router.in_src[0]
