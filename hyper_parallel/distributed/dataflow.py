@@ -325,8 +325,11 @@ def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: froz
     groups: dict = {}
     for name in matrices:
         groups.setdefault(find(("mod", name)), []).append(name)
+    attentions: dict = {}
+    for index in range(len(trace.mode.attention)):
+        attentions.setdefault(find(("attn", index)), set()).add(("attn", index))
     blocks = []
-    for members in groups.values():
+    for root, members in groups.items():
         member_set = set(members)
 
         def fed_inside(name):
@@ -336,17 +339,20 @@ def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: froz
         producers = tuple(name for name in members if not fed_inside(name))
         if len(members) < 2 or not consumers or not all(isinstance(trace.leaves[m], nn.Linear) for m in members):
             continue  # the roles lay out nn.Linear weights ([out, in]); other matrices are the planner's
-        inner = member_set - set(consumers)  # a norm on a consumer's output (a post-norm) is on the stream
-        norms = tuple(sorted(name for name in resolve.norms if _inside(resolve(trace.inputs.get(name, ())), inner)))
-        fed_by = {name: tuple(sorted(tag[1] for tag in resolve(trace.inputs[name]))) for name in norms}
+        # Vector modules inside: fed by non-consumer members or the block's attention (a
+        # norm on a consumer's output, a post-norm, is on the stream).
+        inside = {("mod", name) for name in member_set - set(consumers)} | attentions.get(root, set())
+        norms = tuple(sorted(name for name in resolve.norms if _inside(resolve(trace.inputs.get(name, ())), inside)))
+        fed_by = {name: tuple(sorted(tag[1] for tag in resolve(trace.inputs[name]) if tag[0] == "mod"))
+                  for name in norms}
         blocks.append(Block(members=tuple(members), consumers=consumers, producers=producers, norms=norms,
                             norm_inputs=fed_by))
     return blocks
 
 
-def _inside(sources: frozenset, members: set[str]) -> bool:
-    """Sources that are all modules of one block (a norm inside it)."""
-    return bool(sources) and all(tag[0] == "mod" and tag[1] in members for tag in sources)
+def _inside(sources: frozenset, inside: set) -> bool:
+    """Sources that are all inside one block (a norm inside it)."""
+    return bool(sources) and sources <= inside
 
 
 def _plan_blocks(trace: _Trace, blocks: list[Block], tp: int, dry_run) -> None:

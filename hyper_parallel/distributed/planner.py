@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from hyper_parallel.distributed.dataflow import Dataflow, pattern, roles_for
+from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, pattern, roles_for
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
@@ -115,6 +115,7 @@ class ShardingPlanner:
         self.dataflow, self.dataflow_error = dataflow, dataflow_error
         self.flow_roles: dict[str, str] = {}  # blocks the names and hints do not classify whole
         self.flow_fallback: dict[str, str] = {}  # where names and hints give no role
+        self._attention_feeders: frozenset[str] | None = None
         self.overrides = list(overrides or ())
         self.dims = dims
         self.mesh = mesh
@@ -216,7 +217,7 @@ class ShardingPlanner:
         for block in self.dataflow.blocks:
             named = {name: self._named_role(name, modules[name]) if name in modules else None
                      for name in block.members}
-            if not all(named.values()):
+            if not all(named.values()) or not _names_agree(named, block):
                 flow_patterns |= {pattern(name) for name in (*block.members, *block.norms)}
                 continue
             # A vector module the names replicate, fed only by projections they split (a
@@ -242,8 +243,11 @@ class ShardingPlanner:
         """The model's modules whose output reaches an attention's q, k or v (by pattern)."""
         if self.dataflow is None:
             return frozenset()
-        patterns = {pattern(name) for name in self.dataflow.attention_inputs}
-        return frozenset(name for name, _ in self.model.named_modules() if name and pattern(name) in patterns)
+        if self._attention_feeders is None:
+            patterns = {pattern(name) for name in self.dataflow.attention_inputs}
+            self._attention_feeders = frozenset(name for name, _ in self.model.named_modules()
+                                                if name and pattern(name) in patterns)
+        return self._attention_feeders
 
     # --- roles -------------------------------------------------------------------------------
 
@@ -261,7 +265,7 @@ class ShardingPlanner:
             return self._linear_role(fqn, module, meaning)
         if is_packed_experts(module):
             return "packed_experts"  # whatever the hint: the shapes give the layout (roles.packed_experts)
-        if self._head_vectors(fqn, module):
+        if self._head_vectors(fqn, module)[1]:
             return "local_params"  # attention's own per-head vectors (sinks), split with its heads
         name = _leaf(fqn)
         if name in HEAD_NORM_NAMES or _all_vectors(module):
@@ -466,37 +470,40 @@ class ShardingPlanner:
     def _module_hint(self, fqn: str) -> str | None:
         return _lookup(self.hints, fqn)
 
-    def _head_vectors(self, fqn: str, module: nn.Module) -> dict[str, str]:
+    def _head_vectors(self, fqn: str, module: nn.Module) -> tuple[list[str], bool | None]:
         """The module's own vectors with one entry per attention head (GPT-OSS's attention
-        sinks) where its own query projection splits the heads over tp: split with the
-        heads (``colwise``: rows), as a TP plan writes them (Granite-SWA's
-        ``self_attn.sinks: colwise``); empty for any other module."""
+        sinks, Beam's gate_bias) and whether its own query projection splits the heads
+        over tp (None: no such projection found). Split ones are split with the heads
+        (``colwise``: rows), as a TP plan writes them (Granite-SWA's ``self_attn.sinks:
+        colwise``); in a gathered block every rank keeps every head, so they stay whole."""
         heads = getattr(getattr(self.model, "config", None), "num_attention_heads", None)
         vectors = [name for name, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == heads]
         if not heads or not vectors or isinstance(module, (nn.Linear, nn.Embedding)):
-            return {}
+            return [], None
+        feeding = self._attention_inputs()
         for name, child in module.named_children():
-            if not isinstance(child, nn.Linear) or name not in ({"q_proj"} | FUSED_QKV_NAMES):
-                continue
             child_fqn = f"{fqn}.{name}" if fqn else name
+            if not isinstance(child, nn.Linear) or name not in ({"q_proj"} | FUSED_QKV_NAMES) and child_fqn not in feeding:
+                continue
             try:
-                intent = self._linear_intent(child_fqn, child, self._hint_meaning(child_fqn, child))
+                intent = self.flow_roles.get(child_fqn) or self._linear_intent(
+                    child_fqn, child, self._hint_meaning(child_fqn, child))
             except PlanError:
                 continue
-            if _PRODUCER_LAYOUTS.get(intent) == SPLIT:
-                return {name: "colwise" for name in vectors}
-        return {}
+            return vectors, _PRODUCER_LAYOUTS.get(intent) == SPLIT
+        return vectors, None
 
     def _param_hints(self, fqn: str, module: nn.Module) -> dict[str, str]:
         """TP-plan styles written on the module's parameters themselves (per-head vectors of a
         head-split attention split by default, ``_head_vectors``); a style that gives
         a parameter no layout is refused by name."""
-        found = self._head_vectors(fqn, module)
+        vectors, heads_split = self._head_vectors(fqn, module)
+        found = {name: "colwise" for name in vectors} if heads_split else {}
         for name, _ in module.named_parameters(recurse=False):
             full_name = f"{fqn}.{name}" if fqn else name
             style = _lookup(self.hints, full_name)
-            if style is None:
-                continue
+            if style is None or heads_split is False and name in vectors:
+                continue  # no hint; or a per-head vector of a gathered block: whole on every rank
             meaning = style_meaning(style)
             if meaning is None or meaning.param_layout is None:
                 raise StyleRefusal(
@@ -505,6 +512,16 @@ class ShardingPlanner:
                        else "which gives a parameter no layout"))
             found[name] = style
         return found
+
+
+def _names_agree(named: Mapping[str, str], block) -> bool:
+    """Names and hints may plan a block they classify whole if they split nothing in it (a
+    gathered block is exact whatever its dataflow) or split it exactly as the dataflow
+    measured it can be split; a split the dataflow found unsafe (a norm over the whole
+    attention output, a reshape with the global head count) is not theirs to make."""
+    flow = block.roles()
+    split = [name for name, role in named.items() if _PRODUCER_LAYOUTS.get(role) == SPLIT or role == "rowwise"]
+    return not split or block.mode == SPLIT_MODE and all(named[name] == flow[name] for name in split)
 
 
 def _has_own_params(module: nn.Module) -> bool:

@@ -147,3 +147,17 @@ def test_moe_block_with_its_own_vector_is_a_block_under_cp():
     assert "expert_bias" in result.modules[block].state_shardings
     router = result.modules["model.layers.1.mlp.router.gate"]
     assert router.in_src is not None and "cp" in router.in_src[0]
+
+
+def test_per_head_vector_of_a_gathered_attention_stays_whole():
+    # Beam multiplies the attention output by sigmoid(gate_proj(x) + gate_bias[head]) with
+    # gate_bias hinted colwise; the dry run finds the block cannot run on local heads, so it
+    # is gathered, every rank keeps every head, and gate_bias must not be split.
+    from hyper_parallel.codegen.check.probe import shrink_widths
+    from hyper_parallel.families.tiny import tiny_config
+
+    config = shrink_widths(tiny_config("beam"), tp=TP, ep=1, seq_len=8, where="beam")
+    result = _planned(config, ParallelDims(tp=TP))
+    assert result.roles["model.layers.0.self_attn.q_proj"] == "colwise_gathered"
+    gate_bias = result.modules["model.layers.0.self_attn"].state_shardings["gate_bias"]
+    assert type(gate_bias["tp"]).__name__ == "Replicate"
