@@ -179,8 +179,18 @@ def trace_dataflow(spec: CodegenSpec):
 def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
     from hyper_parallel.distributed.plan_format import plan_modules_to_json
 
-    model, _ = build_meta_model(spec)
-    result, mesh = plan_model(model, spec)
+    try:
+        model, _ = build_meta_model(spec)
+        result, mesh = plan_model(model, spec)
+    except RuntimeError as exc:
+        if type(exc).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+        # transformers' heterogeneous configs (per_layer_config): sizes such as the kv heads
+        # differ by layer, and reading one value for the model raises.
+        reason = " ".join(str(exc).split())[:240]
+        raise DeriveError(f"{spec.model_dir / 'config.json'}: the config has per-layer sizes (transformers' "
+                          f"per_layer_config), which the planner and the verify probe read as one value per "
+                          f"model: {reason}; such models are not supported yet") from None
     return {
         "model_class": type(model).__name__,
         "module_names": [name for name, _ in model.named_modules()],
