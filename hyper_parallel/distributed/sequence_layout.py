@@ -9,6 +9,8 @@ sequence dim (``R`` below) and only the blocks that need more see more:
 |----------------------------|---------------------------------------------------------------------------|
 | embedding                  | unchanged: full sequence on every rank (HF's model code derives position  |
 |                            | ids and the causal mask from its output, so that must stay full)          |
+|                            | (tied to the lm_head under cp: its entry also names cp, so the one weight |
+|                            | sums the head's partial gradient over cp, ``_embedding_on_cp``)           |
 | first decoder layer        | input ``replicate`` -> ``R``: each rank keeps its sequence piece          |
 | norms (layers, final norm) | compute on their piece; weight grads are partial sums over the split axes |
 | attention block            | input gathered (``R`` -> replicate): attention sees the full K/V with the |
@@ -58,16 +60,33 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
                         f"through self.loss_function, so the logits cannot reach it sharded over the vocabulary; "
                         f"set loss_parallel: false")
-    if cp and _ties_embeddings(model):
-        raise PlanError(f"accelerator.cp_size: {type(model).__name__} ties its input and output embeddings (one "
-                        f"weight used on the full sequence and on each rank's piece of it); context parallel does "
-                        f"not reduce such a weight's gradient correctly yet: set cp_size: 1, or untie with "
-                        f"model.config_overrides: {{tie_word_embeddings: false}}")
     if cp or sp:
         _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss,
                         attention_inputs=attention_inputs)
+    if cp and _ties_embeddings(model):
+        _embedding_on_cp(model, modules)
     if loss_parallel:
         _keep_logits_vocab_sharded(modules, roles)
+
+
+def _embedding_on_cp(model: nn.Module, modules: dict[str, ShardingConfig]) -> None:
+    """Tied embeddings under cp: one weight, used by the embedding on the full sequence
+    (its gradient complete on every cp rank) and by the lm_head on each rank's piece (a
+    partial sum over cp). The applier puts a parameter on the mesh axes its first entry
+    names, so the embedding's entry names cp too (every activation replicated over cp):
+    the shared weight then lives on (cp, tp), and the lm_head's partial gradient is summed
+    over cp when backward ends while the embedding's stays as it is."""
+    names = {id(module): name for name, module in model.named_modules()}
+    fqn = names.get(id(input_embeddings(model)))
+    config = modules.get(fqn)
+    if config is None:
+        return
+    full_over_cp = {CP: Replicate()}
+    for key in ("in_src", "in_dst", "out_src", "out_dst"):
+        value = getattr(config, key)
+        if value is not None:
+            setattr(config, key, tuple(None if named is None else {**full_over_cp, **named} for named in value))
+    config.state_shardings = {name: {**full_over_cp, **named} for name, named in config.state_shardings.items()}
 
 
 def _ties_embeddings(model: nn.Module) -> bool:

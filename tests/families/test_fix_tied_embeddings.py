@@ -1,7 +1,9 @@
 """A family with tied embeddings (starcoder2: ``tie_word_embeddings`` true, so
 ``save_pretrained`` stores ``model.embed_tokens.weight`` and no ``lm_head.weight``) builds
 with the gen backend's sharded loader, the head and the embedding one parameter, and trains
-at tp2 equal to single-process HF: loss rtol 1e-5 and gradient norm rtol 1e-4 every step."""
+at tp2, cp2 and tp2+cp2 equal to single-process HF: loss rtol 1e-5 and gradient norm rtol
+1e-4 every step. Under cp the one weight is used on the full sequence (the embedding) and on
+each rank's piece (the head), so its gradient is a sum of a complete and a partial one."""
 
 import json
 import math
@@ -71,9 +73,20 @@ def test_sharded_build_ties_the_head_to_the_stored_embedding(tied_recipe):
     torch.testing.assert_close(model.lm_head.weight, reference.model.embed_tokens.weight, rtol=0, atol=0)
 
 
-def test_tied_family_trains_at_tp2_like_one_process(tied_recipe, tmp_path):
+# layout -> the recipe's accelerator sizes
+LAYOUTS = {"tp2": {"tp_size": 2, "nproc_per_node": 2}, "cp2": {"cp_size": 2, "nproc_per_node": 2},
+           "tp2_cp2": {"tp_size": 2, "cp_size": 2, "nproc_per_node": 4}}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tied_family_trains_like_one_process(tied_recipe, tmp_path, layout):
+    data = yaml.safe_load(tied_recipe.read_text())
+    data["accelerator"].pop("tp_size")
+    data["accelerator"].update(LAYOUTS[layout])
+    tied_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     metrics = tmp_path / "metrics.json"
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    world = LAYOUTS[layout]["nproc_per_node"]
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                 "-m", "hyper_parallel.trainer", "--config", str(tied_recipe), "--metrics", str(metrics)],
                cwd=tied_recipe.parents[2])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

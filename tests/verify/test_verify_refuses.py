@@ -29,8 +29,8 @@ BROKEN = {
               "in_dst": [{"cp": "shard(1)"}]},
         ["gradient of model.layers.0.self_attn.o_proj.weight", "plan entry 'model.layers.*.self_attn.o_proj'",
          "error is in backward"]),
-    # (Tied embeddings under cp, found by verify — the cp ranks' copies of the tied weight
-    # differ — are now refused at derive: tests/data/bad_recipes/cp_with_tied_embeddings.yaml.)
+    # (Tied embeddings under cp, once found by verify — the cp ranks' copies of the tied
+    # weight differed — now train equal to one process: tests/families/test_fix_tied_embeddings.py.)
     "replacement_of_the_wrong_shape": (
         {}, {"match": "*.self_attn.o_proj",
              "replace_module": {"_target_": "tests.verify.broken_replacements.wider_o_proj"}},
