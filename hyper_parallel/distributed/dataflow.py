@@ -371,10 +371,13 @@ def _plan_blocks(trace: _Trace, blocks: list[Block], tp: int, dry_run) -> None:
             continue
         first = seen[0]
         _plan_block(trace, first, tp, dry_run)
-        for block in same[1:] if first is same[0] else [b for b in same if b is not first]:
-            by_pattern = {pattern(name): parts for name, parts in first.layouts.items()}
+        for block in same:
+            if block is first:
+                continue
+            # members come in module order, so the i-th member of each block of a shape is the same one
             block.mode, block.why = first.mode, first.why
-            block.layouts = {name: by_pattern[pattern(name)] for name in block.members if pattern(name) in by_pattern}
+            block.layouts = {name: first.layouts[mine] for name, mine in zip(block.members, first.members)
+                             if mine in first.layouts}
 
 
 def _saw_tokens(trace: _Trace, block: Block) -> bool:
@@ -510,20 +513,44 @@ def pattern(name: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
+class StandIns:
+    """Which traced module(s) stand for each of the planned model's modules. The traced
+    copy has the model's first layers (every layer kind) and maybe fewer experts: a name
+    stands for itself if traced, else for the traced names equal to it but for the layer
+    index (its first number), else for those equal but for every number (an expert beyond
+    the copy's count). A Sequential's children (``ffn.0``, ``ffn.2``) stay apart."""
+
+    def __init__(self, traced: Iterable[str]):
+        self.exact = set(traced)
+        self.by_layer: dict[str, list[str]] = {}
+        self.by_all: dict[str, list[str]] = {}
+        for name in sorted(self.exact):
+            self.by_layer.setdefault(_layer_pattern(name), []).append(name)
+            self.by_all.setdefault(pattern(name), []).append(name)
+
+    def __call__(self, name: str) -> list[str]:
+        if name in self.exact:
+            return [name]
+        return self.by_layer.get(_layer_pattern(name)) or self.by_all.get(pattern(name), [])
+
+
+def _layer_pattern(name: str) -> str:
+    """A module name with its first index (the layer number) written ``*``."""
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:index] + ["*"] + parts[index + 1:])
+    return name
+
+
 def roles_for(model: nn.Module, flow: Dataflow) -> dict[str, str]:
-    """The dataflow roles by the planned model's module names: the traced copy has the
-    same depth (names match) but may have fewer experts, so names match by pattern too."""
+    """The dataflow roles by the planned model's module names (``StandIns``); a name whose
+    stand-ins have more than one role gets none."""
     traced = flow.roles()
-    by_pattern: dict[str, set[str]] = {}
-    for name, role in traced.items():
-        by_pattern.setdefault(pattern(name), set()).add(role)
+    stand_ins = StandIns(traced)
     roles = {}
     for name, _ in model.named_modules():
-        if name in traced:
-            roles[name] = traced[name]
-        else:
-            found = by_pattern.get(pattern(name), set())
-            if len(found) == 1:
-                roles[name] = next(iter(found))
+        found = {traced[other] for other in stand_ins(name)}
+        if len(found) == 1:
+            roles[name] = found.pop()
     return roles
-

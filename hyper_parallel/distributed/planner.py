@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, pattern, roles_for
+from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, StandIns, roles_for
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
@@ -212,13 +212,13 @@ class ShardingPlanner:
             return
         by_name = roles_for(self.model, self.dataflow)
         modules = dict(self.model.named_modules())
-        flow_patterns = set()
+        flow_decided: set[str] = set()  # traced names
         split_inside: set[str] = set()
         for block in self.dataflow.blocks:
             named = {name: self._named_role(name, modules[name]) if name in modules else None
                      for name in block.members}
             if not all(named.values()) or not _names_agree(named, block):
-                flow_patterns |= {pattern(name) for name in (*block.members, *block.norms)}
+                flow_decided |= {*block.members, *block.norms}
                 continue
             # A vector module the names replicate, fed only by projections they split (a
             # learned activation between up and down): it sees this rank's features, so
@@ -226,12 +226,13 @@ class ShardingPlanner:
             split_inside |= {norm for norm, feeders in block.norm_inputs.items()
                              if norm in modules and self._named_role(norm, modules[norm]) == "replicate"
                              and all(_PRODUCER_LAYOUTS.get(named.get(f)) == SPLIT for f in feeders)}
+        stand_ins = StandIns(self.dataflow.roles())
         for name, role in by_name.items():
-            target = self.flow_roles if pattern(name) in flow_patterns else self.flow_fallback
-            target[name] = role
-        split_patterns = {pattern(name) for name in split_inside} if self.dims.tp > 1 else set()
-        self.flow_roles.update({name: "head_norm" for name, _ in self.model.named_modules()
-                                if pattern(name) in split_patterns})
+            decided = any(other in flow_decided for other in stand_ins(name))
+            (self.flow_roles if decided else self.flow_fallback)[name] = role
+        if self.dims.tp > 1 and split_inside:
+            split = StandIns(split_inside)
+            self.flow_roles.update({name: "head_norm" for name in modules if split(name)})
 
     def _named_role(self, fqn: str, module: nn.Module) -> str | None:
         try:
@@ -244,9 +245,9 @@ class ShardingPlanner:
         if self.dataflow is None:
             return frozenset()
         if self._attention_feeders is None:
-            patterns = {pattern(name) for name in self.dataflow.attention_inputs}
+            feeding = StandIns(self.dataflow.attention_inputs)
             self._attention_feeders = frozenset(name for name, _ in self.model.named_modules()
-                                                if name and pattern(name) in patterns)
+                                                if name and feeding(name))
         return self._attention_feeders
 
     # --- roles -------------------------------------------------------------------------------
@@ -274,6 +275,8 @@ class ShardingPlanner:
             return "replicate"
         if meaning is not None and meaning.sits_on == ANY:
             return meaning.role
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            return "replicate"  # frozen statistics (ERNIE's moe_statics): no gradient to place or reduce
         raise PlanError(_unclassified_message(fqn, module))
 
     def _hint_meaning(self, fqn: str, module: nn.Module) -> StyleMeaning | None:

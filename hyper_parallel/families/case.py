@@ -330,6 +330,10 @@ def compare_training(got: list[dict], want: list[dict]) -> tuple[str, str]:
 
 
 def first_line(text: str, limit: int = 240) -> str:
-    """One trimmed line of an error message for a table cell."""
-    line = next((part.strip() for part in text.strip().splitlines() if part.strip()), "")
+    """An error message as one trimmed line for a table cell; a first line ending in ':'
+    (a heading over a list of problems) takes the lines under it."""
+    lines = [part.strip() for part in text.strip().splitlines() if part.strip()]
+    line = lines[0] if lines else ""
+    if line.endswith(":") and len(lines) > 1:
+        line = " ".join(lines)
     return line if len(line) <= limit else line[:limit - 3] + "..."

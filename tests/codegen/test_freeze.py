@@ -46,3 +46,14 @@ def test_a_subset_of_layers_is_not_compressed():
 def test_bad_placement_names_the_module():
     with pytest.raises(FreezeError, match=r"model\.layers\.0\.attn.*halfshard"):
         freeze_plan(_plan({"model.layers.0.attn": _entry("colwise", "halfshard")}), NAMES)
+
+
+def test_children_of_a_sequential_are_compressed_by_layer_only():
+    # CTRL's MLP is an nn.Sequential: ffn.0 (colwise) and ffn.2 (rowwise) differ, so every
+    # index as * cannot hold both; the layer index alone can, and a probe with fewer layers
+    # (verify's) still finds its entries.
+    names = ["", "h"] + [f"h.{i}{part}" for i in range(2) for part in ("", ".ffn", ".ffn.0", ".ffn.1", ".ffn.2")]
+    modules = {f"h.{i}.ffn.0": _entry("colwise") for i in range(2)}
+    modules.update({f"h.{i}.ffn.2": _entry("rowwise", "shard(1)") for i in range(2)})
+    frozen = freeze_plan(_plan(modules), names)
+    assert sorted(frozen["modules"]) == ["h.*.ffn.0", "h.*.ffn.2"]

@@ -42,18 +42,38 @@ def freeze_plan(plan: dict[str, Any], module_names: list[str]) -> dict[str, Any]
 
 
 def compress_by_pattern(modules: dict[str, dict[str, Any]], module_names: list[str]) -> dict[str, dict[str, Any]]:
+    """Every index written ``*`` where that keeps the entries equal (``layers.*.experts.*``);
+    else only the first index, the layer number (``h.*.ffn.0`` beside ``h.*.ffn.2``, the
+    children of a Sequential); else the exact names."""
+    out: dict[str, dict[str, Any]] = {}
+    for members in _groups(modules, lambda fqn: _LAYER_INDEX.sub(".*", fqn)).values():
+        if not _compress_group(modules, members, _LAYER_INDEX.sub(".*", members[0]), module_names, out):
+            for layer_members in _groups({m: modules[m] for m in members}, _first_index).values():
+                if not _compress_group(modules, layer_members, _first_index(layer_members[0]), module_names, out):
+                    out.update((m, modules[m]) for m in layer_members)
+    return out
+
+
+def _groups(modules, key) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for fqn in modules:
-        groups.setdefault(_LAYER_INDEX.sub(".*", fqn), []).append(fqn)
-    out: dict[str, dict[str, Any]] = {}
-    for pattern, members in groups.items():
-        first = modules[members[0]]
-        same = all(modules[m] == first for m in members[1:])
-        if pattern != members[0] and same and _selects_exactly(pattern, members, module_names):
-            out[pattern] = first
-        else:
-            out.update((m, modules[m]) for m in members)
-    return out
+        groups.setdefault(key(fqn), []).append(fqn)
+    return groups
+
+
+def _first_index(fqn: str) -> str:
+    return _LAYER_INDEX.sub(".*", fqn, count=1)
+
+
+def _compress_group(modules, members: list[str], pattern: str, module_names: list[str], out: dict) -> bool:
+    """One entry for ``members`` under ``pattern`` if they are equal and it selects exactly them."""
+    first = modules[members[0]]
+    if pattern == members[0] or any(modules[m] != first for m in members[1:]):
+        return False
+    if not _selects_exactly(pattern, members, module_names):
+        return False
+    out[pattern] = first
+    return True
 
 
 def _selects_exactly(pattern: str, members: list[str], module_names: list[str]) -> bool:
