@@ -90,6 +90,9 @@ class Dataflow:
     blocks: list[Block]
     standalone: frozenset[str]  # linears and embeddings off any block (extra embeddings, gates): replicated
     attention_inputs: frozenset[str] = frozenset()  # modules whose output reaches an attention's q, k or v
+    # Modules (not leaves) whose output carries values from modules outside them: a block
+    # that adds the residual stream to its own result (Bloom's attention takes ``residual``).
+    outside_sums: frozenset[str] = frozenset()
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
@@ -174,6 +177,7 @@ class _Trace:
     first_output: dict[str, torch.Tensor]
     leaves: dict[str, nn.Module]
     logits_tags: frozenset
+    outputs: dict[str, frozenset]  # every other module: the tags of its first output
 
 
 def _carries_values(tensor: torch.Tensor) -> bool:
@@ -231,7 +235,19 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
                 first_output.setdefault(name, found)
         return hook
 
+    outputs: dict[str, frozenset] = {}
+
+    def record(name):
+        def hook(module, args, output):
+            found = _first_float(output)
+            if found is not None and name not in outputs:
+                outputs[name] = mode.of(found)
+        return hook
+
     handles = []
+    for name, module in model.named_modules():
+        if name and name not in leaves:
+            handles.append(module.register_forward_hook(record(name)))
     for name, module in leaves.items():
         handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         handles.append(module.register_forward_hook(post(name), with_kwargs=True))
@@ -243,7 +259,7 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
             handle.remove()
     logits = getattr(output, "logits", None)
     logits = logits if isinstance(logits, torch.Tensor) else _first_float(output)
-    return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits))
+    return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits), outputs)
 
 
 class _Resolver:
@@ -291,8 +307,11 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
                            and isinstance(trace.leaves[name], (nn.Linear, nn.Embedding)))
     attention_inputs = frozenset(tag[1] for operands in trace.mode.attention
                                  for tag in resolve(frozenset().union(*operands)) if tag[0] == "mod")
+    outside_sums = frozenset(
+        name for name, tags in trace.outputs.items()
+        if any(tag[0] == "mod" and not tag[1].startswith(name + ".") for tag in resolve(tags)))
     return Dataflow(stream=stream, routers=routers, blocks=blocks, standalone=standalone,
-                    attention_inputs=attention_inputs)
+                    attention_inputs=attention_inputs, outside_sums=outside_sums)
 
 
 def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: frozenset[str]) -> list[Block]:

@@ -164,7 +164,8 @@ class ShardingPlanner:
                 role, config = err.fallback_role, ROLE_BUILDERS[err.fallback_role](module, {})
             roles[fqn], modules[fqn] = role, config
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel, attention_inputs=self._attention_inputs())
+                              loss_parallel=self.loss_parallel, attention_inputs=self._attention_inputs(),
+                              outside_sums=self._outside_sums())
         apply_expert_layout(modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
@@ -239,6 +240,14 @@ class ShardingPlanner:
             return self._role(fqn, module)
         except PlanError:
             return None
+
+    def _outside_sums(self) -> frozenset[str]:
+        """The model's modules whose output, in the traced forward, carried values from
+        outside them (by stand-in)."""
+        if self.dataflow is None:
+            return frozenset()
+        inside = StandIns(self.dataflow.outside_sums)
+        return frozenset(name for name, _ in self.model.named_modules() if name and inside(name))
 
     def _attention_inputs(self) -> frozenset[str]:
         """The model's modules whose output reaches an attention's q, k or v (by pattern)."""

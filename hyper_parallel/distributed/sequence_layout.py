@@ -51,10 +51,13 @@ _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_exp
 
 
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
-                          cp: bool, sp: bool, loss_parallel: bool, attention_inputs: frozenset[str] = frozenset()) -> None:
+                          cp: bool, sp: bool, loss_parallel: bool, attention_inputs: frozenset[str] = frozenset(),
+                          outside_sums: frozenset[str] = frozenset()) -> None:
     """Rewrite ``modules``/``roles`` in place for the requested sequence layout.
     ``attention_inputs``: modules the dataflow saw feeding an attention's q, k or v; a
-    layer's child holding one is an attention block whatever its modules are called."""
+    layer's child holding one is an attention block whatever its modules are called.
+    ``outside_sums``: modules whose output the dataflow saw carry values from outside them
+    (a block adding the residual itself); a layer's block of that kind is refused."""
     sharded_loss = loss_goes_through_loss_function(model)
     if loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
@@ -62,7 +65,7 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
                         f"set loss_parallel: false")
     if cp or sp:
         _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss,
-                        attention_inputs=attention_inputs)
+                        attention_inputs=attention_inputs, outside_sums=outside_sums)
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
     if loss_parallel:
@@ -117,7 +120,7 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 
 def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
-                    attention_inputs: frozenset[str]) -> None:
+                    attention_inputs: frozenset[str], outside_sums: frozenset[str]) -> None:
     layers_fqn, layers = _decoder_layers(model)
     residual = residual_placement(cp=cp, sp=sp)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
@@ -129,6 +132,13 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             fqn = f"{layers_fqn}.{index}.{name}"
             if not _has_params(child):
                 continue
+            if fqn in outside_sums and (_is_attention(fqn, child, roles, attention_inputs)
+                                        or roles.get(fqn) != "replicate"):
+                raise PlanError(
+                    f"accelerator.{'cp_size' if cp else 'sequence_parallel'}: {fqn} ({type(child).__name__}) adds "
+                    "values from outside it (the residual stream) to its own output, which the sequence "
+                    "layout splits around each block; sequence and context parallel cannot do such a block "
+                    f"yet: set {'cp_size: 1' if cp else 'sequence_parallel: false'}")
             if _is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp)
             elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):

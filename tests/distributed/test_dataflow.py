@@ -161,3 +161,12 @@ def test_per_head_vector_of_a_gathered_attention_stays_whole():
     assert result.roles["model.layers.0.self_attn.q_proj"] == "colwise_gathered"
     gate_bias = result.modules["model.layers.0.self_attn"].state_shardings["gate_bias"]
     assert type(gate_bias["tp"]).__name__ == "Replicate"
+
+
+def test_a_block_adding_the_residual_itself_is_refused_under_cp():
+    # Bloom's attention and MLP take the residual and add it to their own output: the
+    # sequence layout, which splits the stream around each block, cannot place that.
+    config = BloomConfig(hidden_size=64, n_head=4, n_layer=1, vocab_size=128)
+    with pytest.raises(Exception, match=r"transformer.h.0.self_attention \(BloomAttention\) adds values from outside"):
+        _planned(config, ParallelDims(cp=2))
+    assert _planned(config, ParallelDims(tp=TP)).roles  # tp alone splits no stream: planned
