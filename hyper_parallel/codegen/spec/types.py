@@ -12,8 +12,8 @@ STAGES = ("resolve", "derive", "freeze", "emit", "diff", "verify", "install", "p
 # A change to one of these files reruns that stage; nothing else does.
 STAGE_IMPLEMENTATION = {
     "resolve": ("codegen/source", "codegen/spec", "codegen/hash.py"),
-    "derive": ("codegen/plan", "codegen/runtime.py", "class_paths.py", "distributed", "protocols", "models",
-               "components"),
+    "derive": ("codegen/plan", "codegen/runtime.py", "codegen/check/probe.py", "class_paths.py", "distributed",
+               "protocols", "models", "components"),  # probe.py: the dataflow trace's tiny copy
     "freeze": ("codegen/plan/freeze.py", "distributed/placement_text.py"),
     "emit": ("codegen/emit", "codegen/astkit", "codegen/meta.py", "codegen/stages.py"),
     "diff": ("codegen/emit/diff.py",),
