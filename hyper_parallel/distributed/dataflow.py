@@ -49,6 +49,9 @@ _ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_fu
 _MATMULS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum"})
 _SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax"})
 _SELECTIONS = frozenset({"topk", "sort", "argsort", "argmax"})
+# New tensors shaped like another: they take its shape, not its values.
+_FRESH = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "new_zeros",
+                    "new_ones", "new_empty", "new_full", "new_tensor"})
 # Roles a block member can get, by the layout its rank owners form (parts split over tp).
 _SPLIT_ROLE_BY_PARTS = {1: "colwise", 2: "fused_gate_up", 3: "fused_qkv"}
 
@@ -131,7 +134,9 @@ class _Tags(TorchFunctionMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         values = [t for t in tensors if _carries_values(t) and not isinstance(t, nn.Parameter)]
         carried = frozenset().union(*(self.of(t) for t in values)) if values else frozenset()
-        if name in _ATTENTION_FUNCTIONS and len(values) >= 3:
+        if name in _FRESH:
+            carried = frozenset()
+        elif name in _ATTENTION_FUNCTIONS and len(values) >= 3:
             self.attention.append((self.of(args[0]), self.of(args[1]), self.of(args[2])))
             carried = frozenset({("attn", len(self.attention) - 1)})
         elif name in _MATMULS:
@@ -482,48 +487,73 @@ def _layout(owner: list[int], tp: int) -> int | None:
 
 
 def local_widths_dry_run(model: nn.Module, input_ids: torch.Tensor, tp: int) -> Callable:
-    """A dry run for ``analyze``: rank 0's output of every split member (its rows of each
-    packed part) and the consumer's input padded back to full width; the model's own code
-    between them must run on the narrower tensors. Returns the error text, or None."""
+    """A dry run for ``analyze``: for every tp rank, each split member hands on that rank's
+    rows (of each packed part), and the consumer's first input must then equal that rank's
+    slice of its input in the unsplit model (it is padded back to full width to go on).
+    The model's own code between them must run on the narrower tensors and compute the
+    same values there (a reshape or an ALiBi table from the global head count fails one or
+    the other). Returns the error text, or None."""
 
     def run(_model, layouts: dict[str, int], block: Block) -> str | None:
         modules = dict(model.named_modules())
-        handles = []
-        for name, parts in layouts.items():
-            if name in block.consumers:
-                handles.append(modules[name].register_forward_pre_hook(_pad_input(tp)))
-            else:
-                handles.append(modules[name].register_forward_hook(_rank0_rows(parts, tp)))
-        try:
-            with torch.no_grad():
-                model(input_ids=input_ids)
-        except Exception as exc:  # the model's own code: any error means it does not run locally
-            return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-        finally:
-            for handle in handles:
-                handle.remove()
+        consumer = block.consumers[0]
+        reference = _first_input(model, modules[consumer], input_ids)
+        if reference is None or reference.shape[-1] % tp:
+            return f"{consumer} received no input whose width divides by tp={tp}"
+        width = reference.shape[-1] // tp
+        for rank in range(tp):
+            seen: dict[str, torch.Tensor] = {}
+            handles = [modules[consumer].register_forward_pre_hook(_pad_input(tp, seen))]
+            handles += [modules[name].register_forward_hook(_rank_rows(parts, tp, rank))
+                        for name, parts in layouts.items() if name not in block.consumers]
+            try:
+                with torch.no_grad():
+                    model(input_ids=input_ids)
+            except Exception as exc:  # the model's own code: any error means it does not run locally
+                return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            finally:
+                for handle in handles:
+                    handle.remove()
+            want = reference[..., rank * width:(rank + 1) * width]
+            local = seen.get("input")
+            if local is None or local.shape != want.shape or not torch.allclose(local, want, rtol=1e-4, atol=1e-5):
+                return (f"on tp rank {rank}'s share, {consumer}'s input is not that rank's slice of the unsplit "
+                        "model's (the code between computes something else on a share)")
         return None
 
     return run
 
 
-def _rank0_rows(parts: int, tp: int):
+def _first_input(model: nn.Module, module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
+    seen: dict[str, torch.Tensor] = {}
+    handle = module.register_forward_pre_hook(_pad_input(1, seen))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        handle.remove()
+    return seen.get("input")
+
+
+def _rank_rows(parts: int, tp: int, rank: int):
     def hook(module, args, output):
         if not isinstance(output, torch.Tensor):
             return output
-        width = output.shape[-1]
-        size = width // parts
+        size = output.shape[-1] // parts
         piece = size // tp
-        return torch.cat([output[..., p * size:p * size + piece] for p in range(parts)], dim=-1)
+        return torch.cat([output[..., p * size + rank * piece:p * size + (rank + 1) * piece] for p in range(parts)],
+                         dim=-1)
     return hook
 
 
-def _pad_input(tp: int):
+def _pad_input(tp: int, seen: dict[str, torch.Tensor]):
+    """Records the module's first input, and hands it on ``tp`` times as wide."""
     def hook(module, args):
         if not args or not isinstance(args[0], torch.Tensor):
             return None
         local = args[0]
-        return (torch.cat([local] * tp, dim=-1), *args[1:])
+        seen.setdefault("input", local.detach().clone())
+        return None if tp == 1 else (torch.cat([local] * tp, dim=-1), *args[1:])
     return hook
 
 

@@ -165,7 +165,7 @@ class ShardingPlanner:
             roles[fqn], modules[fqn] = role, config
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel, attention_inputs=self._attention_inputs(),
-                              outside_sums=self._outside_sums())
+                              outside_sums=self._outside_sums(), routers=self._routers())
         apply_expert_layout(modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
@@ -240,6 +240,13 @@ class ShardingPlanner:
             return self._role(fqn, module)
         except PlanError:
             return None
+
+    def _routers(self) -> frozenset[str]:
+        """The model's linears the dataflow saw pick experts (by stand-in)."""
+        if self.dataflow is None:
+            return frozenset()
+        picking = StandIns(self.dataflow.routers)
+        return frozenset(name for name, _ in self.model.named_modules() if name and picking(name))
 
     def _outside_sums(self) -> frozenset[str]:
         """The model's modules whose output, in the traced forward, carried values from

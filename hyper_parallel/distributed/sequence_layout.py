@@ -52,12 +52,14 @@ _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_exp
 
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
                           cp: bool, sp: bool, loss_parallel: bool, attention_inputs: frozenset[str] = frozenset(),
-                          outside_sums: frozenset[str] = frozenset()) -> None:
+                          outside_sums: frozenset[str] = frozenset(), routers: frozenset[str] = frozenset()) -> None:
     """Rewrite ``modules``/``roles`` in place for the requested sequence layout.
     ``attention_inputs``: modules the dataflow saw feeding an attention's q, k or v; a
     layer's child holding one is an attention block whatever its modules are called.
     ``outside_sums``: modules whose output the dataflow saw carry values from outside them
-    (a block adding the residual itself); a layer's block of that kind is refused."""
+    (a block adding the residual itself); a layer's block of that kind is refused.
+    ``routers``: linears the dataflow saw pick experts; a block holding one is an MoE block
+    even when its experts are a ModuleList of linears rather than packed tensors."""
     sharded_loss = loss_goes_through_loss_function(model)
     if loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
@@ -65,7 +67,7 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
                         f"set loss_parallel: false")
     if cp or sp:
         _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss,
-                        attention_inputs=attention_inputs, outside_sums=outside_sums)
+                        attention_inputs=attention_inputs, outside_sums=outside_sums, routers=routers)
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
     if loss_parallel:
@@ -120,7 +122,7 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 
 def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
-                    attention_inputs: frozenset[str], outside_sums: frozenset[str]) -> None:
+                    attention_inputs: frozenset[str], outside_sums: frozenset[str], routers: frozenset[str]) -> None:
     layers_fqn, layers = _decoder_layers(model)
     residual = residual_placement(cp=cp, sp=sp)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
@@ -144,7 +146,7 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
                 _residual_module(modules[fqn], residual)  # a norm of the layer; not a block with own vectors
             else:
-                _mlp_block(fqn, child, modules, roles, residual, cp=cp)
+                _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=routers)
     for fqn, role in list(roles.items()):
         inside_layers = fqn == layers_fqn or fqn.startswith(layers_fqn + ".")
         if role == "replicate" and not inside_layers and not isinstance(model.get_submodule(fqn), nn.Embedding):
@@ -156,12 +158,19 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
 
 
 def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The longest ``nn.ModuleList`` of the model: its decoder layers."""
+    """The decoder layers: the shallowest ``nn.ModuleList`` with ``num_hidden_layers``
+    entries (not the longest list: an MoE's experts often outnumber the layers), else the
+    longest list not nested in another list."""
     lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
                         "but the model has no nn.ModuleList of layers")
-    return max(lists, key=lambda item: len(item[1]))
+    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    exact = [item for item in lists if len(item[1]) == depth]
+    if exact:
+        return min(exact, key=lambda item: (item[0].count("."), item[0]))
+    outer = [item for item in lists if not any(item[0].startswith(other + ".") for other, _ in lists)]
+    return max(outer or lists, key=lambda item: len(item[1]))
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -192,9 +201,9 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
             modules[inner].out_dst = modules[inner].out_src
 
 
-def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
+def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: frozenset[str] = frozenset()) -> None:
     inner_entries = _inner_entries(fqn, block, modules)
-    moe = any(roles.get(inner) == "packed_experts" for inner in inner_entries)
+    moe = any(roles.get(inner) == "packed_experts" or inner in routers for inner in inner_entries)
     token_dim = 0 if moe else 1  # MoE blocks flatten [batch, seq, hidden] to [tokens, hidden]
     tokens = {CP: Shard(1)} if cp else {}
     # Partial sums may cross the block's plain code only if that code is linear in them.

@@ -170,3 +170,25 @@ def test_a_block_adding_the_residual_itself_is_refused_under_cp():
     with pytest.raises(Exception, match=r"transformer.h.0.self_attention \(BloomAttention\) adds values from outside"):
         _planned(config, ParallelDims(cp=2))
     assert _planned(config, ParallelDims(tp=TP)).roles  # tp alone splits no stream: planned
+
+
+def test_list_moe_with_more_experts_than_layers_under_cp():
+    # tied_moe: 2 layers, 4 experts in a ModuleList, zeros_like accumulator, expert biases.
+    tiny = _remote("tied_moe")
+    flow = _flow(tiny)
+    assert not {pattern(name) for name in flow.outside_sums} & {"body.layers.*.moe", "body.layers.*.attn"}, \
+        flow.outside_sums  # zeros_like(t) is a fresh tensor: the MoE does not add its input back
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny.config, trust_remote_code=True)
+    dims = ParallelDims(cp=2)
+    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=_flow(tiny, tp=1)).plan()
+    layers = [name for name, role in result.roles.items() if role == "sequence_split"]
+    assert layers == ["body.layers.0"], layers  # the decoder layers, not moe.experts (the longest list)
+    assert result.roles["body.layers.0.moe"] == "moe_block"
+
+
+def test_a_split_that_runs_but_computes_other_values_is_gathered():
+    # ALiBi slopes built from the local head count: rank 1's share runs, with rank 0's slopes.
+    flow = _flow(_remote("alibi_einsum"))
+    attention = next(block for block in flow.blocks if any(name.endswith("attn.c_qkv") for name in block.members))
+    assert attention.mode == GATHERED_MODE and "is not that rank's slice" in attention.why, attention.why
