@@ -3,7 +3,7 @@ runs in seconds on a CPU, keeping every property the frozen plan depends on.
 
 The rules (docs/guide/codegen.md, "What verify proves") are:
 
-- heads: kv heads become ``tp`` when they divide by tp (else they stay as they are); query
+- heads: kv heads become ``max(tp, 2)`` when they divide by it (else they stay as they are); query
   heads keep their ratio to kv heads; ``head_dim`` is kept as is;
 - widths: ``hidden_size`` 64 (or heads x head_dim where the config derives head_dim from
   it), intermediate sizes 32, vocabulary 256 — each rounded up to a multiple of ``tp``;
@@ -86,7 +86,9 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
     if heads % kv:
         raise ProbeError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     head_dim = getattr(config, "head_dim", None)
-    kv_probe = tp if kv % tp == 0 and kv > tp else kv
+    # at least 2 kv heads where the model has them: some split K/V by head pairs (DiffLlama)
+    fewest = max(tp, 2)
+    kv_probe = fewest if kv % fewest == 0 and kv > fewest else kv
     values["num_attention_heads"] = kv_probe * (heads // kv)
     if getattr(config, "num_key_value_heads", None) is not None:
         values["num_key_value_heads"] = kv_probe
