@@ -6,6 +6,8 @@
     python bench/family_sweep.py --families llama --keep /tmp/sweep --no-docs
     python bench/family_sweep.py --remote-only --no-peer           # the remote-code fixtures only
     python bench/family_sweep.py --families remote:list_moe --layouts ep2
+    python bench/family_sweep.py --journal /tmp/sweep.jsonl --keep /tmp/sweep   # resumable; rerun to continue
+    python bench/family_sweep.py --journal /tmp/sweep.jsonl --keep /tmp/sweep --redo fail
 
 What it does (issue 11, items 1 and 2):
 
@@ -58,6 +60,15 @@ What it does (issue 11, items 1 and 2):
    (the config has no ``base_model_tp_plan``; so for a remote-code fixture unless it
    defines one).
 
+Resuming (``--journal PATH``): every finished case and peer result is appended to PATH as
+one JSON line (with the commit it ran at), as soon as it finishes. A later run with the same
+journal runs only the selected cases the journal does not have (``--redo fail,refused``: also
+the ones recorded with those statuses; their new line replaces the old), and reports every
+selected case from the journal, so a sweep can be stopped and continued, or a fault fixed and
+only its rows run again. Rows of one report that ran at different commits are listed as such
+in the docs. Lines run with or without training are kept apart (a ``--no-train`` pass is not
+a trained pass). ``--keep DIR`` keeps the checkpoints too (an existing one is reused).
+
 Prints a table and a summary line; writes ``docs/families.md`` and ``docs/families.json``
 (``--no-docs``: don't) with exactly the rows that were run: a run over fewer families or
 layouts than the full sweep says so ("partial run") in both the summary and the docs.
@@ -69,6 +80,8 @@ subprocesses with OMP_NUM_THREADS=1 and no torchrun variables; ``--jobs N`` runs
 a time.
 """
 
+from __future__ import annotations
+
 import argparse
 import concurrent.futures
 import importlib
@@ -78,6 +91,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -94,12 +108,12 @@ from hyper_parallel.families.case import (
     MOE_LAYOUTS,
     TRAIN_STEPS,
     Case,
-    clean_env,
     compare_training,
     final_exception,
     first_line,
     layouts_for,
     make_project,
+    run_bounded,
     run_case,
 )
 from hyper_parallel.families.tiny import (
@@ -197,15 +211,22 @@ def enumerate_families() -> tuple[list[str], dict[str, str]]:
 # --- peer column: transformers' tp_plan="auto" at tp2 --------------------------------------------
 
 
-def run_peer(project: Path, families: list[str], timeout: float) -> dict[str, tuple[str, str]]:
+def run_peer(project: Path, families: list[str], timeout: float, journal: Journal,
+             redo: set[str]) -> dict[str, tuple[str, str]]:
     """{family: (status, reason)}. Families without a base_model_tp_plan are "unsupported";
-    the rest run in as few torchrun launches as the failures allow."""
+    the rest run in as few torchrun launches as the failures allow. Journaled results are
+    reused unless their status is in ``redo``."""
     results, cases = {}, []
     for family in families:
+        old = journal.peer.get(family)
+        if old is not None and old["status"] not in redo:
+            results[family] = (old["status"], old["reason"])
+            continue
         model_dir = project / "recipes" / family_dir(family) / "model"
         config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=is_remote(family))
         if not getattr(config, "base_model_tp_plan", None):
             results[family] = ("unsupported", "the config has no base_model_tp_plan")
+            journal.record_peer(family, *results[family])
         else:  # the worker names its files after "family": no ":" in it; "name" is the row's
             cases.append({"family": family_dir(family), "model_dir": str(model_dir),
                           "trust_remote_code": is_remote(family), "name": family})
@@ -222,6 +243,7 @@ def run_peer(project: Path, families: list[str], timeout: float) -> dict[str, tu
             if result is None:
                 break  # not reached: the next launch runs it
             results[family] = judge_peer(result)
+            journal.record_peer(family, *results[family])
             cases.remove(case)
             progress(f"peer {family}: {results[family][0]}", time.perf_counter() - start)
     return results
@@ -235,7 +257,7 @@ def launch_peer(cases: list[dict], out: Path, timeout: float) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
                "--cases", str(out / "cases.json"), "--out", str(out)]
     try:
-        proc = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+        proc = run_bounded(command, REPO, timeout)
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f}s"
     if proc.returncode == 0:
@@ -266,6 +288,75 @@ def judge_peer(result: dict) -> tuple[str, str]:
 
 def progress(message: str, seconds: float) -> None:
     print(f"[{seconds:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# --- the journal (--journal): resumable sweeps -------------------------------------------------
+
+
+def current_commit() -> str:
+    """The repository's commit, ``+dirty`` when the package or the bench differ from it."""
+    def git(*argv):
+        return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--", "hyper_parallel", "bench") else "")
+
+
+class Journal:
+    """JSON lines of finished cases ({"case": ...}) and peer results ({"peer": ...}); the
+    last line for a key wins. ``path`` None: nothing is read or written."""
+
+    def __init__(self, path: str | None, trained: bool):
+        self.path, self.trained, self.commit = (Path(path) if path else None), trained, current_commit()
+        self.cases: dict[tuple[str, str], dict] = {}
+        self.peer: dict[str, dict] = {}
+        self._lock = threading.Lock()  # --jobs: cases finish on several threads
+        if self.path is not None and self.path.is_file():
+            for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill: that case runs again
+                    print(f"{self.path}:{number}: not JSON, ignored", file=sys.stderr)
+                    continue
+                if "case" in entry and entry["case"].get("trained") == trained:
+                    self.cases[(entry["case"]["family"], entry["case"]["layout"])] = entry["case"]
+                elif "peer" in entry:
+                    self.peer[entry["peer"]["family"]] = entry["peer"]
+
+    def wanted(self, case: Case, redo: set[str]) -> bool:
+        """Whether ``case`` runs: not journaled yet, or journaled with a status in ``redo``."""
+        old = self.cases.get((case.family, case.layout))
+        return old is None or old["status"] in redo
+
+    def restore(self, case: Case) -> Case:
+        old = self.cases[(case.family, case.layout)]
+        case.status, case.reason = old["status"], old["reason"]
+        case.generate_s, case.train_s = old.get("generate_s", 0.0), old.get("train_s", 0.0)
+        return case
+
+    def record_case(self, case: Case) -> None:
+        entry = {"family": case.family, "layout": case.layout, "status": case.status, "reason": case.reason,
+                 "generate_s": round(case.generate_s, 1), "train_s": round(case.train_s, 1),
+                 "trained": self.trained, "commit": self.commit}
+        self.cases[(case.family, case.layout)] = entry
+        self._append({"case": entry})
+
+    def record_peer(self, family: str, status: str, reason: str) -> None:
+        self.peer[family] = {"family": family, "status": status, "reason": reason, "commit": self.commit}
+        self._append({"peer": self.peer[family]})
+
+    def commits(self, cases: list[Case]) -> dict[str, list[str]]:
+        """{commit: ["family layout", ...]} of the reported cases (this run's commit for unjournaled)."""
+        found: dict[str, list[str]] = {}
+        for case in cases:
+            commit = self.cases.get((case.family, case.layout), {}).get("commit", self.commit)
+            found.setdefault(commit, []).append(f"{case.family} {case.layout}")
+        return found
+
+    def _append(self, entry: dict) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._lock, self.path.open("a") as out:  # one write per line: a kill loses at most this line
+                out.write(json.dumps(entry) + "\n")
 
 
 def summary_line(cases: list[Case], peer: dict, kept: int | None, skipped: int, run_note: str,
@@ -340,7 +431,7 @@ def print_report(families, layouts, cases, peer, moe, summary) -> None:
 
 
 def write_docs(md_path: Path, json_path: Path | None, *, families, layouts, cases, peer, moe, skipped, summary,
-               command: str, partial: str) -> None:
+               command: str, partial: str, commits: str = "") -> None:
     """docs/families.md and the JSON (exactly transformers / rows / peer / skipped)."""
     data = {
         "transformers": transformers.__version__,
@@ -353,16 +444,17 @@ def write_docs(md_path: Path, json_path: Path | None, *, families, layouts, case
         json_path.write_text(json.dumps(data, indent=1) + "\n")
     if md_path is not None:
         md_path.parent.mkdir(parents=True, exist_ok=True)
-        md_path.write_text(docs_markdown(families, layouts, cases, peer, moe, skipped, summary, command, partial))
+        md_path.write_text(docs_markdown(families, layouts, cases, peer, moe, skipped, summary, command, partial,
+                                         commits))
 
 
-def docs_markdown(families, layouts, cases, peer, moe, skipped, summary, command, partial) -> str:
+def docs_markdown(families, layouts, cases, peer, moe, skipped, summary, command, partial, commits="") -> str:
     """The page: how it was made and what it means, then the tables."""
-    return "\n".join([*docs_header(summary, command, partial, cases, peer),
+    return "\n".join([*docs_header(summary, command, partial, cases, peer, commits),
                       *docs_tables(families, layouts, cases, peer, moe, skipped)]) + "\n"
 
 
-def docs_header(summary, command, partial, cases, peer) -> list[str]:
+def docs_header(summary, command, partial, cases, peer, commits="") -> list[str]:
     """Provenance, the partial-run note, the summary and the meaning of each status."""
     lines = [
         "# Decoder families: generate, verify and train per layout",
@@ -373,6 +465,8 @@ def docs_header(summary, command, partial, cases, peer) -> list[str]:
     ]
     if partial:
         lines += [f"> **Partial run.** {partial} Families and layouts not listed below were not run.", ""]
+    if commits:
+        lines += [f"> **Commits.** {commits}", ""]
     lines += [f"**Summary:** {summary}", ""]
     behind = sorted({c.family for c in cases if c.layout == "tp2" and c.status != "pass"
                      and peer.get(c.family, ("",))[0] == "pass"})
@@ -449,6 +543,11 @@ def parse_args() -> argparse.Namespace:
                         help="print kept and skipped families and the remote-code fixtures, run nothing")
     parser.add_argument("--no-train", action="store_true", help="skip the gen-backend training after generate")
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers tp_plan='auto' column")
+    parser.add_argument("--journal", metavar="PATH",
+                        help="append each finished case to PATH (JSON lines) and run only the cases it lacks")
+    parser.add_argument("--redo", default="", metavar="STATUSES",
+                        help="with --journal: also run cases (and peer rows) journaled with these statuses, "
+                             "e.g. fail or fail,refused")
     parser.add_argument("--remote-only", action="store_true",
                         help=f"run only the remote-code fixtures ({REMOTE_PREFIX}<folder> of tests/data/remote_code)")
     return parser.parse_args()
@@ -502,6 +601,16 @@ def partial_note(args, families: list[str], layouts: list[str], kept: list[str])
     return " ".join(notes)
 
 
+def commits_note(journal: Journal, cases: list[Case]) -> str:
+    """Empty when every reported case ran at one commit; else which ran at which."""
+    found = journal.commits(cases)
+    if len(found) <= 1:
+        return ""
+    latest = max(found, key=lambda commit: len(found[commit]))
+    others = "; ".join(f"at {commit}: {', '.join(rows)}" for commit, rows in found.items() if commit != latest)
+    return f"Rows ran at {len(found)} commits (resumed from a journal): most at {latest}; {others}."
+
+
 def command_line(args) -> str:
     """The command as it affects the results (no paths, no --jobs)."""
     parts = [REGENERATE]
@@ -516,27 +625,40 @@ def command_line(args) -> str:
 
 
 def prepare(project: Path, families: list[str]) -> dict[str, bool]:
-    """Checkpoints for every family; {family: is MoE}."""
+    """Checkpoints for every family (a complete one already in a kept project is reused:
+    the weights are seeded, so it is the same); {family: is MoE}."""
     moe = {}
     for family in families:
         start = time.perf_counter()
-        save_checkpoint(family, project / "recipes" / family_dir(family) / "model")
+        model_dir = project / "recipes" / family_dir(family) / "model"
+        if not (model_dir / "config.json").is_file() or not list(model_dir.glob("*.safetensors")):
+            save_checkpoint(family, model_dir)
         moe[family] = is_moe(tiny_config(family))
         progress(f"checkpoint {family}{' (MoE)' if moe[family] else ''}", time.perf_counter() - start)
     return moe
 
 
-def run_cases(project: Path, cases: list[Case], args) -> None:
-    """Every case, ``--jobs`` at a time; a progress line per case as it finishes."""
+def run_cases(project: Path, cases: list[Case], args, journal: Journal, redo: set[str]) -> None:
+    """Every case the journal lacks (or has with a status in ``redo``), ``--jobs`` at a time,
+    each journaled as it finishes with a progress line; the others are restored from it."""
+    todo = [case for case in cases if journal.wanted(case, redo)]
+    for case in cases:
+        if case not in todo:
+            journal.restore(case)
+    if len(todo) < len(cases):
+        print(f"journal {journal.path}: {len(cases) - len(todo)} case(s) recorded, {len(todo)} to run",
+              file=sys.stderr, flush=True)
+
     def one(case: Case) -> Case:
         run_case(project, case, timeout=args.timeout, train=not args.no_train)
+        journal.record_case(case)
         detail = f": {case.reason}" if case.status != "pass" else ""
         progress(f"{case.family} {case.layout}: {case.status}{detail} (generate {case.generate_s:.1f}s, "
                  f"train {case.train_s:.1f}s)", case.generate_s + case.train_s)
         return case
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        list(pool.map(one, cases))
+        list(pool.map(one, todo))
 
 
 def print_timings(cases: list[Case]) -> None:
@@ -569,13 +691,17 @@ def main() -> None:
                 print(f"  {family}: {reason}")
         return
     families, layouts = select(args, kept, skipped, remote)
+    journal = Journal(args.journal, trained=not args.no_train)
+    redo = {status.strip() for status in args.redo.split(",") if status.strip()}
+    if redo - {"pass", "refused", "fail", "unsupported"} or (redo and not args.journal):
+        sys.exit(f"--redo {args.redo}: needs --journal and statuses of pass, refused, fail, unsupported")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="family_sweep_") as tmp:
         project = make_project(Path(args.keep).resolve() if args.keep else Path(tmp) / "project")
         moe = prepare(project, families)
         cases = [Case(family, layout) for family in families for layout in layouts_for(family, moe[family], layouts)]
-        run_cases(project, cases, args)
-        peer = {} if args.no_peer else run_peer(project, families, args.timeout)
+        run_cases(project, cases, args, journal, redo)
+        peer = {} if args.no_peer else run_peer(project, families, args.timeout, journal, redo)
     note = partial_note(args, families, layouts, kept)
     summary = summary_line(cases, peer, None if args.remote_only else len(kept), len(skipped),
                            "; partial run" if note else "", remote=len(remote))
@@ -583,7 +709,7 @@ def main() -> None:
     print_timings(cases)
     print(f"total {time.perf_counter() - started:.0f}s")
     report = dict(families=families, layouts=layouts, cases=cases, peer=peer, moe=moe, skipped=skipped,
-                  summary=summary, command=command_line(args), partial=note)
+                  summary=summary, command=command_line(args), partial=note, commits=commits_note(journal, cases))
     if args.json:
         write_docs(None, Path(args.json), **report)
     if not args.no_docs:

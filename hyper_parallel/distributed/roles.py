@@ -7,8 +7,8 @@ arrive (``in_src``), how the module needs them (``in_dst``) and what it hands on
 |---------------------|------------------------------------|---------------------|--------------------------|
 | colwise             | weight/bias shard(0)               | replicate           | shard(-1), kept local    |
 | colwise_gathered    | weight/bias shard(0)               | replicate           | shard(-1) -> replicate   |
-| rowwise             | weight shard(1), bias replicate    | shard(-1)           | partial -> replicate     |
-| rowwise_split_input | weight shard(1), bias replicate    | replicate -> sh(-1) | partial -> replicate     |
+| rowwise             | weight shard(1), bias partial      | shard(-1)           | partial -> replicate     |
+| rowwise_split_input | weight shard(1), bias partial      | replicate -> sh(-1) | partial -> replicate     |
 | vocab_embedding     | weight shard(0) (vocab rows)       | replicate ids       | partial -> replicate     |
 | lm_head             | weight shard(0) (vocab rows)       | replicate           | shard(-1) -> replicate   |
 | packed_experts      | gate_up packed_shard, down shard   | replicate           | partial -> replicate     |
@@ -19,8 +19,8 @@ arrive (``in_src``), how the module needs them (``in_dst``) and what it hands on
 | local_params        | each as its own TP-plan entry says | unchanged           | unchanged                |
 | replicate           | replicate                          | unchanged           | unchanged                |
 
-Every role but ``vocab_embedding`` (whose out-of-shard ids DTensor masks) and a
-``rowwise`` linear with a bias runs as ``local_map``: it computes on local tensors, which
+Every role but ``vocab_embedding`` (whose out-of-shard ids DTensor masks) runs as
+``local_map``: it computes on local tensors, which
 needs no DTensor support from the ops inside (top-k routing, grouped GEMMs, norms) and
 costs no DTensor dispatch; the boundary conversions carry the collectives.
 
@@ -71,14 +71,18 @@ def colwise(module: nn.Module, hints: dict) -> ShardingConfig:
 
 
 def rowwise(module: nn.Module, hints: dict) -> ShardingConfig:
-    params = _params(module)
-    states = {name: _on_tp(Shard(1) if name == "weight" else Replicate()) for name in params}
-    # Locally each rank would add the replicated bias to its partial sum (tp times in the
-    # sum), so a linear with a bias computes as DTensor, which adds it once.
+    # The bias is added to the partial sum, so it is placed ``partial`` (stored whole, added
+    # once over tp: the applier's ``_partial_parameter``), and the module computes on local
+    # tensors like every other role. DTensor math would add it once too, but infers global
+    # shapes from local ones: under cp, an MoE expert's tokens differ in number per rank
+    # (none on some), DTensor's propagation then differs per rank, and the ranks' collectives
+    # no longer match (a hang).
+    states = {name: _on_tp(Shard(1) if name == "weight" else Partial() if name == "bias" else Replicate())
+              for name in _params(module)}
     return ShardingConfig(
         state_shardings=states,
         in_src=(_on_tp(Shard(-1)),), in_dst=(_on_tp(Shard(-1)),),
-        out_src=(_on_tp(Partial()),), out_dst=(_on_tp(Replicate()),), local_map="bias" not in params)
+        out_src=(_on_tp(Partial()),), out_dst=(_on_tp(Replicate()),), local_map=True)
 
 
 def vocab_embedding(module: nn.Module, hints: dict) -> ShardingConfig:

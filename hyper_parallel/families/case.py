@@ -61,6 +61,21 @@ def clean_env() -> dict:
     return env
 
 
+def run_bounded(command: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` capturing text output, but a timeout kills the whole process group:
+    torchrun's ranks (hung in a collective, say) die with it instead of living on. Raises
+    ``subprocess.TimeoutExpired`` carrying what was printed until then."""
+    proc = subprocess.Popen(command, cwd=cwd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
 def make_project(dest: Path) -> Path:
     """A throwaway project: dodo.py as bench/gen_vs_peer.py's make_project copies it, and an
     empty recipes/ that the sweep fills (one folder per family, one per layout below it)."""
@@ -124,8 +139,7 @@ def run_generate(project: Path, recipe: Path, timeout: float) -> tuple[int | Non
     command = [sys.executable, "-m", "hyper_parallel.codegen", "--verbose", "generate", "--skip-preflight",
                "--config", str(recipe.relative_to(project))]
     try:
-        proc = subprocess.run(command, cwd=project, env=clean_env(), capture_output=True, text=True,
-                              timeout=timeout)
+        proc = run_bounded(command, project, timeout)
     except subprocess.TimeoutExpired as exc:
         return None, _text(exc.stdout) + _text(exc.stderr)
     return proc.returncode, proc.stdout + proc.stderr
@@ -231,8 +245,7 @@ def run_training(project: Path, recipe: Path, world: int, timeout: float) -> tup
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                "-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics", str(metrics)]
     try:
-        proc = subprocess.run(command, cwd=project, env=clean_env(), capture_output=True, text=True,
-                              timeout=timeout)
+        proc = run_bounded(command, project, timeout)
     except subprocess.TimeoutExpired:
         return "fail", f"train: timed out after {timeout:.0f}s"
     if proc.returncode != 0 or not metrics.is_file():
