@@ -96,6 +96,9 @@ class Dataflow:
     # Modules (not leaves) whose output carries values from modules outside them: a block
     # that adds the residual stream to its own result (Bloom's attention takes ``residual``).
     outside_sums: frozenset[str] = frozenset()
+    # Modules (not leaves) whose first output has fewer dims than the stream (Llama 4's MoE
+    # returns its tokens flattened to [tokens, hidden]): no sequence dim to split it along.
+    flat_outputs: frozenset[str] = frozenset()
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
@@ -183,6 +186,7 @@ class _Trace:
     leaves: dict[str, nn.Module]
     logits_tags: frozenset
     outputs: dict[str, frozenset]  # every other module: the tags of its first output
+    output_dims: dict[str, int]  # every other module: its first output's number of dims
 
 
 def _carries_values(tensor: torch.Tensor) -> bool:
@@ -241,12 +245,13 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
         return hook
 
     outputs: dict[str, frozenset] = {}
+    output_dims: dict[str, int] = {}
 
     def record(name):
         def hook(module, args, output):
             found = _first_float(output)
             if found is not None and name not in outputs:
-                outputs[name] = mode.of(found)
+                outputs[name], output_dims[name] = mode.of(found), found.dim()
         return hook
 
     handles = []
@@ -264,7 +269,7 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
             handle.remove()
     logits = getattr(output, "logits", None)
     logits = logits if isinstance(logits, torch.Tensor) else _first_float(output)
-    return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits), outputs)
+    return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits), outputs, output_dims)
 
 
 class _Resolver:
@@ -315,8 +320,11 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     outside_sums = frozenset(
         name for name, tags in trace.outputs.items()
         if any(tag[0] == "mod" and not tag[1].startswith(name + ".") for tag in resolve(tags)))
+    head_input = trace.first_input.get(head_name)
+    stream_dims = head_input.dim() if head_input is not None else 3  # [batch, sequence, hidden]
+    flat_outputs = frozenset(name for name, dims in trace.output_dims.items() if dims < stream_dims)
     return Dataflow(stream=stream, routers=routers, blocks=blocks, standalone=standalone,
-                    attention_inputs=attention_inputs, outside_sums=outside_sums)
+                    attention_inputs=attention_inputs, outside_sums=outside_sums, flat_outputs=flat_outputs)
 
 
 def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: frozenset[str]) -> list[Block]:

@@ -165,7 +165,8 @@ class ShardingPlanner:
             roles[fqn], modules[fqn] = role, config
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel, attention_inputs=self._attention_inputs(),
-                              outside_sums=self._outside_sums(), routers=self._routers())
+                              outside_sums=self._stand_ins("outside_sums"), routers=self._routers(),
+                              flat_outputs=self._stand_ins("flat_outputs"))
         apply_expert_layout(modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
@@ -248,13 +249,13 @@ class ShardingPlanner:
         picking = StandIns(self.dataflow.routers)
         return frozenset(name for name, _ in self.model.named_modules() if name and picking(name))
 
-    def _outside_sums(self) -> frozenset[str]:
-        """The model's modules whose output, in the traced forward, carried values from
-        outside them (by stand-in)."""
+    def _stand_ins(self, field: str) -> frozenset[str]:
+        """The model's modules that stand in (by name pattern) for the traced copy's modules
+        in ``Dataflow.<field>`` (``outside_sums``, ``flat_outputs``)."""
         if self.dataflow is None:
             return frozenset()
-        inside = StandIns(self.dataflow.outside_sums)
-        return frozenset(name for name, _ in self.model.named_modules() if name and inside(name))
+        traced = StandIns(getattr(self.dataflow, field))
+        return frozenset(name for name, _ in self.model.named_modules() if name and traced(name))
 
     def _attention_inputs(self) -> frozenset[str]:
         """The model's modules whose output reaches an attention's q, k or v (by pattern)."""

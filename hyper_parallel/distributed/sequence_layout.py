@@ -52,14 +52,17 @@ _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_exp
 
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
                           cp: bool, sp: bool, loss_parallel: bool, attention_inputs: frozenset[str] = frozenset(),
-                          outside_sums: frozenset[str] = frozenset(), routers: frozenset[str] = frozenset()) -> None:
+                          outside_sums: frozenset[str] = frozenset(), routers: frozenset[str] = frozenset(),
+                          flat_outputs: frozenset[str] = frozenset()) -> None:
     """Rewrite ``modules``/``roles`` in place for the requested sequence layout.
     ``attention_inputs``: modules the dataflow saw feeding an attention's q, k or v; a
     layer's child holding one is an attention block whatever its modules are called.
     ``outside_sums``: modules whose output the dataflow saw carry values from outside them
     (a block adding the residual itself); a layer's block of that kind is refused.
     ``routers``: linears the dataflow saw pick experts; a block holding one is an MoE block
-    even when its experts are a ModuleList of linears rather than packed tensors."""
+    even when its experts are a ModuleList of linears rather than packed tensors.
+    ``flat_outputs``: modules the dataflow saw return fewer dims than the stream (tokens
+    flattened); under sequence parallel a layer's block of that kind is refused."""
     sharded_loss = loss_goes_through_loss_function(model)
     if loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
@@ -67,7 +70,8 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
                         f"set loss_parallel: false")
     if cp or sp:
         _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss,
-                        attention_inputs=attention_inputs, outside_sums=outside_sums, routers=routers)
+                        attention_inputs=attention_inputs, outside_sums=outside_sums, routers=routers,
+                        flat_outputs=flat_outputs)
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
     if loss_parallel:
@@ -122,7 +126,8 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 
 def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
-                    attention_inputs: frozenset[str], outside_sums: frozenset[str], routers: frozenset[str]) -> None:
+                    attention_inputs: frozenset[str], outside_sums: frozenset[str], routers: frozenset[str],
+                    flat_outputs: frozenset[str]) -> None:
     layers_fqn, layers = _decoder_layers(model)
     residual = residual_placement(cp=cp, sp=sp)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
@@ -141,6 +146,13 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                     "values from outside it (the residual stream) to its own output, which the sequence "
                     "layout splits around each block; sequence and context parallel cannot do such a block "
                     f"yet: set {'cp_size: 1' if cp else 'sequence_parallel: false'}")
+            if sp and fqn in flat_outputs:
+                # sequence parallel hands each block's output on split along the sequence dim,
+                # which a [tokens, hidden] output does not have (its dim 1 is the hidden one)
+                raise PlanError(
+                    f"accelerator.sequence_parallel: {fqn} ({type(child).__name__}) returns its tokens "
+                    "flattened ([tokens, hidden], no sequence dim), and sequence parallel splits each block's "
+                    "output along the sequence dim; it cannot do such a block yet: set sequence_parallel: false")
             if _is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp)
             elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):

@@ -112,13 +112,13 @@ def test_planner_uses_dataflow_for_modules_names_do_not_classify(fixture):
     assert split and "tp" in result.applied_axes
 
 
-def _planned(config, dims: ParallelDims):
+def _planned(config, dims: ParallelDims, **options):
     """The planner's result for ``config`` with the dataflow of its tiny copy."""
     tiny = _tiny(config)
     flow = _flow(tiny, tp=dims.tp)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny.config)
-    return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow).plan()
+    return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow, **options).plan()
 
 
 def test_learned_activation_between_split_projections_sums_its_gradient_over_tp():
@@ -192,3 +192,15 @@ def test_a_split_that_runs_but_computes_other_values_is_gathered():
     flow = _flow(_remote("alibi_einsum"))
     attention = next(block for block in flow.blocks if any(name.endswith("attn.c_qkv") for name in block.members))
     assert attention.mode == GATHERED_MODE and "is not that rank's slice" in attention.why, attention.why
+
+
+def test_a_block_returning_flattened_tokens_is_refused_under_sp_and_planned_under_cp():
+    # Llama 4's MoE returns [tokens, hidden]: sequence parallel's reduce-scatter along dim 1
+    # would split the hidden dim (the decoder layer's view() hid it: wrong numbers, no error).
+    from hyper_parallel.families.tiny import tiny_config
+
+    config = tiny_config("llama4_text")
+    with pytest.raises(Exception, match=r"sequence_parallel: model.layers.0.feed_forward \(Llama4TextMoe\) "
+                                        r"returns its tokens flattened"):
+        _planned(config, ParallelDims(tp=TP), sequence_parallel=True)
+    assert _planned(config, ParallelDims(cp=2)).roles["model.layers.0.feed_forward"] == "moe_block"
