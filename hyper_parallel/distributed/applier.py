@@ -430,7 +430,11 @@ def _convert_output(value, src, dst, sub_mesh, axes, where: str):
         value = _redistribute(value, sub_mesh, _placements(dst, axes, ndim), axes, where)
     # A partial sum handed on as a local tensor: its gradient is the sum's, on every rank.
     grads = tuple(Replicate() if isinstance(p, Partial) else p for p in value.placements)
-    return value.to_local(grad_placements=grads)
+    local = value.to_local(grad_placements=grads)
+    # to_local's result is a view made inside a custom autograd Function, which autograd
+    # forbids modifying in place; model code does that to what a module hands it (CTRL:
+    # ``inputs_embeds *= sqrt(d_model)``), so it gets a tensor of its own.
+    return local.clone() if local.requires_grad else local
 
 
 def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axes, split_axes) -> None:

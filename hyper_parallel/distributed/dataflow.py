@@ -34,6 +34,7 @@ hands on all of them (``colwise_gathered``), the consumer slices its input
 computation not. Fused projections whose q/k/v parts differ in width (GQA) land here.
 """
 
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -99,6 +100,9 @@ class Dataflow:
     # Modules (not leaves) whose first output has fewer dims than the stream (Llama 4's MoE
     # returns its tokens flattened to [tokens, hidden]): no sequence dim to split it along.
     flat_outputs: frozenset[str] = frozenset()
+    # Modules (not leaves) -> the positions, in their forward's signature, of the first input
+    # carrying model values and of inputs carrying it again (CTRL's attention: v, k, q).
+    value_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
@@ -187,6 +191,7 @@ class _Trace:
     logits_tags: frozenset
     outputs: dict[str, frozenset]  # every other module: the tags of its first output
     output_dims: dict[str, int]  # every other module: its first output's number of dims
+    value_inputs: dict[str, tuple[int, ...]]  # every other module: see Dataflow.value_inputs
 
 
 def _carries_values(tensor: torch.Tensor) -> bool:
@@ -246,18 +251,20 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
 
     outputs: dict[str, frozenset] = {}
     output_dims: dict[str, int] = {}
+    value_inputs: dict[str, tuple[int, ...]] = {}
 
     def record(name):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             found = _first_float(output)
             if found is not None and name not in outputs:
                 outputs[name], output_dims[name] = mode.of(found), found.dim()
+                value_inputs[name] = _value_positions(module, args, kwargs, mode)
         return hook
 
     handles = []
     for name, module in model.named_modules():
         if name and name not in leaves:
-            handles.append(module.register_forward_hook(record(name)))
+            handles.append(module.register_forward_hook(record(name), with_kwargs=True))
     for name, module in leaves.items():
         handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         handles.append(module.register_forward_hook(post(name), with_kwargs=True))
@@ -269,7 +276,28 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
             handle.remove()
     logits = getattr(output, "logits", None)
     logits = logits if isinstance(logits, torch.Tensor) else _first_float(output)
-    return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits), outputs, output_dims)
+    return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits), outputs, output_dims,
+                  value_inputs)
+
+
+def _value_positions(module: nn.Module, args: tuple, kwargs: dict, mode: "_Tags") -> tuple[int, ...]:
+    """Positions (in the forward's signature) of the first input carrying values from
+    modules (not masks, ids or position tables computed from buffers) and of the inputs
+    that carry the same values again (CTRL's attention: ``attn(x, x, x)``)."""
+    try:
+        names = [p.name for p in inspect.signature(module.forward).parameters.values()
+                 if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        names = []
+    given = sorted(list(enumerate(args)) + [(names.index(key), value) for key, value in kwargs.items()
+                                            if key in names], key=lambda item: item[0])
+    carrying = [(index, value) for index, value in given
+                if isinstance(value, torch.Tensor) and _carries_values(value) and mode.of(value)]
+    if not carrying:
+        return ()
+    first = carrying[0][1]  # the stream; others count only when they are the same values again
+    return tuple(index for index, value in carrying
+                 if value.shape == first.shape and mode.of(value) == mode.of(first))
 
 
 class _Resolver:
@@ -324,7 +352,8 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     stream_dims = head_input.dim() if head_input is not None else 3  # [batch, sequence, hidden]
     flat_outputs = frozenset(name for name, dims in trace.output_dims.items() if dims < stream_dims)
     return Dataflow(stream=stream, routers=routers, blocks=blocks, standalone=standalone,
-                    attention_inputs=attention_inputs, outside_sums=outside_sums, flat_outputs=flat_outputs)
+                    attention_inputs=attention_inputs, outside_sums=outside_sums, flat_outputs=flat_outputs,
+                    value_inputs=trace.value_inputs)
 
 
 def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: frozenset[str]) -> list[Block]:

@@ -166,7 +166,7 @@ class ShardingPlanner:
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel, attention_inputs=self._attention_inputs(),
                               outside_sums=self._stand_ins("outside_sums"), routers=self._routers(),
-                              flat_outputs=self._stand_ins("flat_outputs"))
+                              flat_outputs=self._stand_ins("flat_outputs"), value_inputs=self._value_inputs())
         apply_expert_layout(modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
@@ -256,6 +256,19 @@ class ShardingPlanner:
             return frozenset()
         traced = StandIns(getattr(self.dataflow, field))
         return frozenset(name for name, _ in self.model.named_modules() if name and traced(name))
+
+    def _value_inputs(self) -> dict[str, tuple[int, ...]]:
+        """The model's modules -> the positions of their inputs that carried model values in
+        the traced forward (by stand-in)."""
+        if self.dataflow is None:
+            return {}
+        traced = StandIns(self.dataflow.value_inputs)
+        found = {}
+        for name, _ in self.model.named_modules():
+            stand_ins = traced(name) if name else []
+            if stand_ins:
+                found[name] = self.dataflow.value_inputs[stand_ins[0]]
+        return found
 
     def _attention_inputs(self) -> frozenset[str]:
         """The model's modules whose output reaches an attention's q, k or v (by pattern)."""

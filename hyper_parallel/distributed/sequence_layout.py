@@ -53,7 +53,8 @@ _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_exp
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
                           cp: bool, sp: bool, loss_parallel: bool, attention_inputs: frozenset[str] = frozenset(),
                           outside_sums: frozenset[str] = frozenset(), routers: frozenset[str] = frozenset(),
-                          flat_outputs: frozenset[str] = frozenset()) -> None:
+                          flat_outputs: frozenset[str] = frozenset(),
+                          value_inputs: dict[str, tuple[int, ...]] | None = None) -> None:
     """Rewrite ``modules``/``roles`` in place for the requested sequence layout.
     ``attention_inputs``: modules the dataflow saw feeding an attention's q, k or v; a
     layer's child holding one is an attention block whatever its modules are called.
@@ -62,7 +63,10 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
     ``routers``: linears the dataflow saw pick experts; a block holding one is an MoE block
     even when its experts are a ModuleList of linears rather than packed tensors.
     ``flat_outputs``: modules the dataflow saw return fewer dims than the stream (tokens
-    flattened); under sequence parallel a layer's block of that kind is refused."""
+    flattened); under sequence parallel a layer's block of that kind is refused.
+    ``value_inputs``: module -> positions of the inputs the dataflow saw carry model values;
+    a block converts each of them (CTRL's attention takes the stream as v, k and q), by
+    default its first input only."""
     sharded_loss = loss_goes_through_loss_function(model)
     if loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
@@ -71,7 +75,7 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
     if cp or sp:
         _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss,
                         attention_inputs=attention_inputs, outside_sums=outside_sums, routers=routers,
-                        flat_outputs=flat_outputs)
+                        flat_outputs=flat_outputs, value_inputs=value_inputs or {})
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
     if loss_parallel:
@@ -127,7 +131,7 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
                     attention_inputs: frozenset[str], outside_sums: frozenset[str], routers: frozenset[str],
-                    flat_outputs: frozenset[str]) -> None:
+                    flat_outputs: frozenset[str], value_inputs: dict[str, tuple[int, ...]]) -> None:
     layers_fqn, layers = _decoder_layers(model)
     residual = residual_placement(cp=cp, sp=sp)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
@@ -153,12 +157,13 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                     f"accelerator.sequence_parallel: {fqn} ({type(child).__name__}) returns its tokens "
                     "flattened ([tokens, hidden], no sequence dim), and sequence parallel splits each block's "
                     "output along the sequence dim; it cannot do such a block yet: set sequence_parallel: false")
+            streams = value_inputs.get(fqn) or (0,)
             if _is_attention(fqn, child, roles, attention_inputs):
-                _attention_block(fqn, child, modules, roles, residual, cp=cp)
+                _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams)
             elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
                 _residual_module(modules[fqn], residual)  # a norm of the layer; not a block with own vectors
             else:
-                _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=routers)
+                _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=routers, streams=streams)
     for fqn, role in list(roles.items()):
         inside_layers = fqn == layers_fqn or fqn.startswith(layers_fqn + ".")
         if role == "replicate" and not inside_layers and not isinstance(model.get_submodule(fqn), nn.Embedding):
@@ -201,11 +206,17 @@ def _residual_module(config: ShardingConfig, residual: dict) -> None:
     config.in_src = config.in_dst = (dict(residual),)
 
 
-def _attention_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
+def _per_input(streams: tuple[int, ...], placement: dict) -> tuple:
+    """One placement per stream input of a block (its positions in ``streams``), None between."""
+    return tuple(dict(placement) if index in streams else None for index in range(max(streams) + 1))
+
+
+def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams: tuple[int, ...] = (0,)) -> None:
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
     partial = {**({CP: Replicate()} if cp else {}), TP: Partial()}
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. GPT-OSS's sinks
-    modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=(residual,), in_dst=(full,),
+    modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
+                                  in_dst=_per_input(streams, full),
                                   out_src=(partial, None), out_dst=(dict(residual), None), local_map=True)
     roles[fqn] = "attention_block"
     for inner in _inner_entries(fqn, block, modules):
@@ -213,7 +224,8 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool) -> None:
             modules[inner].out_dst = modules[inner].out_src
 
 
-def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: frozenset[str] = frozenset()) -> None:
+def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: frozenset[str] = frozenset(),
+               streams: tuple[int, ...] = (0,)) -> None:
     inner_entries = _inner_entries(fqn, block, modules)
     moe = any(roles.get(inner) == "packed_experts" or inner in routers for inner in inner_entries)
     token_dim = 0 if moe else 1  # MoE blocks flatten [batch, seq, hidden] to [tokens, hidden]
@@ -222,7 +234,8 @@ def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: froze
     hand_on_partial = not (moe and _plain_code_gates(fqn, block, roles))
     block_out = Partial() if hand_on_partial else Replicate()
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. AFMoE's expert_bias
-    modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=(residual,), in_dst=({**tokens, TP: Replicate()},),
+    modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
+                                  in_dst=_per_input(streams, {**tokens, TP: Replicate()}),
                                   out_src=({**tokens, TP: block_out},), out_dst=(dict(residual),),
                                   local_map=True)
     roles[fqn] = "moe_block" if moe else "mlp_block"

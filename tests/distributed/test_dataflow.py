@@ -204,3 +204,16 @@ def test_a_block_returning_flattened_tokens_is_refused_under_sp_and_planned_unde
                                         r"returns its tokens flattened"):
         _planned(config, ParallelDims(tp=TP), sequence_parallel=True)
     assert _planned(config, ParallelDims(cp=2)).roles["model.layers.0.feed_forward"] == "moe_block"
+
+
+def test_a_block_taking_the_stream_several_times_converts_each():
+    # CTRL calls its attention as attn(normed, normed, normed) (v, k, q): under sp every one of
+    # the three must be gathered, not only the first (a size mismatch in the attention).
+    from hyper_parallel.families.tiny import tiny_config
+
+    result = _planned(tiny_config("ctrl"), ParallelDims(tp=TP), sequence_parallel=True)
+    block = result.modules["transformer.h.0.multi_head_attention"]
+    assert result.roles["transformer.h.0.multi_head_attention"] == "attention_block"
+    assert len(block.in_dst) == 3 and all(type(dst["tp"]).__name__ == "Replicate" for dst in block.in_dst), block.in_dst
+    mlp = result.modules["transformer.h.0.ffn"]
+    assert len(mlp.in_dst) == 1  # the stream once
