@@ -43,7 +43,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
+from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 
 SPLIT_MODE, GATHERED_MODE = "split", "gathered"
 _ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flex_attention"})
@@ -100,6 +100,11 @@ class Dataflow:
     # Modules (not leaves) whose first output has fewer dims than the stream (Llama 4's MoE
     # returns its tokens flattened to [tokens, hidden]): no sequence dim to split it along.
     flat_outputs: frozenset[str] = frozenset()
+    # Leaves whose first input has fewer dims than the stream (OPT's fc1/fc2 read [tokens, hidden]).
+    flat_inputs: frozenset[str] = frozenset()
+    # Leaves off the decoder layers that read what the layers wrote (OPT's project_out after
+    # the final norm): under a sequence split they see each rank's piece of the sequence.
+    after_layers: frozenset[str] = frozenset()
     # Modules (not leaves) -> the positions, in their forward's signature, of the first input
     # carrying model values and of inputs carrying it again (CTRL's attention: v, k, q).
     value_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -332,6 +337,11 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     head_name = names.get(id(head))
     embed_name = names.get(id(input_embeddings(model)))
     stream_tags = resolve(trace.inputs[head_name] if head_name in trace.inputs else trace.logits_tags)
+    # The decoder layers' outputs are the stream too: the head may read it through a
+    # projection (OPT's project_out), which would otherwise be all the stream there is.
+    layers = decoder_layers(model)
+    for index in range(len(layers[1]) if layers else 0):
+        stream_tags = stream_tags | resolve(trace.outputs.get(f"{layers[0]}.{index}", frozenset()))
     stream = frozenset(tag[1] for tag in stream_tags if tag[0] == "mod")
     routers = frozenset(name for name in (
         {tag[1] for tag in resolve(trace.mode.selected) if tag[0] == "mod"} | trace.mode.selecting)
@@ -351,9 +361,14 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     head_input = trace.first_input.get(head_name)
     stream_dims = head_input.dim() if head_input is not None else 3  # [batch, sequence, hidden]
     flat_outputs = frozenset(name for name, dims in trace.output_dims.items() if dims < stream_dims)
+    flat_inputs = frozenset(name for name, value in trace.first_input.items() if value.dim() < stream_dims)
+    inside = (lambda name: bool(layers) and name.startswith(layers[0] + "."))
+    after_layers = frozenset(
+        name for name in trace.leaves if name != head_name and not inside(name) and name in trace.inputs
+        and any(tag[0] == "mod" and inside(tag[1]) for tag in resolve(trace.inputs[name])))
     return Dataflow(stream=stream, routers=routers, blocks=blocks, standalone=standalone,
                     attention_inputs=attention_inputs, outside_sums=outside_sums, flat_outputs=flat_outputs,
-                    value_inputs=trace.value_inputs)
+                    flat_inputs=flat_inputs, after_layers=after_layers, value_inputs=trace.value_inputs)
 
 
 def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: frozenset[str]) -> list[Block]:

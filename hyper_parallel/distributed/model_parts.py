@@ -12,6 +12,22 @@ def output_embeddings(model: nn.Module) -> nn.Module | None:
     return _part(model, "get_output_embeddings")
 
 
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(name, list) of the decoder layers: among the ``nn.ModuleList``s not nested in
+    another list (an MoE's experts and a layer's own lists of norms are), the shallowest
+    with ``num_hidden_layers`` entries, else the longest; None without a list. The probe
+    and the sequence layout both use this one rule."""
+    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    outer = [item for item in lists if not any(item[0].startswith(other + ".") for other, _ in lists)]
+    if not outer:
+        return None
+    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    exact = [item for item in outer if len(item[1]) == depth]
+    if exact:
+        return min(exact, key=lambda item: (item[0].count("."), item[0]))
+    return max(outer, key=lambda item: len(item[1]))
+
+
 def _part(model: nn.Module, getter_name: str) -> nn.Module | None:
     getter = getattr(model, getter_name, None)
     try:

@@ -62,7 +62,7 @@ from hyper_parallel.distributed.roles import (
     is_packed_experts,
     style_meaning,
 )
-from hyper_parallel.distributed.sequence_layout import apply_sequence_layout
+from hyper_parallel.distributed.sequence_layout import TracedFacts, apply_sequence_layout
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 __all__ = ["PlanError", "PlanResult", "ShardingPlanner", "merge_plan_overrides"]
@@ -90,6 +90,7 @@ class PlanResult:
     applied_axes: list[str]
     recorded_axes: dict[str, str]
     roles: dict[str, str] = field(default_factory=dict)
+    dataflow_error: str = ""  # why the planner went without the dataflow (its trace failed)
 
 
 class StyleRefusal(PlanError):
@@ -164,9 +165,7 @@ class ShardingPlanner:
                 role, config = err.fallback_role, ROLE_BUILDERS[err.fallback_role](module, {})
             roles[fqn], modules[fqn] = role, config
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel, attention_inputs=self._attention_inputs(),
-                              outside_sums=self._stand_ins("outside_sums"), routers=self._routers(),
-                              flat_outputs=self._stand_ins("flat_outputs"), value_inputs=self._value_inputs())
+                              loss_parallel=self.loss_parallel, traced=self._traced_facts())
         apply_expert_layout(modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
@@ -175,7 +174,7 @@ class ShardingPlanner:
             roles.update({fqn: "override" for fqn in modules if fqn not in roles})
         lint_plan(self.model, modules, self.mesh)
         return PlanResult(modules=modules, applied_axes=self._applied_axes(modules),
-                          recorded_axes=self._recorded_axes(), roles=roles)
+                          recorded_axes=self._recorded_axes(), roles=roles, dataflow_error=self.dataflow_error)
 
     def _splits_no_module(self) -> bool:
         """tp 1 and cp 1 (dp, or ep with nothing tensor-parallel): every module keeps its
@@ -256,6 +255,15 @@ class ShardingPlanner:
             return frozenset()
         traced = StandIns(getattr(self.dataflow, field))
         return frozenset(name for name, _ in self.model.named_modules() if name and traced(name))
+
+    def _traced_facts(self) -> TracedFacts:
+        """What the trace saw, in this model's names (empty without a trace)."""
+        if self.dataflow is None:
+            return TracedFacts()
+        return TracedFacts(attention_inputs=self._attention_inputs(), outside_sums=self._stand_ins("outside_sums"),
+                           routers=self._routers(), flat_outputs=self._stand_ins("flat_outputs"),
+                           flat_inputs=self._stand_ins("flat_inputs"), after_layers=self._stand_ins("after_layers"),
+                           value_inputs=self._value_inputs(), traced=True)
 
     def _value_inputs(self) -> dict[str, tuple[int, ...]]:
         """The model's modules -> the positions of their inputs that carried model values in

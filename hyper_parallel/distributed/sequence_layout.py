@@ -37,11 +37,14 @@ Attention under CP gathers its input hidden states over cp and computes on the w
 sequence on each cp rank (exact, but the attention work itself is not split over cp).
 """
 
+from dataclasses import dataclass, field
+
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
+from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError
+from hyper_parallel.distributed.roles import replicate
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 CP, TP = "cp", "tp"
@@ -50,32 +53,46 @@ _ATTENTION_ROLES = frozenset({"head_norm", "projection_norm", "fused_qkv"})
 _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_experts"})
 
 
+@dataclass(frozen=True)
+class TracedFacts:
+    """What the dataflow trace saw, in the planned model's module names (the planner maps
+    the traced copy's names onto them). Empty without a trace: names decide alone.
+
+    - ``attention_inputs``: modules feeding an attention's q, k or v; a layer's child
+      holding one is an attention block whatever its modules are called;
+    - ``outside_sums``: modules whose output carries values from outside them (a block
+      adding the residual itself); a layer's block of that kind is refused;
+    - ``routers``: linears picking experts; a block holding one is an MoE block even when
+      its experts are a ModuleList of linears rather than packed tensors;
+    - ``flat_outputs`` / ``flat_inputs``: modules returning / leaves reading fewer dims than
+      the stream (tokens flattened to [tokens, hidden]); sequence parallel refuses them;
+    - ``after_layers``: leaves off the decoder layers reading what the layers wrote (OPT's
+      project_out after the final norm): they compute on the split sequence;
+    - ``value_inputs``: module -> positions of its inputs carrying the stream; a block
+      converts each (CTRL's attention takes it as v, k and q), by default its first input.
+    """
+
+    attention_inputs: frozenset[str] = frozenset()
+    outside_sums: frozenset[str] = frozenset()
+    routers: frozenset[str] = frozenset()
+    flat_outputs: frozenset[str] = frozenset()
+    flat_inputs: frozenset[str] = frozenset()
+    after_layers: frozenset[str] = frozenset()
+    value_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    traced: bool = False  # the facts come from a trace (else every set is empty for want of one)
+
+
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
-                          cp: bool, sp: bool, loss_parallel: bool, attention_inputs: frozenset[str] = frozenset(),
-                          outside_sums: frozenset[str] = frozenset(), routers: frozenset[str] = frozenset(),
-                          flat_outputs: frozenset[str] = frozenset(),
-                          value_inputs: dict[str, tuple[int, ...]] | None = None) -> None:
-    """Rewrite ``modules``/``roles`` in place for the requested sequence layout.
-    ``attention_inputs``: modules the dataflow saw feeding an attention's q, k or v; a
-    layer's child holding one is an attention block whatever its modules are called.
-    ``outside_sums``: modules whose output the dataflow saw carry values from outside them
-    (a block adding the residual itself); a layer's block of that kind is refused.
-    ``routers``: linears the dataflow saw pick experts; a block holding one is an MoE block
-    even when its experts are a ModuleList of linears rather than packed tensors.
-    ``flat_outputs``: modules the dataflow saw return fewer dims than the stream (tokens
-    flattened); under sequence parallel a layer's block of that kind is refused.
-    ``value_inputs``: module -> positions of the inputs the dataflow saw carry model values;
-    a block converts each of them (CTRL's attention takes the stream as v, k and q), by
-    default its first input only."""
+                          cp: bool, sp: bool, loss_parallel: bool, traced: TracedFacts = TracedFacts()) -> None:
+    """Rewrite ``modules``/``roles`` in place for the requested sequence layout, with what
+    the dataflow trace saw (``traced``)."""
     sharded_loss = loss_goes_through_loss_function(model)
     if loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
                         f"through self.loss_function, so the logits cannot reach it sharded over the vocabulary; "
                         f"set loss_parallel: false")
     if cp or sp:
-        _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss,
-                        attention_inputs=attention_inputs, outside_sums=outside_sums, routers=routers,
-                        flat_outputs=flat_outputs, value_inputs=value_inputs or {})
+        _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss, traced=traced)
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
     if loss_parallel:
@@ -130,9 +147,12 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 
 def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
-                    attention_inputs: frozenset[str], outside_sums: frozenset[str], routers: frozenset[str],
-                    flat_outputs: frozenset[str], value_inputs: dict[str, tuple[int, ...]]) -> None:
-    layers_fqn, layers = _decoder_layers(model)
+                    traced: TracedFacts) -> None:
+    found = decoder_layers(model)
+    if found is None:
+        raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
+                        "but the model has no nn.ModuleList of layers")
+    layers_fqn, layers = found
     residual = residual_placement(cp=cp, sp=sp)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
     first = f"{layers_fqn}.0"
@@ -143,51 +163,45 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             fqn = f"{layers_fqn}.{index}.{name}"
             if not _has_params(child):
                 continue
-            if fqn in outside_sums and (_is_attention(fqn, child, roles, attention_inputs)
+            attention_inputs = traced.attention_inputs
+            if fqn in traced.outside_sums and (_is_attention(fqn, child, roles, attention_inputs)
                                         or roles.get(fqn) != "replicate"):
                 raise PlanError(
                     f"accelerator.{'cp_size' if cp else 'sequence_parallel'}: {fqn} ({type(child).__name__}) adds "
                     "values from outside it (the residual stream) to its own output, which the sequence "
                     "layout splits around each block; sequence and context parallel cannot do such a block "
                     f"yet: set {'cp_size: 1' if cp else 'sequence_parallel: false'}")
-            if sp and fqn in flat_outputs:
+            if sp and fqn in traced.flat_outputs:
                 # sequence parallel hands each block's output on split along the sequence dim,
                 # which a [tokens, hidden] output does not have (its dim 1 is the hidden one)
                 raise PlanError(
                     f"accelerator.sequence_parallel: {fqn} ({type(child).__name__}) returns its tokens "
                     "flattened ([tokens, hidden], no sequence dim), and sequence parallel splits each block's "
                     "output along the sequence dim; it cannot do such a block yet: set sequence_parallel: false")
-            streams = value_inputs.get(fqn) or (0,)
-            if _is_attention(fqn, child, roles, attention_inputs):
+            streams = traced.value_inputs.get(fqn) or (0,)
+            if _is_flat_member(fqn, child, roles):
+                _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
+                             flat=fqn in traced.flat_inputs)
+            elif _is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams)
             elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
                 _residual_module(modules[fqn], residual)  # a norm of the layer; not a block with own vectors
             else:
-                _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=routers, streams=streams)
+                _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=traced.routers, streams=streams)
+    for fqn in sorted(traced.after_layers):  # outside the layers on the split stream, but unplanned
+        if fqn not in modules and not fqn.startswith(layers_fqn + "."):
+            modules[fqn], roles[fqn] = replicate(model.get_submodule(fqn), {}), "replicate"
     for fqn, role in list(roles.items()):
         inside_layers = fqn == layers_fqn or fqn.startswith(layers_fqn + ".")
-        if role == "replicate" and not inside_layers and not isinstance(model.get_submodule(fqn), nn.Embedding):
-            # the final norm; an embedding beside the input one (learned positions) reads
-            # ids or positions, which stay full like the token embedding's
+        on_split_stream = fqn in traced.after_layers if traced.traced else (
+            not isinstance(model.get_submodule(fqn), nn.Embedding))
+        if role == "replicate" and not inside_layers and on_split_stream:
+            # the final norm, a projection after it (OPT's project_out); not what runs before
+            # the layers on the full sequence (an embedding beside the input one, learned
+            # positions, OPT's project_in), which the trace tells apart (else names: embeddings)
             _residual_module(modules[fqn], residual)
         elif role == "lm_head":
             _gathered_lm_head(modules[fqn], residual, cp=cp, keep_cp_split=logits_split_over_cp)
-
-
-def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder layers: the shallowest ``nn.ModuleList`` with ``num_hidden_layers``
-    entries (not the longest list: an MoE's experts often outnumber the layers), else the
-    longest list not nested in another list."""
-    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
-                        "but the model has no nn.ModuleList of layers")
-    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    exact = [item for item in lists if len(item[1]) == depth]
-    if exact:
-        return min(exact, key=lambda item: (item[0].count("."), item[0]))
-    outer = [item for item in lists if not any(item[0].startswith(other + ".") for other, _ in lists)]
-    return max(outer or lists, key=lambda item: len(item[1]))
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -204,6 +218,40 @@ def _is_attention(fqn: str, block: nn.Module, roles: dict[str, str], attention_i
 def _residual_module(config: ShardingConfig, residual: dict) -> None:
     # local_map module on its sequence piece: the split axes make its weight grads partial
     config.in_src = config.in_dst = (dict(residual),)
+
+
+def _is_flat_member(fqn: str, child: nn.Module, roles: dict[str, str]) -> bool:
+    """A split projection that is a child of the decoder layer itself, not of a block
+    module (OPT's and BioGPT's fc1/fc2: their MLP has no module of its own)."""
+    return roles.get(fqn) not in (None, "replicate") and not any(_has_params(c) for c in child.children())
+
+
+def _flat_member(fqn: str, modules, roles, residual: dict, *, cp: bool, sp: bool, attention: bool,
+                 flat: bool) -> None:
+    """A flat member is its block's boundary itself: one reading the stream gathers it
+    over tp (sequence parallel), one handing on a partial sum reduce-scatters it into the
+    stream; under cp its tokens stay split (per-token work, weight gradients summed over cp).
+    ``flat``: it reads [tokens, hidden] (OPT flattens the stream around its MLP)."""
+    if attention and cp:
+        raise PlanError(f"accelerator.cp_size: {fqn} feeds attention and is a child of the decoder layer "
+                        "itself, not of an attention module; context parallel cannot place such a layer yet: "
+                        "set cp_size: 1")
+    if flat and sp:
+        raise PlanError(f"accelerator.sequence_parallel: {fqn} reads the layer's tokens flattened ([tokens, "
+                        "hidden], no sequence dim) and is a child of the decoder layer itself, so it is where "
+                        "sequence parallel would gather and split the sequence; it cannot do that on flattened "
+                        "tokens yet: set sequence_parallel: false")
+    config = modules[fqn]
+    token_dim = 0 if flat else 1
+    if cp:
+        _add_token_split(config, Shard(token_dim))
+        residual = {**residual, CP: Shard(token_dim)}
+    tokens = {CP: Shard(token_dim)} if cp else {}
+    if roles[fqn] in _PARTIAL_OUTPUT_ROLES:
+        config.out_dst = (dict(residual),)
+    else:
+        config.in_src = (dict(residual),)
+        config.in_dst = ({**tokens, TP: Replicate()},)
 
 
 def _per_input(streams: tuple[int, ...], placement: dict) -> tuple:

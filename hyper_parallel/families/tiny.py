@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import inspect
 import json
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -19,7 +18,13 @@ import torch
 import transformers
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-from hyper_parallel.codegen.check.probe import ProbeError, cut_depth, layer_kinds, shortest_faithful_depth
+from hyper_parallel.codegen.check.probe import (
+    ProbeError,
+    cut_depth,
+    layer_kinds,
+    shortest_faithful_depth,
+    zero_dropout,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 REMOTE_DATA = REPO / "tests" / "data" / "remote_code"  # remote-code decoder fixtures, one folder each
@@ -42,8 +47,6 @@ TINY = {
 # keys/values are decompressed per query head (no grouped-query attention).
 MLA = {"head_dim": TINY["qk_rope_head_dim"], "num_key_value_heads": TINY["num_attention_heads"]}
 SLIDING_WINDOW = 8  # only where the family has a window by default (None keeps full attention)
-# Dropout makes a parallel run differ from one process by its random masks, not by its plan.
-DROPOUT_FIELD = re.compile(r"(dropout|pdrop|drop_rate|layerdrop)$")
 # What the generic widths cannot express, per family: passed to the config class as given
 # (also keys that are constructor keywords but not fields).
 FAMILY_FIXES = {
@@ -100,8 +103,6 @@ def construct_config(family: str, extra: dict | None = None):
     values = {**TINY, **(MLA if "qk_rope_head_dim" in defaults else {})}
     if isinstance(defaults.get("sliding_window"), int):
         values["sliding_window"] = SLIDING_WINDOW
-    values.update({name: 0.0 for name, value in defaults.items()
-                   if DROPOUT_FIELD.search(name) and isinstance(value, float)})
     amap = getattr(config_class, "attribute_map", {}) or {}
     explicit = {amap.get(k, k): v for k, v in {**FAMILY_FIXES.get(family, {}), **(extra or {})}.items()}
     kwargs = {**config_kwargs(config_class, values), **explicit}
@@ -112,6 +113,9 @@ def construct_config(family: str, extra: dict | None = None):
         if "num_key_value_heads" not in str(exc) or kv not in kwargs:
             raise
         config = config_class(**{**kwargs, kv: kwargs.get(amap.get("num_attention_heads", "num_attention_heads"))})
+    # Dropout makes a parallel run differ from one process by its random masks, not by its
+    # plan: zeroed by the rule verify's probe uses (BioGPT's hidden_dropout_prob included).
+    zero_dropout(config, family)
     vocab = getattr(config, "vocab_size", None)
     for index, key in enumerate(TOKEN_ID_KEYS):  # special tokens inside the small vocabulary
         token = getattr(config, key, None)

@@ -34,6 +34,12 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "mo
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k")
 INTERMEDIATE_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                      "ffn_hidden_size", "expert_intermediate_size")
+# Other widths that equal hidden_size in the model follow it in the probe: a projection
+# between two of them exists only when they differ (OPT's word_embed_proj_dim:
+# project_in/project_out), so a probe with the one shrunk and not the other would have
+# modules the model lacks. Named like a width; per-head and other inner sizes excluded.
+FOLLOWS_HIDDEN_KEY = re.compile(r"(_dim|_size)$")
+NOT_HIDDEN_WIDTH = re.compile(r"head|intermediate|vocab|window|position|chunk|batch|rank|expert|kernel|conv|state")
 TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id")
 # Attributes of a layer's modules that make two layers of equal structure different kinds.
 KIND_ATTRIBUTES = ("sliding_window", "is_sliding", "attention_type", "use_sliding_window", "is_causal")
@@ -102,6 +108,9 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
     for key in INTERMEDIATE_KEYS:
         if isinstance(getattr(config, key, None), int) and getattr(config, key) > 0:
             values[key] = _round_up(INTERMEDIATE, tp)
+    values.update({key: values["hidden_size"] for key, value in vars(config).items()
+                   if key not in values and _same_int(value, config.hidden_size) and FOLLOWS_HIDDEN_KEY.search(key)
+                   and not NOT_HIDDEN_WIDTH.search(key)})
     if isinstance(getattr(config, "vocab_size", None), int):
         values["vocab_size"] = _round_up(VOCAB, tp)
     values.update(_expert_counts(config, ep, where))
@@ -116,6 +125,10 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
             _set(probe, key, values["vocab_size"] - 1 - TOKEN_ID_KEYS.index(key), where)
     zero_dropout(probe, where)
     return probe
+
+
+def _same_int(value: Any, other: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == other
 
 
 def zero_dropout(config: Any, where: str) -> None:
@@ -192,14 +205,17 @@ def layer_kinds(model: Any, config: Any) -> list[tuple]:
 
 
 def decoder_layers(model: Any, count: int) -> list[Any]:
-    """The model's repeated decoder blocks: the shallowest ModuleList of ``count`` entries."""
-    from torch import nn
+    """The model's decoder layers (``model_parts.decoder_layers``), which must number
+    ``count`` (num_hidden_layers): the probe cuts the depth through that key."""
+    from hyper_parallel.distributed.model_parts import decoder_layers as find_layers
 
-    lists = [(name.count("."), name, module) for name, module in model.named_modules()
-             if isinstance(module, nn.ModuleList) and len(module) == count]
-    if not lists:
-        raise ProbeError(f"{type(model).__name__}: no ModuleList of num_hidden_layers={count} decoder layers")
-    return list(min(lists, key=lambda item: item[:2])[2])
+    found = find_layers(model)
+    if found is None or len(found[1]) != count:
+        got = "no ModuleList of layers" if found is None else f"{found[0]} holds {len(found[1])}"
+        raise ProbeError(f"{type(model).__name__}: the verify probe cuts the depth through num_hidden_layers="
+                         f"{count}, but the decoder layers do not number that ({got}); such a model cannot be "
+                         "verified yet")
+    return list(found[1])
 
 
 def shortest_faithful_depth(full_kinds: list[tuple]) -> int:

@@ -193,6 +193,7 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
                           f"model: {reason}; such models are not supported yet") from None
     return {
         "model_class": type(model).__name__,
+        "dataflow_error": result.dataflow_error,
         "module_names": [name for name, _ in model.named_modules()],
         "plan": {
             "format": 1,

@@ -1,0 +1,63 @@
+"""The verify probe and the dataflow trace's copy have the model's modules, or refuse."""
+
+from copy import deepcopy as copy_of
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hyper_parallel.codegen.check.probe import ProbeError, faithful_probe_config, shrink_widths
+from hyper_parallel.distributed.dataflow import analyze, pattern
+from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.families.tiny import meta_model, tiny_config
+
+
+def _probe(config, tp: int = 1):
+    wide = shrink_widths(config, tp=tp, ep=1, seq_len=8, where="test")
+    return faithful_probe_config(wide, remote=False, where="test")[0]
+
+
+def test_widths_equal_to_hidden_follow_it_so_the_probe_has_no_extra_projection():
+    # OPT builds project_in/project_out only when word_embed_proj_dim != hidden_size; a probe
+    # shrinking hidden alone had them and the model did not (verify failed on a module the
+    # model lacks).
+    config = tiny_config("opt")
+    assert config.word_embed_proj_dim == config.hidden_size
+    probe = _probe(config, tp=2)
+    assert probe.word_embed_proj_dim == probe.hidden_size != config.hidden_size
+    model_names = {pattern(name) for name, _ in meta_model(config).named_modules()}
+    assert {pattern(name) for name, _ in meta_model(probe).named_modules()} == model_names
+
+
+def test_a_model_whose_layer_list_is_not_num_hidden_layers_long_is_refused():
+    # Longcat-Flash: num_hidden_layers counts sublayers (2 per layer); cutting it cut the
+    # probe to no layers at all, which verified nothing.
+    with pytest.raises(ProbeError, match=r"num_hidden_layers=2, but the decoder layers do not number that "
+                                         r"\(model.layers holds 1\)"):
+        _probe(tiny_config("longcat_flash"))
+
+
+def test_biogpt_tiny_config_has_no_dropout():
+    config = tiny_config("biogpt")
+    assert config.hidden_dropout_prob == config.attention_probs_dropout_prob == 0.0
+
+
+def test_a_module_after_the_layers_on_the_split_stream_sums_its_gradient_over_cp():
+    # OPT with word_embed_proj_dim != hidden_size: project_out reads the final norm's output,
+    # which under cp is each rank's piece of the sequence: it needs an entry naming cp.
+    config = copy_of(tiny_config("opt"))
+    config.word_embed_proj_dim = 16  # unlike hidden_size in the model and in its probe
+    torch.manual_seed(0)
+    copy = AutoModelForCausalLM.from_config(_probe(config), attn_implementation="eager")
+    flow = analyze(copy, torch.randint(0, 64, (1, 8)), tp=1)
+    assert "model.decoder.project_out" in flow.after_layers
+    assert "model.decoder.project_in" not in flow.after_layers  # before the layers: full sequence
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dims = ParallelDims(cp=2)
+    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow).plan()
+    entry = result.modules["model.decoder.project_out"]
+    assert type(entry.in_src[0]["cp"]).__name__ == "Shard"
+    before = result.modules.get("model.decoder.project_in")  # full sequence: nothing split over cp
+    assert before is None or not any("cp" in (named or {}) for named in (before.in_src or ()))
