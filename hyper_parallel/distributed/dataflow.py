@@ -105,6 +105,9 @@ class Dataflow:
     # Leaves off the decoder layers that read what the layers wrote (OPT's project_out after
     # the final norm): under a sequence split they see each rank's piece of the sequence.
     after_layers: frozenset[str] = frozenset()
+    # (reader, source) name patterns (indices as *): a leaf whose input carries a leaf's
+    # output (AXK1's post_mlp_layernorm reads the experts' and the shared expert's sum).
+    reads: frozenset[tuple[str, str]] = frozenset()
     # Modules (not leaves) -> the positions, in their forward's signature, of the first input
     # carrying model values and of inputs carrying it again (CTRL's attention: v, k, q).
     value_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -368,7 +371,9 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
         and any(tag[0] == "mod" and inside(tag[1]) for tag in resolve(trace.inputs[name])))
     return Dataflow(stream=stream, routers=routers, blocks=blocks, standalone=standalone,
                     attention_inputs=attention_inputs, outside_sums=outside_sums, flat_outputs=flat_outputs,
-                    flat_inputs=flat_inputs, after_layers=after_layers, value_inputs=trace.value_inputs)
+                    flat_inputs=flat_inputs, after_layers=after_layers, value_inputs=trace.value_inputs,
+                    reads=frozenset((pattern(name), pattern(tag[1])) for name, tags in trace.inputs.items()
+                                    for tag in tags if tag[0] == "mod" and tag[1] != name))
 
 
 def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: frozenset[str]) -> list[Block]:

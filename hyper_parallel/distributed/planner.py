@@ -263,7 +263,7 @@ class ShardingPlanner:
         return TracedFacts(attention_inputs=self._attention_inputs(), outside_sums=self._stand_ins("outside_sums"),
                            routers=self._routers(), flat_outputs=self._stand_ins("flat_outputs"),
                            flat_inputs=self._stand_ins("flat_inputs"), after_layers=self._stand_ins("after_layers"),
-                           value_inputs=self._value_inputs(), traced=True)
+                           value_inputs=self._value_inputs(), reads=self.dataflow.reads, traced=True)
 
     def _value_inputs(self) -> dict[str, tuple[int, ...]]:
         """The model's modules -> the positions of their inputs that carried model values in

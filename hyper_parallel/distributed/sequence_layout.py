@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from hyper_parallel.distributed.dataflow import pattern
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.distributed.roles import replicate
@@ -69,7 +70,10 @@ class TracedFacts:
     - ``after_layers``: leaves off the decoder layers reading what the layers wrote (OPT's
       project_out after the final norm): they compute on the split sequence;
     - ``value_inputs``: module -> positions of its inputs carrying the stream; a block
-      converts each (CTRL's attention takes it as v, k and q), by default its first input.
+      converts each (CTRL's attention takes it as v, k and q), by default its first input;
+    - ``reads``: (reader, source) name patterns (indices ``*``) of leaves whose input
+      carries another leaf's output; a block whose module reads a partial sum of its own
+      (AXK1's MoE ends in a norm of the experts' output) reduces it before handing it on.
     """
 
     attention_inputs: frozenset[str] = frozenset()
@@ -79,6 +83,7 @@ class TracedFacts:
     flat_inputs: frozenset[str] = frozenset()
     after_layers: frozenset[str] = frozenset()
     value_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    reads: frozenset[tuple[str, str]] = frozenset()
     traced: bool = False  # the facts come from a trace (else every set is empty for want of one)
 
 
@@ -183,11 +188,12 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                 _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
                              flat=fqn in traced.flat_inputs)
             elif _is_attention(fqn, child, roles, attention_inputs):
-                _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams)
+                _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads)
             elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
                 _residual_module(modules[fqn], residual)  # a norm of the layer; not a block with own vectors
             else:
-                _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=traced.routers, streams=streams)
+                _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=traced.routers, streams=streams,
+                           reads=traced.reads)
     for fqn in sorted(traced.after_layers):  # outside the layers on the split stream, but unplanned
         if fqn not in modules and not fqn.startswith(layers_fqn + "."):
             modules[fqn], roles[fqn] = replicate(model.get_submodule(fqn), {}), "replicate"
@@ -259,27 +265,42 @@ def _per_input(streams: tuple[int, ...], placement: dict) -> tuple:
     return tuple(dict(placement) if index in streams else None for index in range(max(streams) + 1))
 
 
-def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams: tuple[int, ...] = (0,)) -> None:
+def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams: tuple[int, ...] = (0,),
+                     reads: frozenset[tuple[str, str]] = frozenset()) -> None:
+    inner_entries = _inner_entries(fqn, block, modules)
+    hand_on_partial = not _reads_partial_sums(fqn, block, inner_entries, roles, reads)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
-    partial = {**({CP: Replicate()} if cp else {}), TP: Partial()}
+    block_out = {**({CP: Replicate()} if cp else {}), TP: Partial() if hand_on_partial else Replicate()}
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. GPT-OSS's sinks
     modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
                                   in_dst=_per_input(streams, full),
-                                  out_src=(partial, None), out_dst=(dict(residual), None), local_map=True)
+                                  out_src=(block_out, None), out_dst=(dict(residual), None), local_map=True)
     roles[fqn] = "attention_block"
-    for inner in _inner_entries(fqn, block, modules):
-        if roles[inner] in _PARTIAL_OUTPUT_ROLES:
+    for inner in inner_entries:
+        if roles[inner] in _PARTIAL_OUTPUT_ROLES and hand_on_partial:
             modules[inner].out_dst = modules[inner].out_src
 
 
+def _reads_partial_sums(fqn: str, block: nn.Module, inner_entries: list[str], roles: dict[str, str],
+                        reads: frozenset[tuple[str, str]]) -> bool:
+    """Whether a module of the block reads the output of one of its partial-sum members
+    (rowwise, experts): a norm of a partial sum is not the partial sum of a norm."""
+    partial = {pattern(inner) for inner in inner_entries if roles.get(inner) in _PARTIAL_OUTPUT_ROLES}
+    inside = {pattern(f"{fqn}.{name}") for name, _ in block.named_modules() if name}
+    return any(reader in inside and source in partial for reader, source in reads)
+
+
+
 def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: frozenset[str] = frozenset(),
-               streams: tuple[int, ...] = (0,)) -> None:
+               streams: tuple[int, ...] = (0,), reads: frozenset[tuple[str, str]] = frozenset()) -> None:
     inner_entries = _inner_entries(fqn, block, modules)
     moe = any(roles.get(inner) == "packed_experts" or inner in routers for inner in inner_entries)
     token_dim = 0 if moe else 1  # MoE blocks flatten [batch, seq, hidden] to [tokens, hidden]
     tokens = {CP: Shard(1)} if cp else {}
-    # Partial sums may cross the block's plain code only if that code is linear in them.
-    hand_on_partial = not (moe and _plain_code_gates(fqn, block, roles))
+    # Partial sums may cross the block's plain code only if that code is linear in them,
+    # and no module of the block may read them.
+    hand_on_partial = not (moe and _plain_code_gates(fqn, block, roles)) and not _reads_partial_sums(
+        fqn, block, inner_entries, roles, reads)
     block_out = Partial() if hand_on_partial else Replicate()
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. AFMoE's expert_bias
     modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),

@@ -217,3 +217,17 @@ def test_a_block_taking_the_stream_several_times_converts_each():
     assert len(block.in_dst) == 3 and all(type(dst["tp"]).__name__ == "Replicate" for dst in block.in_dst), block.in_dst
     mlp = result.modules["transformer.h.0.ffn"]
     assert len(mlp.in_dst) == 1  # the stream once
+
+
+def test_a_block_whose_norm_reads_its_partial_sums_reduces_them_first_under_sp():
+    # AXK1's MoE ends in post_mlp_layernorm(experts + shared): a norm of partial sums is not
+    # a partial sum of norms, so the experts and the shared down projection all-reduce and
+    # the block hands on a slice; Qwen3-MoE's block still hands on its partial sum.
+    from hyper_parallel.families.tiny import tiny_config
+
+    axk1 = _planned(tiny_config("axk1"), ParallelDims(tp=TP), sequence_parallel=True)
+    block = axk1.modules["model.layers.1.mlp"]
+    assert type(block.out_src[0]["tp"]).__name__ == "Replicate", block.out_src
+    assert type(axk1.modules["model.layers.1.mlp.experts"].out_dst[0]["tp"]).__name__ == "Replicate"
+    qwen = _planned(tiny_config("qwen3_moe"), ParallelDims(tp=TP), sequence_parallel=True)
+    assert type(qwen.modules["model.layers.0.mlp"].out_src[0]["tp"]).__name__ == "Partial"
