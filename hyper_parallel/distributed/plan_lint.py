@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS
 from hyper_parallel.distributed.placement_text import parse_placement_text
 from hyper_parallel.distributed.placements import placement_to_text
 
@@ -17,7 +18,6 @@ _TP_SPLIT_KEYS = (
     ("moe_intermediate_size", "each expert's intermediate dim is split across tp ranks"),
     ("vocab_size", "embedding and lm_head rows (vocab) are split across tp ranks"),
 )
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 class PlanError(ValueError):
@@ -31,13 +31,13 @@ def lint_config_divisibility(config, dims) -> None:
         if isinstance(value, int) and value % dims.tp:
             problems.append(f"tp_size={dims.tp} does not divide config {key}={value} ({why})")
     if dims.ep > 1:
-        experts = next((getattr(config, k) for k in _EXPERT_COUNT_KEYS if isinstance(getattr(config, k, None), int)),
+        experts = next((getattr(config, k) for k in EXPERT_COUNT_KEYS if isinstance(getattr(config, k, None), int)),
                        None)
         if experts is None:
             problems.append(f"ep_size={dims.ep} but the model config has no expert count "
-                            f"({' / '.join(_EXPERT_COUNT_KEYS)})")
+                            f"({' / '.join(EXPERT_COUNT_KEYS)})")
         elif experts % dims.ep:
-            key = next(k for k in _EXPERT_COUNT_KEYS if getattr(config, k, None) == experts)
+            key = next(k for k in EXPERT_COUNT_KEYS if getattr(config, k, None) == experts)
             problems.append(f"ep_size={dims.ep} does not divide config {key}={experts} "
                             "(experts are split across ep ranks)")
     if problems:

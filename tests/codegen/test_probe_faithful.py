@@ -61,3 +61,20 @@ def test_a_module_after_the_layers_on_the_split_stream_sums_its_gradient_over_cp
     assert type(entry.in_src[0]["cp"]).__name__ == "Shard"
     before = result.modules.get("model.decoder.project_in")  # full sequence: nothing split over cp
     assert before is None or not any("cp" in (named or {}) for named in (before.in_src or ()))
+
+
+def test_the_probe_plan_drops_only_entries_of_layers_the_probe_cut_off():
+    # Doge's decoder layers have parameters of their own, so each layer keeps an exact key
+    # ("model.layers.1": a glob "model.layers.*" would also match the layers' submodules);
+    # the probe, one layer deep, has no model.layers.1.
+    from hyper_parallel.codegen.check.verify_worker import probe_plan
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_probe(tiny_config("doge")))
+    assert len(model.model.layers) == 1
+    plan = {"format": 1, "modules": {"model.layers.0": {"role": "replicate"}, "model.layers.1": {"role": "replicate"},
+                                     "model.layers.*.mlp.up_proj": {"role": "colwise"}, "lm_head": {"role": "lm_head"},
+                                     "model.layers.10x": {"role": "replicate"}}}
+    kept = probe_plan(plan, model)
+    assert sorted(kept["modules"]) == ["lm_head", "model.layers.*.mlp.up_proj", "model.layers.0", "model.layers.10x"]
+    assert kept["format"] == 1 and len(plan["modules"]) == 5  # the bundle's plan is not changed

@@ -27,11 +27,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS
+
 HIDDEN = 64
 INTERMEDIATE = 32
 VOCAB = 256
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k")
 INTERMEDIATE_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                      "ffn_hidden_size", "expert_intermediate_size")
 # Other widths that equal hidden_size in the model follow it in the probe: a projection

@@ -204,6 +204,26 @@ def build_probe_model(job: dict[str, Any]):
     return module, model.train(), state["tokens"]
 
 
+def probe_plan(plan: dict[str, Any], model) -> dict[str, Any]:
+    """The plan without the entries of decoder layers the probe cut off: the probe keeps the
+    shortest prefix of layers holding every layer kind, so a per-layer key beyond it (a
+    decoder layer's own entry, ``model.layers.1``, which no glob can merge without also
+    matching the layer's submodules) names a module the probe does not have, and a layer
+    of its kind is in the prefix."""
+    from hyper_parallel.distributed.model_parts import decoder_layers
+
+    found = decoder_layers(model)
+    if found is None:
+        return plan
+    prefix, depth = found[0] + ".", len(found[1])
+
+    def cut_off(key: str) -> bool:
+        index = key[len(prefix):].split(".", 1)[0] if key.startswith(prefix) else ""
+        return index.isdigit() and int(index) >= depth
+
+    return {**plan, "modules": {key: entry for key, entry in plan["modules"].items() if not cut_off(key)}}
+
+
 def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> None:
     import torch
     import torch.distributed as dist
@@ -219,6 +239,7 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
     progress(job, "building the probe model")
     module, model, tokens = build_probe_model(job)
     progress(job, "applying hyper_parallelize")
+    module.HYPER_PARALLEL_PLAN = probe_plan(module.HYPER_PARALLEL_PLAN, model)
     module.hyper_parallelize(model, context)
     _track_running(model, module.HYPER_PARALLEL_PLAN["modules"], running, finished)
     if dims.dp > 1:

@@ -6,6 +6,7 @@ This is the one stage that imports torch and transformers.
 from typing import Any
 
 from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS
 
 
 class DeriveError(ValueError):
@@ -54,7 +55,7 @@ def build_hf_config(spec: CodegenSpec, config_class: type | None = None):
 
 
 # (smaller, larger): sizes a decoder needs in this order; the first name found on the config counts.
-_SIZE_RELATIONS = ((("num_experts_per_tok",), ("num_experts", "num_local_experts", "n_routed_experts")),
+_SIZE_RELATIONS = ((TOP_K_KEYS, EXPERT_COUNT_KEYS),
                    (("num_key_value_heads",), ("num_attention_heads",)))
 
 
