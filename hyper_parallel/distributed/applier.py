@@ -65,7 +65,12 @@ class PlanApplyError(ValueError):
     """A plan that does not fit the model or the mesh it is applied to."""
 
 
-def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig | Mapping], mesh) -> nn.Module:
+def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig | Mapping], mesh, *,
+                        single_rank_axes: bool = False) -> nn.Module:
+    """Shard ``model`` in place as ``modules`` says. An axis of one rank places nothing and
+    is left out (``single_rank_axes``: keep it, so one process can exercise the DTensor
+    machinery): a dp-only or cp-only run then has no tp DTensors, which model code reading
+    a parameter outside its module's forward (DBRX's experts) would meet."""
     device_mesh = mesh.device_mesh if isinstance(mesh, MeshContext) else mesh
     mesh_axes = tuple(device_mesh.mesh_dim_names or ())
     if not mesh_axes:
@@ -80,13 +85,16 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
     for fqn, config in targets.items():
         owner = _expert_mesh(mesh, fqn) if _names_ep(config) else device_mesh
         owner_axes = tuple(owner.mesh_dim_names)
-        axes = _axes_of(config, owner_axes, fqn)
+        axes = tuple(axis for axis in _axes_of(config, owner_axes, fqn)
+                     if single_rank_axes or owner.size(owner_axes.index(axis)) > 1)
+        module = model.get_submodule(fqn)
         if not axes:
+            for name in config.state_shardings:
+                _state_parameter(module, fqn, name)  # still checked: the plan must fit the model
             continue
         key = (id(owner), axes)
         if key not in sub_meshes:
             sub_meshes[key] = owner[axes[0]] if len(axes) == 1 else owner[axes]
-        module = model.get_submodule(fqn)
         _shard_states(module, fqn, config, sub_meshes[key], axes, sharded)
         _install_hooks(module, fqn, config, sub_meshes[key], axes, shared, block=fqn in blocks)
         if _shards_states_on(config, EP_AXIS):
@@ -218,13 +226,7 @@ def _placements(named, axes: tuple[str, ...], ndim: int | None = None) -> tuple:
 
 def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes, sharded) -> None:
     for name, named in config.state_shardings.items():
-        param = module._parameters.get(name)
-        if param is None:
-            if name in module._buffers:
-                raise PlanApplyError(f"plan entry {fqn!r}: buffer {name!r} sharding is not supported yet")
-            raise PlanApplyError(
-                f"plan entry {fqn!r} shards {name!r}, which is not a direct parameter of "
-                f"{type(module).__name__} (has {sorted(module._parameters)})")
+        param = _state_parameter(module, fqn, name)
         if id(param) not in sharded:
             if isinstance(param, DTensor):
                 raise PlanApplyError(f"parameter {fqn}.{name} is already a DTensor; was the plan applied twice?")
@@ -234,6 +236,18 @@ def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh,
                                      "entry can use (as the local tensor it adds to a partial sum)")
             sharded[id(param)] = _to_dtensor_parameter(param, _stored_placements(placements), sub_mesh)
         module._parameters[name] = sharded[id(param)]
+
+
+def _state_parameter(module: nn.Module, fqn: str, name: str) -> nn.Parameter:
+    """The direct parameter ``name`` of ``module`` that a plan entry places."""
+    param = module._parameters.get(name)
+    if param is None:
+        if name in module._buffers:
+            raise PlanApplyError(f"plan entry {fqn!r}: buffer {name!r} sharding is not supported yet")
+        raise PlanApplyError(
+            f"plan entry {fqn!r} shards {name!r}, which is not a direct parameter of "
+            f"{type(module).__name__} (has {sorted(module._parameters)})")
+    return param
 
 
 def _stored_placements(placements) -> tuple:

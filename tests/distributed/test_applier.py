@@ -24,7 +24,7 @@ def _plan(model):
 
 
 def test_meta_model_gets_dtensor_parameters_on_the_tp_submesh(meta_model, mesh):
-    apply_sharding_plan(meta_model, _plan(meta_model), mesh)
+    apply_sharding_plan(meta_model, _plan(meta_model), mesh, single_rank_axes=True)
     experts = meta_model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, DTensor) and experts.gate_up_proj.is_meta
     assert experts.gate_up_proj.placements == (_StridedShard(1, split_factor=2),)
@@ -33,7 +33,7 @@ def test_meta_model_gets_dtensor_parameters_on_the_tp_submesh(meta_model, mesh):
     assert meta_model.model.norm.weight.placements == (Replicate(),)
     with pytest.raises(PlanApplyError, match=r"model\.norm\.weight is already a DTensor"):
         apply_sharding_plan(meta_model, {"model.norm": _plan(build_meta_model(meta_model.config))["model.norm"]},
-                            mesh)
+                            mesh, single_rank_axes=True)
 
 
 def test_json_plan_with_globs_runs_like_the_plain_model(tiny_config, mesh):
@@ -43,7 +43,7 @@ def test_json_plan_with_globs_runs_like_the_plain_model(tiny_config, mesh):
     parallel.load_state_dict(reference.state_dict())
     plan = plan_modules_to_json(_plan(parallel))
     plan = {key.replace(".0.", ".*.", 1) if ".1." not in key else key: entry for key, entry in plan.items()}
-    apply_sharding_plan(parallel, plan, MeshContext(mesh, ParallelDims()))
+    apply_sharding_plan(parallel, plan, MeshContext(mesh, ParallelDims()), single_rank_axes=True)
     batch = torch.randint(0, tiny_config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
     expected = reference(input_ids=batch, labels=batch).loss
     actual = parallel(input_ids=batch, labels=batch).loss
@@ -65,4 +65,4 @@ def test_json_plan_with_globs_runs_like_the_plain_model(tiny_config, mesh):
 ])
 def test_plans_that_do_not_fit_are_named(meta_model, mesh, plan, message):
     with pytest.raises((PlanApplyError, ValueError), match=message):
-        apply_sharding_plan(meta_model, plan, mesh)
+        apply_sharding_plan(meta_model, plan, mesh, single_rank_axes=True)

@@ -121,6 +121,7 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: 
             expected = reference_run(spec, probe)  # while the ranks start and run
             _finish(proc, job, mode, world, spec)
         got = torch.load(job["result"], weights_only=True)
+        expected = continued_from(expected, reference_run(spec, probe, first_grads=got["grads"][0]))
         failure, figures = compare_runs(expected, got)
         if failure is not None:
             divergence = _first_divergence(spec, probe, job, Path(tmp), mode, world)
@@ -189,9 +190,22 @@ def reference_model(spec: CodegenSpec, probe: Probe):
     return model.train()
 
 
-def reference_run(spec: CodegenSpec, probe: Probe) -> dict[str, list]:
+def continued_from(first: dict[str, list], continued: dict[str, list]) -> dict[str, list]:
+    """Step 1 of the plain reference run, the later steps of the one that stepped with the
+    parallel run's step-1 gradients."""
+    return {key: first[key][:1] + continued[key][1:] for key in first}
+
+
+def reference_run(spec: CodegenSpec, probe: Probe, first_grads: dict | None = None) -> dict[str, list]:
     """The probe unsharded in this process: what every rank together must reproduce. Each
-    data-parallel rank's sequence is one micro-batch of the global-batch mean."""
+    data-parallel rank's sequence is one micro-batch of the global-batch mean.
+
+    ``first_grads``: step with these gradients at step 1 (the parallel run's, already
+    compared): the later steps then check the parallel run's update and its next steps
+    from the same point. AdamW divides each element by its own running magnitude, so the
+    float noise of a right plan in a gradient element near zero (1e-7 of the largest) moves
+    that weight by up to the whole learning rate, and the step-2 gradients of one process
+    differ from themselves by ~1e-4 under such noise alone."""
     import torch
 
     model = reference_model(spec, probe)
@@ -206,6 +220,11 @@ def reference_run(spec: CodegenSpec, probe: Probe) -> dict[str, list]:
             loss.backward()
             total += loss.item()
         grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
+        if first_grads is not None and not record["losses"]:
+            for name, param in model.named_parameters():
+                given = first_grads.get(name)
+                if param.grad is not None and given is not None and given.shape == param.grad.shape:
+                    param.grad.copy_(given)  # (a wrong shape fails the step-1 comparison)
         record["norms"].append(torch.nn.utils.get_total_norm([g for g in grads.values() if g is not None]).item())
         record["losses"].append(total)
         record["grads"].append(grads)
