@@ -88,7 +88,7 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
         axes = tuple(axis for axis in _axes_of(config, owner_axes, fqn)
                      if single_rank_axes or owner.size(owner_axes.index(axis)) > 1)
         module = model.get_submodule(fqn)
-        if not axes:
+        if not axes or _places_nothing(config, axes):
             for name in config.state_shardings:
                 _state_parameter(module, fqn, name)  # still checked: the plan must fit the model
             continue
@@ -236,6 +236,17 @@ def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh,
                                      "entry can use (as the local tensor it adds to a partial sum)")
             sharded[id(param)] = _to_dtensor_parameter(param, _stored_placements(placements), sub_mesh)
         module._parameters[name] = sharded[id(param)]
+
+
+def _places_nothing(config: ShardingConfig, axes) -> bool:
+    """An entry that replicates its parameters and converts nothing: its module reads
+    whole inputs, so its gradients are whole on every rank and its parameters can stay
+    plain tensors (model code may read them outside the module's forward, where a DTensor
+    would meet plain tensors: DBRX's experts slice their GLU's matrices)."""
+    if any(getattr(config, key) is not None for key in _IO_KEYS):
+        return False
+    return all(isinstance(placement, Replicate)
+               for named in config.state_shardings.values() for placement in _placements(named, axes))
 
 
 def _state_parameter(module: nn.Module, fqn: str, name: str) -> nn.Parameter:

@@ -92,7 +92,7 @@ class Dataflow:
     stream: frozenset[str]
     routers: frozenset[str]
     blocks: list[Block]
-    standalone: frozenset[str]  # linears and embeddings off any block (extra embeddings, gates): replicated
+    standalone: frozenset[str]  # modules with matrices off any block (extra embeddings, gates, DBRX experts): replicated
     attention_inputs: frozenset[str] = frozenset()  # modules whose output reaches an attention's q, k or v
     # Modules (not leaves) whose output carries values from modules outside them: a block
     # that adds the residual stream to its own result (Bloom's attention takes ``residual``).
@@ -354,8 +354,10 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     blocks = _blocks(trace, resolve, matrices, stream)
     _plan_blocks(trace, blocks, tp, dry_run)
     in_blocks = {name for block in blocks for name in block.members}
-    standalone = frozenset(name for name in matrices if name not in in_blocks
-                           and isinstance(trace.leaves[name], (nn.Linear, nn.Embedding)))
+    # Off every block: joined to no other projection except through the stream, so it reads
+    # full values and its output is whole on every rank when replicated (DBRX's expert GLU,
+    # a module of three matrices the experts' loop slices, is one).
+    standalone = frozenset(name for name in matrices if name not in in_blocks)
     attention_inputs = frozenset(tag[1] for operands in trace.mode.attention
                                  for tag in resolve(frozenset().union(*operands)) if tag[0] == "mod")
     outside_sums = frozenset(

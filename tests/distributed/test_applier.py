@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.distributed.applier import PlanApplyError, apply_sharding_plan
@@ -30,9 +30,10 @@ def test_meta_model_gets_dtensor_parameters_on_the_tp_submesh(meta_model, mesh):
     assert experts.gate_up_proj.placements == (_StridedShard(1, split_factor=2),)
     assert experts.gate_up_proj.device_mesh.mesh_dim_names == ("tp",)
     assert meta_model.lm_head.weight.placements == (Shard(0),)
-    assert meta_model.model.norm.weight.placements == (Replicate(),)
-    with pytest.raises(PlanApplyError, match=r"model\.norm\.weight is already a DTensor"):
-        apply_sharding_plan(meta_model, {"model.norm": _plan(build_meta_model(meta_model.config))["model.norm"]},
+    # replicated with whole inputs and no conversion: nothing to place, the weight stays plain
+    assert not isinstance(meta_model.model.norm.weight, DTensor)
+    with pytest.raises(PlanApplyError, match=r"lm_head\.weight is already a DTensor"):
+        apply_sharding_plan(meta_model, {"lm_head": _plan(build_meta_model(meta_model.config))["lm_head"]},
                             mesh, single_rank_axes=True)
 
 
