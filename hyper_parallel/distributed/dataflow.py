@@ -357,7 +357,8 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     # Off every block: joined to no other projection except through the stream, so it reads
     # full values and its output is whole on every rank when replicated (DBRX's expert GLU,
     # a module of three matrices the experts' loop slices, is one).
-    standalone = frozenset(name for name in matrices if name not in in_blocks)
+    standalone = frozenset(name for name in matrices if name not in in_blocks) | _replicable_containers(
+        model, trace, blocks)
     attention_inputs = frozenset(tag[1] for operands in trace.mode.attention
                                  for tag in resolve(frozenset().union(*operands)) if tag[0] == "mod")
     outside_sums = frozenset(
@@ -376,6 +377,17 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
                     flat_inputs=flat_inputs, after_layers=after_layers, value_inputs=trace.value_inputs,
                     reads=frozenset((pattern(name), pattern(tag[1])) for name, tags in trace.inputs.items()
                                     for tag in tags if tag[0] == "mod" and tag[1] != name))
+
+
+def _replicable_containers(model: nn.Module, trace: _Trace, blocks: list[Block]) -> frozenset[str]:
+    """Modules with parameters of their own and parameterized children (DeepSeek-V4's
+    compressor: a position bias beside its projections) that returned values, holding no
+    member of a split block: what they compute from their own parameters is whole on every
+    rank. (One returning only integers, an indexer's top-k, is left to the names.)"""
+    split = [name for block in blocks if block.mode == SPLIT_MODE for name in (*block.members, *block.norms)]
+    return frozenset(name for name, module in model.named_modules()
+                     if name and name not in trace.leaves and name in trace.outputs and _own_params(module)
+                     and not any(member.startswith(name + ".") for member in split))
 
 
 def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: frozenset[str]) -> list[Block]:

@@ -161,8 +161,14 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
     residual = residual_placement(cp=cp, sp=sp)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
     first = f"{layers_fqn}.0"
-    modules[first] = ShardingConfig(in_src=(full,), in_dst=(residual,), local_map=True)
+    # A decoder layer's own parameters (Doge's residual scales) act on its sequence piece:
+    # the first layer's entry splits the sequence and keeps them, the others' read the piece.
+    own = modules[first].state_shardings if first in modules else {}
+    modules[first] = ShardingConfig(state_shardings=dict(own), in_src=(full,), in_dst=(residual,), local_map=True)
     roles[first] = "sequence_split"
+    for index in range(1, len(layers)):
+        if f"{layers_fqn}.{index}" in modules:
+            _residual_module(modules[f"{layers_fqn}.{index}"], residual)
     for index, layer in enumerate(layers):
         for name, child in layer.named_children():
             fqn = f"{layers_fqn}.{index}.{name}"

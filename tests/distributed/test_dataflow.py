@@ -231,3 +231,25 @@ def test_a_block_whose_norm_reads_its_partial_sums_reduces_them_first_under_sp()
     assert type(axk1.modules["model.layers.1.mlp.experts"].out_dst[0]["tp"]).__name__ == "Replicate"
     qwen = _planned(tiny_config("qwen3_moe"), ParallelDims(tp=TP), sequence_parallel=True)
     assert type(qwen.modules["model.layers.0.mlp"].out_src[0]["tp"]).__name__ == "Partial"
+
+
+def test_decoder_layer_parameters_of_its_own_read_the_sequence_piece():
+    # Doge's decoder layer scales the residual with parameters of its own: under sp the
+    # first layer's entry both splits the sequence and keeps them, later layers' entries
+    # read the piece (so their gradients are summed over the split axis).
+    from hyper_parallel.families.tiny import tiny_config
+
+    result = _planned(tiny_config("doge"), ParallelDims(tp=TP), sequence_parallel=True)
+    first, second = result.modules["model.layers.0"], result.modules["model.layers.1"]
+    assert result.roles["model.layers.0"] == "sequence_split" and "input_residual" in first.state_shardings
+    assert type(first.in_dst[0]["tp"]).__name__ == "Shard"
+    assert type(second.in_src[0]["tp"]).__name__ == "Shard" and "input_residual" in second.state_shardings
+
+
+def test_a_module_of_matrices_off_every_block_is_replicated():
+    # DBRX's expert GLU holds w1/v1/w2 that the experts' loop slices per expert: no role by
+    # name, joined to no projection: replicated rather than refused.
+    from hyper_parallel.families.tiny import tiny_config
+
+    result = _planned(tiny_config("dbrx"), ParallelDims(tp=TP))
+    assert result.roles["transformer.blocks.0.ffn.experts.mlp"] == "replicate"
