@@ -419,7 +419,7 @@ def print_report(families, layouts, cases, peer, moe, summary) -> None:
     for family in families:
         cells = [(by_key[(family, l)].status if (family, l) in by_key else "n/a") for l in layouts]
         if peer:
-            cells.append(peer[family][0])
+            cells.append(peer.get(family, ("",))[0])
         print(f"{family:{width}}  " + "  ".join(f"{cell:9}" for cell in cells))
     for case in cases:
         if case.status != "pass":
@@ -548,6 +548,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--redo", default="", metavar="STATUSES",
                         help="with --journal: also run cases (and peer rows) journaled with these statuses, "
                              "e.g. fail or fail,refused")
+    parser.add_argument("--report", action="store_true",
+                        help="with --journal: write the table and docs from the journal alone, running nothing "
+                             "(cases it lacks are left out and named as not run)")
     parser.add_argument("--remote-only", action="store_true",
                         help=f"run only the remote-code fixtures ({REMOTE_PREFIX}<folder> of tests/data/remote_code)")
     return parser.parse_args()
@@ -599,6 +602,32 @@ def partial_note(args, families: list[str], layouts: list[str], kept: list[str])
     if args.no_peer:
         notes.append("The peer column was not run (--no-peer).")
     return " ".join(notes)
+
+
+def from_journal(journal: Journal, families: list[str], layouts: list[str], args):
+    """--report: (journaled cases, journaled peer results, {family: is MoE}, the cases the
+    journal lacks), nothing run."""
+    moe = {family: is_moe(tiny_config(family)) for family in families}
+    cases, not_run = [], []
+    for family in families:
+        for layout in layouts_for(family, moe[family], layouts):
+            case = Case(family, layout)
+            if (family, layout) in journal.cases:
+                cases.append(journal.restore(case))
+            else:
+                not_run.append(case)
+    peer = {} if args.no_peer else {family: (journal.peer[family]["status"], journal.peer[family]["reason"])
+                                    for family in families if family in journal.peer}
+    return cases, peer, moe, not_run
+
+
+def not_run_note(not_run: list[Case]) -> str:
+    """What a --report leaves out: the selected cases the journal does not have yet."""
+    if not not_run:
+        return ""
+    families = sorted({case.family for case in not_run}, key=lambda name: (is_remote(name), name))
+    return (f"{len(not_run)} selected case(s) of {len(families)} families have not run yet and are not in the "
+            f"table: {', '.join(families)}.")
 
 
 def commits_note(journal: Journal, cases: list[Case]) -> str:
@@ -695,14 +724,21 @@ def main() -> None:
     redo = {status.strip() for status in args.redo.split(",") if status.strip()}
     if redo - {"pass", "refused", "fail", "unsupported"} or (redo and not args.journal):
         sys.exit(f"--redo {args.redo}: needs --journal and statuses of pass, refused, fail, unsupported")
+    if args.report and (not args.journal or redo):
+        sys.exit("--report: needs --journal (and no --redo): it writes the table from the journal alone")
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="family_sweep_") as tmp:
-        project = make_project(Path(args.keep).resolve() if args.keep else Path(tmp) / "project")
-        moe = prepare(project, families)
-        cases = [Case(family, layout) for family in families for layout in layouts_for(family, moe[family], layouts)]
-        run_cases(project, cases, args, journal, redo)
-        peer = {} if args.no_peer else run_peer(project, families, args.timeout, journal, redo)
-    note = partial_note(args, families, layouts, kept)
+    if args.report:
+        cases, peer, moe, not_run = from_journal(journal, families, layouts, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="family_sweep_") as tmp:
+            project = make_project(Path(args.keep).resolve() if args.keep else Path(tmp) / "project")
+            moe = prepare(project, families)
+            cases = [Case(family, layout) for family in families
+                     for layout in layouts_for(family, moe[family], layouts)]
+            run_cases(project, cases, args, journal, redo)
+            peer = {} if args.no_peer else run_peer(project, families, args.timeout, journal, redo)
+        not_run = []
+    note = " ".join(filter(None, [partial_note(args, families, layouts, kept), not_run_note(not_run)]))
     summary = summary_line(cases, peer, None if args.remote_only else len(kept), len(skipped),
                            "; partial run" if note else "", remote=len(remote))
     print_report(families, layouts, cases, peer, moe, summary)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from hyper_parallel.codegen.check.launch import RANK_PREFIX, exit_text, rank_exits, rank_stderr_lines
 from hyper_parallel.codegen.spec.types import STAGES
 from hyper_parallel.families.tiny import REPO, family_dir, is_remote
 from hyper_parallel.trainer.reference import reference_training
@@ -255,45 +256,7 @@ def run_training(project: Path, recipe: Path, world: int, timeout: float) -> tup
     return compare_training(got, want)
 
 
-# torchrun's own log lines (``W1201 02:40:35.362000 4953 .../api.py:1028] ...``) and its
-# failure report (``Root Cause`` ... ``exitcode  : -6 (pid: 5002)``) around the ranks' output.
-TORCHRUN_LOG = re.compile(r"^[WEIF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\] ")
-RANK_EXIT = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", re.M)
-RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|", re.M)
-
-
-def exit_text(code: int) -> str:
-    """``exit 1``, or ``killed by SIGABRT (exit -6)`` for a negative (signal) code."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name} (exit {code})"
-        except ValueError:
-            return f"killed by signal {-code} (exit {code})"
-    return f"exit {code}"
-
-
-def rank_exits(stderr: str) -> list[tuple[int, int]]:
-    """(rank, exit code) from torchrun's failure report, the root cause first (torchrun
-    lists the other failures first, then ``Root Cause (first observed failure)``)."""
-    cause = stderr.rfind("Root Cause")
-    found = [(int(rank), int(code)) for rank, code in RANK_EXIT.findall(stderr[cause:] if cause >= 0 else "")]
-    for rank, code in RANK_EXIT.findall(stderr[:cause] if cause >= 0 else stderr):
-        if (int(rank), int(code)) not in found:
-            found.append((int(rank), int(code)))
-    return found
-
-
-def rank_stderr_lines(stderr: str) -> list[str]:
-    """The ranks' own stderr lines: torchrun's log lines and its closing traceback and
-    failure report (from the launcher's ``Traceback`` that ends in ChildFailedError) left out."""
-    lines = stderr.splitlines()
-    failed = next((i for i, line in enumerate(lines) if "ChildFailedError" in line), None)
-    if failed is not None:
-        start = next((i for i in range(failed, -1, -1) if lines[i].startswith("Traceback (most recent call last)")),
-                     failed)
-        lines = lines[:start]
-    return [line.strip() for line in lines if line.strip() and not TORCHRUN_LOG.match(line)]
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|", re.M)  # the trainer's progress lines
 
 
 def training_crash(code: int, stdout: str, stderr: str, metrics_written: bool, project: Path) -> str:

@@ -70,3 +70,4 @@ def test_exit_text():
     assert exit_text(3) == "exit 3"
     assert exit_text(-6) == "killed by SIGABRT (exit -6)"
     assert exit_text(-200) == "killed by signal 200 (exit -200)"
+    assert exit_text(-9) == "killed by SIGKILL (exit -9; the out-of-memory killer sends it)"

@@ -11,6 +11,7 @@ launcher side stays light.
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -255,9 +256,59 @@ def merge_rank_errors(errors: list[str | None]) -> str:
 
 def last_error_line(output: str) -> str:
     """The failing rank's own error (``[rankN]: SomeError: ...``) rather than torchrun's
-    ChildFailedError summary, which says only that a child failed."""
+    ChildFailedError summary, which says only that a child failed; for a rank killed by a
+    signal (no Python error), which rank, how, and the last lines it wrote."""
     lines = [ln for ln in output.splitlines() if ln.strip() and not ln.startswith(("W1", "I1", "*"))]
     errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
     from_ranks = [ln for ln in errors if ln.startswith("[rank") and "ChildFailedError" not in ln]
     own = [ln for ln in errors if "ChildFailedError" not in ln and "elastic" not in ln]
-    return (from_ranks or own or errors or lines or ["(no output)"])[-1]
+    if from_ranks or own:
+        return (from_ranks or own)[-1]
+    exits = rank_exits(output)
+    if exits:
+        rank, code = exits[0]
+        written = [ln for ln in rank_stderr_lines(output) if not RANK_PREFIX.match(ln)][-3:]
+        return f"rank {rank} {exit_text(code)}" + (f"; it wrote last: {' | '.join(written)}" if written else "")
+    return (errors or lines or ["(no output)"])[-1]
+
+
+# torchrun's own log lines (``W1201 02:40:35.362000 4953 .../api.py:1028] ...``) and its
+# failure report (``Root Cause`` ... ``exitcode  : -6 (pid: 5002)``) around the ranks' output.
+TORCHRUN_LOG = re.compile(r"^[WEIF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\] ")
+RANK_EXIT = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", re.M)
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
+
+
+def exit_text(code: int) -> str:
+    """``exit 1``, or ``killed by SIGABRT (exit -6)`` for a negative (signal) code."""
+    if code < 0:
+        try:
+            oom = "; the out-of-memory killer sends it" if -code == signal.SIGKILL else ""
+            return f"killed by {signal.Signals(-code).name} (exit {code}{oom})"
+        except ValueError:
+            return f"killed by signal {-code} (exit {code})"
+    return f"exit {code}"
+
+
+def rank_exits(stderr: str) -> list[tuple[int, int]]:
+    """(rank, exit code) from torchrun's failure report, the root cause first (torchrun
+    lists the other failures first, then ``Root Cause (first observed failure)``)."""
+    cause = stderr.rfind("Root Cause")
+    found = [(int(rank), int(code)) for rank, code in RANK_EXIT.findall(stderr[cause:] if cause >= 0 else "")]
+    for rank, code in RANK_EXIT.findall(stderr[:cause] if cause >= 0 else stderr):
+        if (int(rank), int(code)) not in found:
+            found.append((int(rank), int(code)))
+    return found
+
+
+def rank_stderr_lines(stderr: str) -> list[str]:
+    """The ranks' own stderr lines: torchrun's log lines and its closing traceback and
+    failure report (from the launcher's ``Traceback`` that ends in ChildFailedError) left out."""
+    lines = stderr.splitlines()
+    failed = next((i for i, line in enumerate(lines) if "ChildFailedError" in line), None)
+    if failed is not None:
+        start = next((i for i in range(failed, -1, -1) if lines[i].startswith("Traceback (most recent call last)")),
+                     failed)
+        lines = lines[:start]
+    return [line.strip() for line in lines if line.strip() and not TORCHRUN_LOG.match(line)]
+
