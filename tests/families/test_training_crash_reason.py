@@ -63,7 +63,7 @@ def test_no_output_at_all_still_says_what_happened():
     assert training_crash(0, "", "", False, PROJECT) == \
         "train (gen backend) crashed: torchrun exit 0 but rank 0 wrote no metrics: no output"
     assert training_crash(-9, "", "", False, PROJECT) == \
-        "train (gen backend) crashed: torchrun killed by SIGKILL (exit -9): no output"
+        "train (gen backend) crashed: torchrun killed by SIGKILL (exit -9; the out-of-memory killer sends it): no output"
 
 
 def test_exit_text():
