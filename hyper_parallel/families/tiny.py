@@ -23,6 +23,7 @@ from hyper_parallel.codegen.check.probe import (
     cut_depth,
     layer_kinds,
     shortest_faithful_depth,
+    vocab_like,
     zero_dropout,
 )
 
@@ -116,6 +117,9 @@ def construct_config(family: str, extra: dict | None = None):
     # Dropout makes a parallel run differ from one process by its random masks, not by its
     # plan: zeroed by the rule verify's probe uses (BioGPT's hidden_dropout_prob included).
     zero_dropout(config, family)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        for key, value in vocab_like(config, config.vocab_size).items():
+            setattr(config, key, value)  # per-layer embedding tables as small as the vocabulary
     vocab = getattr(config, "vocab_size", None)
     for index, key in enumerate(TOKEN_ID_KEYS):  # special tokens inside the small vocabulary
         token = getattr(config, key, None)

@@ -113,6 +113,7 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
                    and not NOT_HIDDEN_WIDTH.search(key)})
     if isinstance(getattr(config, "vocab_size", None), int):
         values["vocab_size"] = _round_up(VOCAB, tp)
+        values.update(vocab_like(config, values["vocab_size"]))
     values.update(_expert_counts(config, ep, where))
     window = getattr(config, "sliding_window", None)
     if isinstance(window, int) and not isinstance(window, bool) and window > 0:
@@ -125,6 +126,13 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
             _set(probe, key, values["vocab_size"] - 1 - TOKEN_ID_KEYS.index(key), where)
     zero_dropout(probe, where)
     return probe
+
+
+def vocab_like(config: Any, vocab: int) -> dict[str, int]:
+    """Other vocabulary sizes larger than ``vocab`` (Gemma 3n's vocab_size_per_layer_input,
+    a per-layer embedding table of 262144 rows), set to it: the ids index them too."""
+    return {key: vocab for key, value in vars(config).items()
+            if key.startswith("vocab_size_") and isinstance(value, int) and not isinstance(value, bool) and value > vocab}
 
 
 def _same_int(value: Any, other: Any) -> bool:
