@@ -133,6 +133,8 @@ class _Tags(TorchFunctionMode):
         self.selected: set = set()
         self.running: list[str] = []  # the tagged modules whose forward is running, innermost last
         self.selecting: set[str] = set()  # tagged modules that select (top-k) inside their own forward
+        self.owners: dict[int, str] = {}  # id(parameter) -> the tagged module holding it
+        self.read_outside: set[str] = set()  # tagged modules whose parameters code outside them used
 
     def of(self, value) -> frozenset:
         entry = self.tags.get(id(value))
@@ -147,6 +149,10 @@ class _Tags(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        for tensor in tensors:
+            owner = self.owners.get(id(tensor)) if isinstance(tensor, nn.Parameter) else None
+            if owner is not None and self.running[-1:] != [owner]:
+                self.read_outside.add(owner)  # Gemma 3n's layer clamps and multiplies AltUp's coefs itself
         values = [t for t in tensors if _carries_values(t) and not isinstance(t, nn.Parameter)]
         carried = frozenset().union(*(self.of(t) for t in values)) if values else frozenset()
         if name in _FRESH:
@@ -230,6 +236,7 @@ def _first_float(value) -> torch.Tensor | None:
 def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     mode = _Tags()
     leaves = _leaves(model)
+    mode.owners = {id(param): name for name, module in leaves.items() for param in _own_params(module)}
     inputs: dict[str, frozenset] = {}
     first_input: dict[str, torch.Tensor] = {}
     first_output: dict[str, torch.Tensor] = {}
@@ -332,7 +339,9 @@ class _Resolver:
 def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
             dry_run: Callable[[nn.Module, dict[str, int], Block], str | None] | None = None) -> Dataflow:
     """Trace ``model`` (a tiny real instance) on ``input_ids`` and plan its blocks for ``tp``."""
-    model.train(False)
+    # Training mode: the plan is for training, and some code paths exist only there (Gemma 3n
+    # clamps AltUp's coefficients and multiplies by them itself). The copy has no dropout.
+    model.train(True)
     trace = _trace(model, input_ids)
     resolve = _Resolver(trace)
     head = output_embeddings(model)
@@ -351,7 +360,11 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
         if isinstance(trace.leaves.get(name), nn.Linear))  # other selecting modules (experts) are the planner's
     matrices = [name for name, module in trace.leaves.items()
                 if not _is_norm(module) and name not in (head_name, embed_name) and name not in routers]
-    blocks = _blocks(trace, resolve, matrices, stream)
+    # A block whose member's parameters the model's code uses outside the member (a module
+    # handing its weight to a matmul of its parent) is not split: a split weight would be a
+    # DTensor there, among plain tensors. Its members stay off blocks: replicated, plain.
+    blocks = [block for block in _blocks(trace, resolve, matrices, stream)
+              if not set(block.members) & trace.mode.read_outside]
     _plan_blocks(trace, blocks, tp, dry_run)
     in_blocks = {name for block in blocks for name in block.members}
     # Off every block: joined to no other projection except through the stream, so it reads
