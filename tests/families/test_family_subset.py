@@ -11,9 +11,9 @@ sharded load and steps are tested in tests/trainer/test_train_equivalence.py and
 tied head, tests/families/test_fix_tied_embeddings.py. ``python bench/family_sweep.py
 --families ... --layouts tp2,cp2`` runs the same rows with it.
 
-Each row must have the status it has today: ``pass``, or ``refused`` with the known,
-intended reason listed in ``REFUSED`` (none today: tied embeddings were refused at cp2
-until the shared weight was put on the cp axis too).
+``ROWS`` adds single rows for faults the full sweep found in other families. Each row must
+have the status it has today: ``pass``, or ``refused`` with the known, intended reason
+listed in ``REFUSED``.
 """
 
 import pytest
@@ -32,8 +32,16 @@ FAMILIES = {
     "gemma2": "tied embeddings, sliding and full attention layers, soft-capping, extra norms",
     "starcoder2": "biases on every projection, non-gated c_fc/c_proj MLP, LayerNorm, tied head",
 }
+# Single rows for faults the sweep found, each in one layout: (family, layout) -> what it adds.
+ROWS = {
+    ("opt", "cp2"): "fc1/fc2 children of the layer itself on flattened tokens; project_out after the final norm",
+    ("ctrl", "tp2_sp_lp"): "attention(x, x, x): the stream passed three times; the embedding output scaled in place",
+    ("gemma3n_text", "tp2"): "AltUp's coefficients used by the layer's own code (training mode only); per-layer "
+                             "embeddings; a scaled tied embedding",
+    ("llama4_text", "tp2_sp_lp"): "an MoE returning its tokens flattened: refused under sp",
+}
 # (family, layout) -> reason substring of a refusal; every other row must pass.
-REFUSED: dict[tuple[str, str], str] = {}
+REFUSED: dict[tuple[str, str], str] = {("llama4_text", "tp2_sp_lp"): "returns its tokens flattened"}
 LAYOUTS = ("tp2", "cp2")
 TIMEOUT_S = 300
 
@@ -42,13 +50,13 @@ TIMEOUT_S = 300
 def subset_project(tmp_path_factory):
     """A throwaway project with every family's checkpoint (``recipes/<family>/model``)."""
     project = make_project(tmp_path_factory.mktemp("family_subset") / "project")
-    for family in FAMILIES:
+    for family in {*FAMILIES, *(family for family, _ in ROWS)}:
         save_checkpoint(family, project / "recipes" / family_dir(family) / "model")
     return project
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, layout", [(family, layout) for family in FAMILIES for layout in LAYOUTS]
+                         + list(ROWS))
 def test_family_row(subset_project, family, layout):
     case = run_case(subset_project, Case(family, layout), timeout=TIMEOUT_S, train=False)
     log = subset_project / "recipes" / family_dir(family) / layout / "generate.log"
