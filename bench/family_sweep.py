@@ -649,7 +649,8 @@ def command_line(args) -> str:
         parts.append(f"--families {args.families}")
     if args.layouts != ",".join(LAYOUTS):
         parts.append(f"--layouts {args.layouts}")
-    parts += [flag for flag, on in (("--no-train", args.no_train), ("--no-peer", args.no_peer)) if on]
+    parts += [flag for flag, on in (("--no-train", args.no_train), ("--no-peer", args.no_peer),
+                                    ("--journal PATH --report", args.report)) if on]
     return " ".join(parts)
 
 
