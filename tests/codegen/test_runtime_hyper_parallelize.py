@@ -79,7 +79,9 @@ def test_generated_hyper_parallelize_matches_hf_under_torchrun(tmp_path):
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["fused_attention_layers"] == 2
-        assert result["dtensor_params"] == result["param_count"] > 0
+        # split parameters are DTensors; replicated ones whose module sees whole inputs and
+        # converts nothing (norms, the router at tp without sp) stay plain tensors
+        assert 0 < result["dtensor_params"] < result["param_count"]
         assert result["sharded_q_proj_local_rows"] == 32  # 4 heads * 16 / tp 2
         assert math.isclose(result["loss"], result["ref_loss"], rel_tol=1e-5), result
         assert result["grads_checked"] == result["param_count"]
