@@ -11,6 +11,7 @@ from pathlib import Path
 import accelerate
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 import transformers
 from safetensors.torch import load_file
 
@@ -39,7 +40,9 @@ def main() -> None:
     full_bytes = sum(p.nbytes for p in reference.parameters())
     result = {"ref_loss": ref_loss.item(), "loss": loss.item(), "grad_failures": failures, "grads_checked": checked,
               "bytes_read": report.bytes_read, "full_param_bytes": full_bytes,
-              "local_param_bytes": sum(p.to_local().nbytes for p in model.parameters())}
+              # a replicated parameter with whole inputs stays a plain tensor: all of it is local
+              "local_param_bytes": sum((p.to_local() if isinstance(p, DTensor) else p).nbytes
+                                       for p in model.parameters())}
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     leave_after_barrier(dist)
 
