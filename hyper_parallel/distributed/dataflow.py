@@ -370,8 +370,9 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     # Off every block: joined to no other projection except through the stream, so it reads
     # full values and its output is whole on every rank when replicated (DBRX's expert GLU,
     # a module of three matrices the experts' loop slices, is one).
-    standalone = frozenset(name for name in matrices if name not in in_blocks) | _replicable_containers(
-        model, trace, blocks)
+    # Only what ran: a module the forward never called says nothing here; names decide it.
+    standalone = frozenset(name for name in matrices if name not in in_blocks and name in trace.inputs)
+    standalone |= _replicable_containers(model, trace, blocks)
     attention_inputs = frozenset(tag[1] for operands in trace.mode.attention
                                  for tag in resolve(frozenset().union(*operands)) if tag[0] == "mod")
     outside_sums = frozenset(
