@@ -371,7 +371,9 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     # full values and its output is whole on every rank when replicated (DBRX's expert GLU,
     # a module of three matrices the experts' loop slices, is one).
     # Only what ran: a module the forward never called says nothing here; names decide it.
-    standalone = frozenset(name for name in matrices if name not in in_blocks and name in trace.inputs)
+    # (or whose parameters the model's code used itself: Gemma 3n's correction coefficients)
+    used = set(trace.inputs) | trace.mode.read_outside
+    standalone = frozenset(name for name in matrices if name not in in_blocks and name in used)
     standalone |= _replicable_containers(model, trace, blocks)
     attention_inputs = frozenset(tag[1] for operands in trace.mode.attention
                                  for tag in resolve(frozenset().union(*operands)) if tag[0] == "mod")
