@@ -34,7 +34,6 @@ For each planned module:
 """
 
 import fnmatch
-import inspect
 from collections.abc import Mapping
 
 import torch
@@ -50,7 +49,7 @@ from hyper_parallel.distributed.boundary_collectives import (
 )
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
-from hyper_parallel.distributed.model_parts import output_embeddings
+from hyper_parallel.distributed.model_parts import output_embeddings, positional_names
 from hyper_parallel.distributed.partial_grads import reduce_partial_grad
 from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa: F401  (re-exported)
 from hyper_parallel.distributed.placements import as_placement
@@ -308,7 +307,7 @@ def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh
                    shared: SharedInputReductions, *, block: bool = False) -> None:
     in_pairs = _pairs(config.in_src, config.in_dst)
     out_pairs = _pairs(config.out_src, config.out_dst)
-    arg_names = _positional_names(module)
+    arg_names = positional_names(module)
     split_axes = _split_axes(config, axes) if config.local_map else frozenset()
     # A block (planned submodules) hands its inputs to them, whose boundaries reduce the
     # gradients of the split work; its own sharded parameters (an attention block's sinks,
@@ -346,16 +345,6 @@ def _pairs(src, dst) -> list[tuple]:
     src = src + (None,) * (length - len(src))
     dst = dst + (None,) * (length - len(dst))
     return list(zip(src, dst))
-
-
-def _positional_names(module: nn.Module) -> list[str]:
-    """Forward parameter names in order, so a planned positional input passed by keyword is found."""
-    try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in params if p.kind in kinds]
 
 
 def _locate_input(index: int, args: list, kwargs: dict, names: list[str]):

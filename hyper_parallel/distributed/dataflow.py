@@ -34,7 +34,6 @@ hands on all of them (``colwise_gathered``), the consumer slices its input
 computation not. Fused projections whose q/k/v parts differ in width (GQA) land here.
 """
 
-import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -43,7 +42,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
+from hyper_parallel.distributed.model_parts import (
+    decoder_layers,
+    input_embeddings,
+    output_embeddings,
+    positional_names,
+)
 
 SPLIT_MODE, GATHERED_MODE = "split", "gathered"
 _ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flex_attention"})
@@ -299,11 +303,7 @@ def _value_positions(module: nn.Module, args: tuple, kwargs: dict, mode: "_Tags"
     """Positions (in the forward's signature) of the first input carrying values from
     modules (not masks, ids or position tables computed from buffers) and of the inputs
     that carry the same values again (CTRL's attention: ``attn(x, x, x)``)."""
-    try:
-        names = [p.name for p in inspect.signature(module.forward).parameters.values()
-                 if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        names = []
+    names = positional_names(module)
     given = sorted(list(enumerate(args)) + [(names.index(key), value) for key, value in kwargs.items()
                                             if key in names], key=lambda item: item[0])
     carrying = [(index, value) for index, value in given
@@ -370,8 +370,8 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     # Off every block: joined to no other projection except through the stream, so it reads
     # full values and its output is whole on every rank when replicated (DBRX's expert GLU,
     # a module of three matrices the experts' loop slices, is one).
-    # Only what ran: a module the forward never called says nothing here; names decide it.
-    # (or whose parameters the model's code used itself: Gemma 3n's correction coefficients)
+    # Only what ran, or whose parameters the model's code used itself (Gemma 3n's correction
+    # coefficients): a module the forward never touched says nothing here; names decide it.
     used = set(trace.inputs) | trace.mode.read_outside
     standalone = frozenset(name for name in matrices if name not in in_blocks and name in used)
     standalone |= _replicable_containers(model, trace, blocks)

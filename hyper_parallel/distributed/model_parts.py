@@ -1,6 +1,19 @@
 """Named parts of a model the planner and the applier both look for."""
 
+import inspect
+
 from torch import nn
+
+
+def positional_names(module: nn.Module) -> list[str]:
+    """``module.forward``'s positional parameter names in order: a planned positional
+    input passed by keyword is found by its name."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds]
 
 
 def input_embeddings(model: nn.Module) -> nn.Module | None:

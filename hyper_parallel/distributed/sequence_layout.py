@@ -169,14 +169,14 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
     for index in range(1, len(layers)):
         if f"{layers_fqn}.{index}" in modules:
             _residual_module(modules[f"{layers_fqn}.{index}"], residual)
+    attention_inputs = traced.attention_inputs
     for index, layer in enumerate(layers):
         for name, child in layer.named_children():
             fqn = f"{layers_fqn}.{index}.{name}"
             if not _has_params(child):
                 continue
-            attention_inputs = traced.attention_inputs
             if fqn in traced.outside_sums and (_is_attention(fqn, child, roles, attention_inputs)
-                                        or roles.get(fqn) != "replicate"):
+                                               or roles.get(fqn) != "replicate"):
                 raise PlanError(
                     f"accelerator.{'cp_size' if cp else 'sequence_parallel'}: {fqn} ({type(child).__name__}) adds "
                     "values from outside it (the residual stream) to its own output, which the sequence "
@@ -294,7 +294,6 @@ def _reads_partial_sums(fqn: str, block: nn.Module, inner_entries: list[str], ro
     partial = {pattern(inner) for inner in inner_entries if roles.get(inner) in _PARTIAL_OUTPUT_ROLES}
     inside = {pattern(f"{fqn}.{name}") for name, _ in block.named_modules() if name}
     return any(reader in inside and source in partial for reader, source in reads)
-
 
 
 def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: frozenset[str] = frozenset(),
