@@ -23,7 +23,8 @@ from tests.project_fixtures import TINY_RECIPE, bundle_bytes, cli, orphaned_scra
 
 TRIALS_PER_STAGE = 2  # 8 stages: 16 kills, and one more round in the stages that do the most:
 EXTRA_ROUND = ("resolve", "derive", "verify", "preflight")  # 20 kills (the suite's 20-minute budget)
-ATTEMPTS = 3  # runs per trial until the kill lands inside the stage (a fast stage may end first)
+ATTEMPTS = 5  # runs per trial until the kill lands inside the stage (a fast stage may end first),
+# each drawing in half the window of the one before, so a stage shorter than its window is hit
 # How long after a stage starts to kill at most (about the stage's own duration here;
 # resolve's window starts with the process).
 KILL_WINDOW_S = {"resolve": 1.0, "derive": 6.0, "freeze": 0.3, "emit": 0.5, "diff": 0.3, "verify": 10.0,
@@ -45,9 +46,9 @@ def _start(project: Path) -> subprocess.Popen:
                             text=True)
 
 
-def _kill_inside(proc: subprocess.Popen, stage: str, rng: random.Random) -> bool:
+def _kill_inside(proc: subprocess.Popen, stage: str, rng: random.Random, window_s: float) -> bool:
     """Wait until ``stage`` starts (the stage before it reported done or up to date), then
-    SIGKILL at a random instant within its window. False if the run ended first."""
+    SIGKILL at a random instant within ``window_s``. False if the run ended first."""
     before = STAGES[STAGES.index(stage) - 1] if STAGES.index(stage) else None
     while before is not None:
         line = proc.stdout.readline()
@@ -55,7 +56,7 @@ def _kill_inside(proc: subprocess.Popen, stage: str, rng: random.Random) -> bool
             return False
         if line.startswith((f". {before} done", f"-- {before} up to date")):
             break
-    time.sleep(rng.uniform(0, KILL_WINDOW_S[stage]))
+    time.sleep(rng.uniform(0, window_s))
     if proc.poll() is not None:
         return False
     proc.send_signal(signal.SIGKILL)
@@ -110,9 +111,9 @@ def test_sigkill_in_every_stage_leaves_old_or_new_and_nothing_behind(tmp_path_fa
         layout = not layout
         _set_layout(recipe, layout)
         for stage in stages:
-            for _attempt in range(ATTEMPTS):  # a stage that ends before the drawn instant is run again
+            for attempt in range(ATTEMPTS):  # a stage that ends before the drawn instant is run again
                 proc = _start(project)
-                killed = _kill_inside(proc, stage, rng)
+                killed = _kill_inside(proc, stage, rng, KILL_WINDOW_S[stage] / 2 ** attempt)
                 if killed:
                     break
                 rest = proc.stdout.read()
