@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hyper_parallel.codegen.artifact import pid_alive
+from hyper_parallel.codegen.check.launch_guard import OWNER_ENV
 
 GUARD = "hyper_parallel.codegen.check.launch_guard"
 SCRATCH_PREFIX = "hp-"  # scratch folders are named hp-<kind>-<pid of their owner>-<random>
@@ -119,7 +120,7 @@ class RankLaunch:
     leaves early (an exception, a signal turned into one)."""
 
     def __init__(self, cmd: list[str], *, log: Path, env: dict[str, str] | None = None):
-        env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
+        env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1", OWNER_ENV: str(os.getpid())}
         for key in LAUNCH_ENV_DROPPED:
             env.pop(key, None)
         self.cmd = cmd

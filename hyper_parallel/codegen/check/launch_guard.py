@@ -8,7 +8,10 @@ signal to the run's process group does not reach it). While the pipe is open it 
 the parent's descendants every quarter second — torchrun's ranks sit in sessions of their
 own and would be re-parented to init once torchrun is gone. ``done`` on the pipe: the run
 cleaned up itself, leave. End of file without it: the parent died (a SIGKILL runs no
-``finally``), so kill every recorded process and remove the scratch folder.
+``finally``), so kill every recorded process and every process whose environment names
+the parent as its launch owner (``HP_LAUNCH_OWNER``, set by ``RankLaunch`` and inherited
+by torchrun's ranks: a rank started between two polls was never recorded), and remove
+the scratch folder.
 
 ``exec`` is how a launch starts: it asks the kernel to SIGKILL it when its parent dies
 (``PR_SET_PDEATHSIG``, kept across ``execv``), then becomes COMMAND. That covers a launch
@@ -25,6 +28,7 @@ import sys
 
 POLL_S = 0.25
 _PR_SET_PDEATHSIG = 1
+OWNER_ENV = "HP_LAUNCH_OWNER"  # the pid of the process whose launch started this one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +74,9 @@ def watch_parent(parent: int, scratch: str) -> int:
         if data.startswith(b"done"):
             return 0
         if not data:  # the parent is gone and never said done
-            _kill(known)
+            for _ in range(2):  # a rank forked while the first pass ran is found by the second
+                _record_owned(parent, known)
+                _kill(known)
             shutil.rmtree(scratch, ignore_errors=True)
             return 0
 
@@ -86,6 +92,22 @@ def _record_descendants(parent: int, known: dict) -> None:
             for child in process.children(recursive=True):
                 if child.pid != os.getpid():
                     known.setdefault(child.pid, child)
+        except psutil.Error:
+            continue
+
+
+def _record_owned(parent: int, known: dict) -> None:
+    """Add every process of this user whose environment names ``parent`` as its launch
+    owner: what the polls missed (a rank that started and lost its parents in between)."""
+    import psutil
+
+    owner = str(parent)
+    for process in psutil.process_iter(["pid", "uids"]):
+        try:
+            if process.pid == os.getpid() or process.info["uids"].real != os.getuid():
+                continue
+            if process.environ().get(OWNER_ENV) == owner:
+                known.setdefault(process.pid, process)
         except psutil.Error:
             continue
 
