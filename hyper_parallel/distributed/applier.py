@@ -49,7 +49,7 @@ from hyper_parallel.distributed.boundary_collectives import (
 )
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
-from hyper_parallel.distributed.model_parts import output_embeddings, positional_names
+from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
 from hyper_parallel.distributed.partial_grads import reduce_partial_grad
 from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa: F401  (re-exported)
 from hyper_parallel.distributed.placements import as_placement
@@ -319,7 +319,7 @@ def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh
         for index, (src, dst) in enumerate(in_pairs):
             if src is None and dst is None:
                 continue
-            where, key = _locate_input(index, args, kwargs, arg_names)
+            where, key = locate_input(index, args, kwargs, arg_names)
             if where is None:
                 continue
             value = where[key]
@@ -345,14 +345,6 @@ def _pairs(src, dst) -> list[tuple]:
     src = src + (None,) * (length - len(src))
     dst = dst + (None,) * (length - len(dst))
     return list(zip(src, dst))
-
-
-def _locate_input(index: int, args: list, kwargs: dict, names: list[str]):
-    if index < len(args):
-        return args, index
-    if index < len(names) and names[index] in kwargs:
-        return kwargs, names[index]
-    return None, None
 
 
 def _split_axes(config: ShardingConfig, axes, *, with_states: bool = True) -> frozenset[str]:
@@ -452,29 +444,53 @@ def _convert_output(value, src, dst, sub_mesh, axes, where: str):
 
 
 def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axes, split_axes) -> None:
-    """While a local_map module runs, its parameters are their local shards (differentiably)."""
+    """While a local_map module runs, its parameters are their local shards (differentiably).
+    A parameter the module hands out as an output (GPT-NeoX-Japanese's attention returns
+    its ``dense_bias``, which the decoder layer adds) is used where the module's first
+    output goes: on each rank's piece of the sequence, if that output is split along it,
+    so its gradient there is a partial sum over those axes."""
     names = [name for name in config.state_shardings if isinstance(module._parameters.get(name), DTensor)]
     partial_dims = {name: tuple(dim for dim, p in enumerate(_placements(config.state_shardings[name], axes))
                                 if isinstance(p, Partial))
                     for name in names}
-    saved: list[dict] = []
+    handed_on = _io_list(config.out_dst) or _io_list(config.out_src)
+    saved: list[tuple[dict, dict]] = []
 
     def swap_in(mod, args):
         originals = {name: mod._parameters[name] for name in names}
-        saved.append(originals)
+        swapped = {}
         for name, param in originals.items():
             grads = _grad_placements(param.placements, axes, split_axes)
             if partial_dims[name]:
                 mod._parameters[name] = _partial_parameter(param, partial_dims[name], grads)
-                continue
-            mod._parameters[name] = param.to_local(grad_placements=grads)
+            else:
+                mod._parameters[name] = param.to_local(grad_placements=grads)
+            swapped[id(mod._parameters[name])] = name
+        saved.append((originals, swapped))
 
     def swap_out(mod, args, output):
-        if saved:
-            mod._parameters.update(saved.pop())
+        if not saved:
+            return None
+        originals, swapped = saved.pop()
+        mod._parameters.update(originals)
+        if not isinstance(output, tuple) or not handed_on or handed_on[0] is None:
+            return None
+        split_where_used = {axis for axis, p in zip(axes, _placements(handed_on[0], axes)) if isinstance(p, Shard)}
+        if not any(id(item) in swapped for item in output) or not split_where_used:
+            return None
+        return tuple(_handed_out(originals[swapped[id(item)]], axes, split_where_used) if id(item) in swapped
+                     else item for item in output)
 
     module.register_forward_pre_hook(swap_in)
     module.register_forward_hook(swap_out, always_call=True)
+
+
+def _handed_out(param: DTensor, axes, split_where_used: set[str]) -> torch.Tensor:
+    """A parameter's local value for code running on pieces along ``split_where_used``:
+    its gradient there is a partial sum over those axes (summed when backward ends)."""
+    grads = tuple(Partial() if axis in split_where_used and isinstance(p, Replicate) else p
+                  for p, axis in zip(param.placements, axes))
+    return param.to_local(grad_placements=grads)
 
 
 def _partial_parameter(param: DTensor, mesh_dims: tuple[int, ...], grads: tuple) -> torch.Tensor:

@@ -48,6 +48,7 @@ from hyper_parallel.distributed.model_parts import (
     output_embeddings,
     positional_names,
 )
+from hyper_parallel.distributed.sequence_dry_run import check_sequence_split
 
 SPLIT_MODE, GATHERED_MODE = "split", "gathered"
 _ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flex_attention"})
@@ -109,11 +110,20 @@ class Dataflow:
     # Leaves off the decoder layers that read what the layers wrote (OPT's project_out after
     # the final norm): under a sequence split they see each rank's piece of the sequence.
     after_layers: frozenset[str] = frozenset()
+    # Leaves off the decoder layers (the head included) reading the layers' output itself, not
+    # through another module off them (the final norm; the head where there is none).
+    layer_readers: frozenset[str] = frozenset()
+    # The sequence split dry run (``sequence_dry_run.py``), when the recipe splits the
+    # sequence: why the model's code cannot run on a piece ("" when it can), and whether the
+    # code after the layers needs the stream whole (GPT-2's final reshape to the full length).
+    sequence_split_error: str = ""
+    whole_after_layers: bool = False
     # (reader, source) name patterns (indices as *): a leaf whose input carries a leaf's
     # output (AXK1's post_mlp_layernorm reads the experts' and the shared expert's sum).
     reads: frozenset[tuple[str, str]] = frozenset()
     # Modules (not leaves) -> the positions, in their forward's signature, of the first input
-    # carrying model values and of inputs carrying it again (CTRL's attention: v, k, q).
+    # carrying model values and of inputs carrying it again (CTRL's attention: v, k, q); for
+    # a module in outside_sums, of every input shaped like it (Bloom's ``residual``).
     value_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def roles(self) -> dict[str, str]:
@@ -210,6 +220,7 @@ class _Trace:
     outputs: dict[str, frozenset]  # every other module: the tags of its first output
     output_dims: dict[str, int]  # every other module: its first output's number of dims
     value_inputs: dict[str, tuple[int, ...]]  # every other module: see Dataflow.value_inputs
+    stream_inputs: dict[str, tuple[int, ...]]  # every other module: inputs shaped and carrying like the stream
 
 
 def _carries_values(tensor: torch.Tensor) -> bool:
@@ -271,13 +282,14 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     outputs: dict[str, frozenset] = {}
     output_dims: dict[str, int] = {}
     value_inputs: dict[str, tuple[int, ...]] = {}
+    stream_inputs: dict[str, tuple[int, ...]] = {}
 
     def record(name):
         def hook(module, args, kwargs, output):
             found = _first_float(output)
             if found is not None and name not in outputs:
                 outputs[name], output_dims[name] = mode.of(found), found.dim()
-                value_inputs[name] = _value_positions(module, args, kwargs, mode)
+                value_inputs[name], stream_inputs[name] = _value_positions(module, args, kwargs, mode)
         return hook
 
     handles = []
@@ -296,23 +308,26 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     logits = getattr(output, "logits", None)
     logits = logits if isinstance(logits, torch.Tensor) else _first_float(output)
     return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits), outputs, output_dims,
-                  value_inputs)
+                  value_inputs, stream_inputs)
 
 
-def _value_positions(module: nn.Module, args: tuple, kwargs: dict, mode: "_Tags") -> tuple[int, ...]:
+def _value_positions(module: nn.Module, args: tuple, kwargs: dict,
+                     mode: "_Tags") -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Positions (in the forward's signature) of the first input carrying values from
     modules (not masks, ids or position tables computed from buffers) and of the inputs
-    that carry the same values again (CTRL's attention: ``attn(x, x, x)``)."""
+    that carry the same values again (CTRL's attention: ``attn(x, x, x)``); and of every
+    input shaped like that first one and carrying module values (Bloom's attention and MLP
+    also take ``residual``, the stream before their norm)."""
     names = positional_names(module)
     given = sorted(list(enumerate(args)) + [(names.index(key), value) for key, value in kwargs.items()
                                             if key in names], key=lambda item: item[0])
     carrying = [(index, value) for index, value in given
                 if isinstance(value, torch.Tensor) and _carries_values(value) and mode.of(value)]
     if not carrying:
-        return ()
+        return (), ()
     first = carrying[0][1]  # the stream; others count only when they are the same values again
-    return tuple(index for index, value in carrying
-                 if value.shape == first.shape and mode.of(value) == mode.of(first))
+    return (tuple(index for index, value in carrying if value.shape == first.shape and mode.of(value) == mode.of(first)),
+            tuple(index for index, value in carrying if value.shape == first.shape))
 
 
 class _Resolver:
@@ -322,23 +337,26 @@ class _Resolver:
         self.trace = trace
         self.norms = {name for name, module in trace.leaves.items() if _is_norm(module)}
 
-    def __call__(self, tags: Iterable, seen: frozenset = frozenset()) -> frozenset:
+    def __call__(self, tags: Iterable, seen: frozenset = frozenset(), *, through_norms: bool = True) -> frozenset:
         out = set()
         for tag in tags:
-            if tag[0] == "mod" and tag[1] in self.norms:
+            if tag[0] == "mod" and tag[1] in self.norms and through_norms:
                 if tag[1] not in seen:
                     out |= self(self.trace.inputs.get(tag[1], ()), seen | {tag[1]})
             elif tag[0] in ("pair", "probs"):
                 left, right = self.trace.mode.pairs[tag[1]]
-                out |= self(left | right, seen)
+                out |= self(left | right, seen, through_norms=through_norms)
             else:
                 out.add(tag)
         return frozenset(out)
 
 
 def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
-            dry_run: Callable[[nn.Module, dict[str, int], Block], str | None] | None = None) -> Dataflow:
-    """Trace ``model`` (a tiny real instance) on ``input_ids`` and plan its blocks for ``tp``."""
+            dry_run: Callable[[nn.Module, dict[str, int], Block], str | None] | None = None,
+            sequence_split: str | None = None) -> Dataflow:
+    """Trace ``model`` (a tiny real instance) on ``input_ids`` and plan its blocks for ``tp``;
+    with ``sequence_split`` ("sp": sequence parallel alone, "cp": context parallel), also
+    dry-run the split of the stream along the sequence (``sequence_dry_run.py``)."""
     # Training mode: the plan is for training, and some code paths exist only there (Gemma 3n
     # clamps AltUp's coefficients and multiplies by them itself). The copy has no dropout.
     model.train(True)
@@ -388,11 +406,21 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     after_layers = frozenset(
         name for name in trace.leaves if name != head_name and not inside(name) and name in trace.inputs
         and any(tag[0] == "mod" and inside(tag[1]) for tag in resolve(trace.inputs[name])))
-    return Dataflow(stream=stream, routers=routers, blocks=blocks, standalone=standalone,
+    layer_readers = frozenset(
+        name for name in trace.leaves if not inside(name) and name in trace.inputs
+        and any(tag[0] == "mod" and inside(tag[1]) for tag in resolve(trace.inputs[name], through_norms=False)))
+    flow = Dataflow(stream=stream, routers=routers, blocks=blocks, standalone=standalone,
                     attention_inputs=attention_inputs, outside_sums=outside_sums, flat_outputs=flat_outputs,
-                    flat_inputs=flat_inputs, after_layers=after_layers, value_inputs=trace.value_inputs,
+                    flat_inputs=flat_inputs, after_layers=after_layers, layer_readers=layer_readers,
+                    # a block adding the stream to its output itself takes it as an input of its own
+                    value_inputs={name: trace.stream_inputs[name] if name in outside_sums else positions
+                                  for name, positions in trace.value_inputs.items()},
                     reads=frozenset((pattern(name), pattern(tag[1])) for name, tags in trace.inputs.items()
                                     for tag in tags if tag[0] == "mod" and tag[1] != name))
+    if sequence_split is not None:
+        verdict = check_sequence_split(model, input_ids, flow, cp=sequence_split == "cp")
+        flow.sequence_split_error, flow.whole_after_layers = verdict.error, verdict.whole_after_layers
+    return flow
 
 
 def _replicable_containers(model: nn.Module, trace: _Trace, blocks: list[Block]) -> frozenset[str]:

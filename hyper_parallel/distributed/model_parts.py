@@ -16,6 +16,16 @@ def positional_names(module: nn.Module) -> list[str]:
     return [p.name for p in params if p.kind in kinds]
 
 
+def locate_input(index: int, args: list, kwargs: dict, names: list[str]):
+    """Where input ``index`` of a call is: ``(args, index)``, ``(kwargs, name)`` when it was
+    passed by keyword (``names``: ``positional_names``), or ``(None, None)`` when absent."""
+    if index < len(args):
+        return args, index
+    if index < len(names) and names[index] in kwargs:
+        return kwargs, names[index]
+    return None, None
+
+
 def input_embeddings(model: nn.Module) -> nn.Module | None:
     return _part(model, "get_input_embeddings")
 

@@ -263,7 +263,9 @@ class ShardingPlanner:
         return TracedFacts(attention_inputs=self._attention_inputs(), outside_sums=self._stand_ins("outside_sums"),
                            routers=self._routers(), flat_outputs=self._stand_ins("flat_outputs"),
                            flat_inputs=self._stand_ins("flat_inputs"), after_layers=self._stand_ins("after_layers"),
-                           value_inputs=self._value_inputs(), reads=self.dataflow.reads, traced=True)
+                           layer_readers=self._stand_ins("layer_readers"), value_inputs=self._value_inputs(),
+                           reads=self.dataflow.reads, split_error=self.dataflow.sequence_split_error,
+                           whole_after_layers=self.dataflow.whole_after_layers, traced=True)
 
     def _value_inputs(self) -> dict[str, tuple[int, ...]]:
         """The model's modules -> the positions of their inputs that carried model values in

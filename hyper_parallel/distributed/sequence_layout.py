@@ -18,6 +18,10 @@ sequence dim (``R`` below) and only the blocks that need more see more:
 |                            | (reduce-scatter with SP, a slice over cp)                                  |
 | MLP / MoE block            | input gathered over tp only (SP); tokens stay split over cp (per-token    |
 |                            | work); output partial(tp) -> ``R``                                        |
+| code after the layers      | per-token code runs on the piece; where it needs the whole sequence (the  |
+| needing the whole sequence | split dry run, ``sequence_dry_run.py``: GPT-2 reshapes to the full length |
+|                            | after its final norm), the modules reading the layers' output gather it   |
+|                            | and the head takes its cp piece of the whole (a slice)                    |
 | lm_head                    | input gathered over tp; logits stay split over cp (and over the vocab     |
 |                            | with loss parallel) into the applier's sharded cross entropy — when the   |
 |                            | model's forward computes its loss through ``self.loss_function``, which   |
@@ -62,7 +66,8 @@ class TracedFacts:
     - ``attention_inputs``: modules feeding an attention's q, k or v; a layer's child
       holding one is an attention block whatever its modules are called;
     - ``outside_sums``: modules whose output carries values from outside them (a block
-      adding the residual itself); a layer's block of that kind is refused;
+      adding the residual itself, which ``value_inputs`` then lists among its inputs): a
+      layer's block of that kind reduces its partial sums before adding it;
     - ``routers``: linears picking experts; a block holding one is an MoE block even when
       its experts are a ModuleList of linears rather than packed tensors;
     - ``flat_outputs`` / ``flat_inputs``: modules returning / leaves reading fewer dims than
@@ -73,7 +78,13 @@ class TracedFacts:
       converts each (CTRL's attention takes it as v, k and q), by default its first input;
     - ``reads``: (reader, source) name patterns (indices ``*``) of leaves whose input
       carries another leaf's output; a block whose module reads a partial sum of its own
-      (AXK1's MoE ends in a norm of the experts' output) reduces it before handing it on.
+      (AXK1's MoE ends in a norm of the experts' output) reduces it before handing it on;
+    - ``layer_readers``: leaves off the layers reading the layers' output itself (the final
+      norm; the head when there is none);
+    - ``split_error`` / ``whole_after_layers``: the sequence split dry run's verdict
+      (``sequence_dry_run.py``): why the model's code cannot run on a piece of the
+      sequence, or that the code after the layers needs the stream whole (GPT-2 reshapes
+      to the full length after its final norm): the layer readers gather it.
     """
 
     attention_inputs: frozenset[str] = frozenset()
@@ -84,6 +95,9 @@ class TracedFacts:
     after_layers: frozenset[str] = frozenset()
     value_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     reads: frozenset[tuple[str, str]] = frozenset()
+    layer_readers: frozenset[str] = frozenset()
+    split_error: str = ""
+    whole_after_layers: bool = False
     traced: bool = False  # the facts come from a trace (else every set is empty for want of one)
 
 
@@ -175,13 +189,6 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             fqn = f"{layers_fqn}.{index}.{name}"
             if not _has_params(child):
                 continue
-            if fqn in traced.outside_sums and (_is_attention(fqn, child, roles, attention_inputs)
-                                               or roles.get(fqn) != "replicate"):
-                raise PlanError(
-                    f"accelerator.{'cp_size' if cp else 'sequence_parallel'}: {fqn} ({type(child).__name__}) adds "
-                    "values from outside it (the residual stream) to its own output, which the sequence "
-                    "layout splits around each block; sequence and context parallel cannot do such a block "
-                    f"yet: set {'cp_size: 1' if cp else 'sequence_parallel: false'}")
             if sp and fqn in traced.flat_outputs:
                 # sequence parallel hands each block's output on split along the sequence dim,
                 # which a [tokens, hidden] output does not have (its dim 1 is the hidden one)
@@ -190,16 +197,23 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                     "flattened ([tokens, hidden], no sequence dim), and sequence parallel splits each block's "
                     "output along the sequence dim; it cannot do such a block yet: set sequence_parallel: false")
             streams = traced.value_inputs.get(fqn) or (0,)
+            adds_stream = fqn in traced.outside_sums  # Bloom's blocks add the residual themselves
             if _is_flat_member(fqn, child, roles):
                 _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
                              flat=fqn in traced.flat_inputs)
             elif _is_attention(fqn, child, roles, attention_inputs):
-                _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads)
+                _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads,
+                                 adds_stream=adds_stream)
             elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
                 _residual_module(modules[fqn], residual)  # a norm of the layer; not a block with own vectors
             else:
                 _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=traced.routers, streams=streams,
-                           reads=traced.reads)
+                           reads=traced.reads, adds_stream=adds_stream)
+    if traced.split_error:
+        key, fix = ("cp_size", "cp_size: 1") if cp else ("sequence_parallel", "sequence_parallel: false")
+        raise PlanError(f"accelerator.{key}: a dry run of the split on a tiny copy of {type(model).__name__} failed: "
+                        f"{traced.split_error}; sequence and context parallel cannot do such a model yet: set {fix}")
+    whole = traced.whole_after_layers
     for fqn in sorted(traced.after_layers):  # outside the layers on the split stream, but unplanned
         if fqn not in modules and not fqn.startswith(layers_fqn + "."):
             modules[fqn], roles[fqn] = replicate(model.get_submodule(fqn), {}), "replicate"
@@ -211,9 +225,20 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             # the final norm, a projection after it (OPT's project_out); not what runs before
             # the layers on the full sequence (an embedding beside the input one, learned
             # positions, OPT's project_in), which the trace tells apart (else names: embeddings)
-            _residual_module(modules[fqn], residual)
+            if not whole:
+                _residual_module(modules[fqn], residual)
+            elif fqn in traced.layer_readers:  # gathers the stream: what follows sees it whole
+                _whole_reader(modules[fqn], residual, full)
         elif role == "lm_head":
-            _gathered_lm_head(modules[fqn], residual, cp=cp, keep_cp_split=logits_split_over_cp)
+            reads_split = not whole or fqn in traced.layer_readers
+            _gathered_lm_head(modules[fqn], residual if reads_split else full, cp=cp,
+                              keep_cp_split=logits_split_over_cp)
+
+
+def _whole_reader(config: ShardingConfig, residual: dict, full: dict) -> None:
+    """A module reading the layers' output where the code after the layers needs the whole
+    sequence: it gathers the stream and computes on all of it (its gradients complete)."""
+    config.in_src, config.in_dst, config.local_map = (dict(residual),), (dict(full),), True
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -272,9 +297,13 @@ def _per_input(streams: tuple[int, ...], placement: dict) -> tuple:
 
 
 def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams: tuple[int, ...] = (0,),
-                     reads: frozenset[tuple[str, str]] = frozenset()) -> None:
+                     reads: frozenset[tuple[str, str]] = frozenset(), adds_stream: bool = False) -> None:
+    """``adds_stream``: the block adds the stream (an input of its own, gathered like the
+    others) to its output itself, so its partial sums are reduced before that (else the
+    stream would be counted once per tp rank) and it hands on a slice of the whole."""
     inner_entries = _inner_entries(fqn, block, modules)
-    hand_on_partial = not _reads_partial_sums(fqn, block, inner_entries, roles, reads)
+    hand_on_partial = _has_partial_sums(inner_entries, roles) and not adds_stream and not _reads_partial_sums(
+        fqn, block, inner_entries, roles, reads)
     full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
     block_out = {**({CP: Replicate()} if cp else {}), TP: Partial() if hand_on_partial else Replicate()}
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. GPT-OSS's sinks
@@ -287,6 +316,12 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams:
             modules[inner].out_dst = modules[inner].out_src
 
 
+def _has_partial_sums(inner_entries: list[str], roles: dict[str, str]) -> bool:
+    """Some member of the block hands on a partial sum over tp (rowwise, experts); a block
+    whose members are all replicated (GPT-2's Conv1D attention) computes its output whole."""
+    return any(roles.get(inner) in _PARTIAL_OUTPUT_ROLES for inner in inner_entries)
+
+
 def _reads_partial_sums(fqn: str, block: nn.Module, inner_entries: list[str], roles: dict[str, str],
                         reads: frozenset[tuple[str, str]]) -> bool:
     """Whether a module of the block reads the output of one of its partial-sum members
@@ -297,15 +332,17 @@ def _reads_partial_sums(fqn: str, block: nn.Module, inner_entries: list[str], ro
 
 
 def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: frozenset[str] = frozenset(),
-               streams: tuple[int, ...] = (0,), reads: frozenset[tuple[str, str]] = frozenset()) -> None:
+               streams: tuple[int, ...] = (0,), reads: frozenset[tuple[str, str]] = frozenset(),
+               adds_stream: bool = False) -> None:
     inner_entries = _inner_entries(fqn, block, modules)
     moe = any(roles.get(inner) == "packed_experts" or inner in routers for inner in inner_entries)
     token_dim = 0 if moe else 1  # MoE blocks flatten [batch, seq, hidden] to [tokens, hidden]
     tokens = {CP: Shard(1)} if cp else {}
     # Partial sums may cross the block's plain code only if that code is linear in them,
     # and no module of the block may read them.
-    hand_on_partial = not (moe and _plain_code_gates(fqn, block, roles)) and not _reads_partial_sums(
-        fqn, block, inner_entries, roles, reads)
+    hand_on_partial = _has_partial_sums(inner_entries, roles) and not adds_stream and not (
+        moe and _plain_code_gates(fqn, block, roles)) and not _reads_partial_sums(fqn, block, inner_entries, roles,
+                                                                                  reads)
     block_out = Partial() if hand_on_partial else Replicate()
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. AFMoE's expert_bias
     modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, BloomConfig, Olmo2Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BloomConfig,
+    GPT2Config,
+    LlamaConfig,
+    Olmo2Config,
+    Qwen3Config,
+)
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from hyper_parallel.distributed.dataflow import GATHERED_MODE, SPLIT_MODE, analyze, local_widths_dry_run, pattern
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
@@ -27,9 +36,9 @@ def _remote(name: str):
     return _tiny(AutoConfig.from_pretrained(REMOTE / name, trust_remote_code=True))
 
 
-def _flow(model, tp: int = TP):
+def _flow(model, tp: int = TP, sequence_split: str | None = None):
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-    return analyze(model, ids, tp=tp, dry_run=local_widths_dry_run(model, ids, tp))
+    return analyze(model, ids, tp=tp, dry_run=local_widths_dry_run(model, ids, tp), sequence_split=sequence_split)
 
 
 def _roles(flow) -> dict[str, str]:
@@ -115,7 +124,8 @@ def test_planner_uses_dataflow_for_modules_names_do_not_classify(fixture):
 def _planned(config, dims: ParallelDims, **options):
     """The planner's result for ``config`` with the dataflow of its tiny copy."""
     tiny = _tiny(config)
-    flow = _flow(tiny, tp=dims.tp)
+    split = "cp" if dims.cp > 1 else "sp" if options.get("sequence_parallel") else None
+    flow = _flow(tiny, tp=dims.tp, sequence_split=split)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny.config)
     return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow, **options).plan()
@@ -163,13 +173,19 @@ def test_per_head_vector_of_a_gathered_attention_stays_whole():
     assert type(gate_bias["tp"]).__name__ == "Replicate"
 
 
-def test_a_block_adding_the_residual_itself_is_refused_under_cp():
-    # Bloom's attention and MLP take the residual and add it to their own output: the
-    # sequence layout, which splits the stream around each block, cannot place that.
+@pytest.mark.parametrize("dims, options", [(ParallelDims(cp=2), {}), (ParallelDims(tp=TP), {"sequence_parallel": True})])
+def test_a_block_adding_the_residual_itself_gathers_it_and_reduces_before_adding(dims, options):
+    # Bloom's attention and MLP take the residual and add it to their own output: the block
+    # converts that input too, and reduces its partial sums before the add (else the
+    # residual would be counted once per tp rank), handing on a slice of the whole.
     config = BloomConfig(hidden_size=64, n_head=4, n_layer=1, vocab_size=128)
-    with pytest.raises(Exception, match=r"transformer.h.0.self_attention \(BloomAttention\) adds values from outside"):
-        _planned(config, ParallelDims(cp=2))
-    assert _planned(config, ParallelDims(tp=TP)).roles  # tp alone splits no stream: planned
+    result = _planned(config, dims, **options)
+    for block in ("transformer.h.0.self_attention", "transformer.h.0.mlp"):
+        entry = result.modules[block]
+        assert [position for position, dst in enumerate(entry.in_dst) if dst is not None] == [0, 1], entry.in_dst
+        assert type(entry.out_src[0]["tp"]).__name__ == "Replicate", entry.out_src
+    dense = result.modules["transformer.h.0.self_attention.dense"]
+    assert type(dense.out_dst[0]["tp"]).__name__ == "Replicate"  # reduced inside the block
 
 
 def test_list_moe_with_more_experts_than_layers_under_cp():
@@ -253,3 +269,68 @@ def test_a_module_of_matrices_off_every_block_is_replicated():
 
     result = _planned(tiny_config("dbrx"), ParallelDims(tp=TP))
     assert result.roles["transformer.blocks.0.ffn.experts.mlp"] == "replicate"
+
+
+class _TokenShiftLayer(LlamaDecoderLayer):
+    """A decoder layer mixing each token with the one before it outside its blocks (an
+    RWKV-style token shift): exact on the whole sequence, wrong on a piece of it."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        hidden_states = hidden_states + 0.5 * torch.nn.functional.pad(hidden_states, (0, 0, 1, -1))
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+def _token_shift_llama():
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=128)
+    model = _tiny(config)
+    for index, layer in enumerate(model.model.layers):
+        shifted = _TokenShiftLayer(config, index)
+        shifted.load_state_dict(layer.state_dict())
+        model.model.layers[index] = shifted
+    return model
+
+
+@pytest.mark.parametrize("dims, options, key", [(ParallelDims(tp=TP), {"sequence_parallel": True}, "sequence_parallel"),
+                                                (ParallelDims(cp=2), {}, "cp_size")])
+def test_a_token_shift_outside_the_blocks_is_refused_with_its_place(dims, options, key):
+    tiny = _token_shift_llama()
+    flow = _flow(tiny, tp=dims.tp, sequence_split="cp" if dims.cp > 1 else "sp")
+    assert "the input of model.layers.0.self_attn (call 1) differs" in flow.sequence_split_error
+    assert "since the split at model.layers.0's input is not per-token" in flow.sequence_split_error
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny.config)
+    planner = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow, **options)
+    with pytest.raises(Exception, match=rf"accelerator.{key}: a dry run of the split on a tiny copy of "
+                                        r"LlamaForCausalLM failed: on piece 2 of 2"):
+        planner.plan()
+    assert _flow(tiny, tp=TP).sequence_split_error == ""  # not asked for: not run
+    plain = _flow(_tiny(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=2, num_hidden_layers=2, vocab_size=128)),
+                  sequence_split="cp")
+    assert plain.sequence_split_error == "" and not plain.whole_after_layers
+
+
+@pytest.mark.parametrize("dims, options", [(ParallelDims(tp=TP), {"sequence_parallel": True}), (ParallelDims(cp=2), {})])
+def test_a_reshape_to_the_whole_sequence_after_the_layers_gathers_the_stream_there(dims, options):
+    # GPT-2 reshapes the final norm's output to [batch, the whole sequence, hidden]: on a
+    # piece that raises. The final norm gathers the stream instead (it computes on all of
+    # it, its gradients complete), and the head takes its cp piece of the whole.
+    config = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=128, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    result = _planned(config, dims, **options)
+    norm, head = result.modules["transformer.ln_f"], result.modules["lm_head"]
+    assert norm.local_map and [type(p).__name__ for p in norm.in_dst[0].values()] == ["Replicate"] * len(norm.in_dst[0])
+    assert type(norm.in_src[0]["cp" if dims.cp > 1 else "tp"]).__name__ == "Shard"
+    assert all(type(p).__name__ == "Replicate" for p in head.in_src[0].values()), head.in_src
+    if dims.cp > 1:
+        assert type(head.in_dst[0]["cp"]).__name__ == "Shard"  # the head computes on its piece
+    tiny = _tiny(config)
+    assert _flow(tiny, sequence_split="sp").whole_after_layers
+    assert result.roles["transformer.h.0.attn"] == "attention_block"
+    # A block whose members hand on no partial sum (Conv1D projections are replicated)
+    # computes its output whole: it hands on a slice, not a partial sum counted tp times.
+    for block in ("transformer.h.0.attn", "transformer.h.0.mlp"):
+        members = [name for name in result.roles if name.startswith(block + ".")]
+        if all(result.roles[name] == "replicate" for name in members):
+            assert type(result.modules[block].out_src[0]["tp"]).__name__ == "Replicate", block

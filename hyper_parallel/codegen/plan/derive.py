@@ -170,7 +170,9 @@ def trace_dataflow(spec: CodegenSpec):
                                                      trust_remote_code=trusts_remote_code(spec), dtype=torch.float32)
             hyper_apply_replacements(model, spec.replacements)
             ids = torch.randint(0, tiny.vocab_size, (1, TRACE_TOKENS))
-            return analyze(model, ids, tp=p.tp, dry_run=local_widths_dry_run(model, ids, p.tp)), ""
+            split = "cp" if p.cp > 1 else "sp" if p.sequence_parallel else None
+            return analyze(model, ids, tp=p.tp, dry_run=local_widths_dry_run(model, ids, p.tp),
+                           sequence_split=split), ""
         finally:
             torch.random.set_rng_state(state)
     except Exception as exc:  # any failure of the model's own code: plan by names and hints instead
