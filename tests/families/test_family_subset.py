@@ -39,6 +39,10 @@ ROWS = {
     ("gemma3n_text", "tp2"): "AltUp's coefficients used by the layer's own code (training mode only); per-layer "
                              "embeddings; a scaled tied embedding",
     ("llama4_text", "tp2_sp_lp"): "an MoE returning its tokens flattened: refused under sp",
+    ("gpt2", "tp2_sp_lp"): "a reshape to the whole sequence after the final norm (the stream is gathered there); "
+                           "blocks of replicated Conv1D projections hand on a slice, not a partial sum",
+    ("bloom", "cp2"): "attention and MLP that take the residual and add it to their output themselves",
+    ("gpt_neox_japanese", "cp2"): "an attention returning its own bias parameter, which the layer adds on its piece",
 }
 # (family, layout) -> reason substring of a refusal; every other row must pass.
 REFUSED: dict[tuple[str, str], str] = {("llama4_text", "tp2_sp_lp"): "returns its tokens flattened"}
