@@ -187,6 +187,11 @@ class _Tags(TorchFunctionMode):
             target = args[0] if args else None
             if isinstance(target, torch.Tensor):
                 self.set(target, self.of(target) | carried)
+                # Writing into a view writes into its base (HY-V4 fills a fresh key tensor
+                # through ``key[..., :d].copy_(k_nope)``): the base carries the values too.
+                base = target._base
+                if base is not None:
+                    self.set(base, self.of(base) | carried)
         for result in tree_flatten(out)[0]:
             if isinstance(result, torch.Tensor) and id(result) not in map(id, tensors):
                 self.set(result, carried if _carries_values(result) else

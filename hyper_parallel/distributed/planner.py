@@ -534,7 +534,11 @@ class ShardingPlanner:
             except PlanError:
                 continue
             return vectors, _PRODUCER_LAYOUTS.get(intent) == SPLIT
-        return vectors, None
+        # No projection seen feeding attention: the dataflow's layout of the module's own
+        # projections still says whether its heads are split (all gathered: whole).
+        layouts = {_PRODUCER_LAYOUTS.get(self.flow_roles.get(f"{fqn}.{name}" if fqn else name))
+                   for name, _ in module.named_children()} - {None}
+        return vectors, (False if layouts == {FULL} else None)
 
     def _param_hints(self, fqn: str, module: nn.Module) -> dict[str, str]:
         """TP-plan styles written on the module's parameters themselves (per-head vectors of a

@@ -334,3 +334,19 @@ def test_a_reshape_to_the_whole_sequence_after_the_layers_gathers_the_stream_the
         members = [name for name in result.roles if name.startswith(block + ".")]
         if all(result.roles[name] == "replicate" for name in members):
             assert type(result.modules[block].out_src[0]["tp"]).__name__ == "Replicate", block
+
+
+def test_attention_over_a_key_filled_through_views_is_seen_and_its_sinks_stay_whole():
+    # HY-V4 fills a fresh key tensor through views (``key[..., :d].copy_(k_nope)``) and its
+    # TP plan writes ``self_attn.sinks: colwise``; the trace must see the attention (the
+    # base carries what was written into its views), and as the dataflow gathers that
+    # attention (a latent shared by every head), every rank keeps every head's sink.
+    from hyper_parallel.families.tiny import tiny_config
+
+    config = tiny_config("hy_v4")
+    flow = _flow(_tiny(config))
+    assert "model.layers.0.self_attn.kv_b_proj" in flow.attention_inputs, sorted(flow.attention_inputs)
+    result = _planned(config, ParallelDims(tp=TP))
+    assert result.roles["model.layers.0.self_attn.q_b_proj"] == "colwise_gathered"
+    sinks = result.modules["model.layers.0.self_attn"].state_shardings["sinks"]
+    assert type(sinks["tp"]).__name__ == "Replicate"
