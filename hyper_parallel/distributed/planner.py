@@ -347,10 +347,14 @@ class ShardingPlanner:
             raise StyleRefusal(fqn, module, style, meaning.refused)
 
     def _embedding_role(self, fqn: str, module: nn.Embedding, meaning: StyleMeaning | None) -> str:
-        """The model's input embedding is split by vocabulary whatever its hint says; another
-        embedding is planned only from an embedding-kind (or replicate) hint."""
+        """The model's input embedding is split by vocabulary whatever its hint says — unless
+        modules of its own run inside its forward (Inkling-2's normed embedding): they would
+        see the lookup's partial sums over tp, which only the module's output boundary
+        reduces, so it is replicated. Another embedding is planned only from an
+        embedding-kind (or replicate) hint."""
         if module is input_embeddings(self.model):
-            return "vocab_embedding"
+            inner = any(True for child in module.children() for _ in child.parameters())
+            return "replicate" if inner else "vocab_embedding"
         if meaning is not None and meaning.sits_on in (EMBEDDING, ANY):
             return meaning.role
         raise PlanError(_unclassified_message(fqn, module))

@@ -350,3 +350,16 @@ def test_attention_over_a_key_filled_through_views_is_seen_and_its_sinks_stay_wh
     assert result.roles["model.layers.0.self_attn.q_b_proj"] == "colwise_gathered"
     sinks = result.modules["model.layers.0.self_attn"].state_shardings["sinks"]
     assert type(sinks["tp"]).__name__ == "Replicate"
+
+
+def test_an_input_embedding_running_a_module_of_its_own_is_replicated():
+    # Inkling-2's embedding normalizes its lookup inside its own forward: split by vocabulary,
+    # the norm would see the lookup's partial sums (reduced only at the module's output).
+    from hyper_parallel.families.tiny import tiny_config
+
+    result = _planned(tiny_config("inkling2_loop_text"), ParallelDims(tp=TP))
+    assert result.roles["model.embed_tokens"] == "replicate"
+    assert result.roles["lm_head"] == "lm_head"  # an untied head is still split
+    assert _planned(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                num_hidden_layers=1, vocab_size=128),
+                    ParallelDims(tp=TP)).roles["model.embed_tokens"] == "vocab_embedding"
