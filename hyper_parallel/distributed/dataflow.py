@@ -125,6 +125,9 @@ class Dataflow:
     # carrying model values and of inputs carrying it again (CTRL's attention: v, k, q); for
     # a module in outside_sums, of every input shaped like it (Bloom's ``residual``).
     value_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Modules (not leaves) -> the positions of their outputs shaped like the first float one
+    # (DBRX's norm_attn_norm hands on the stream and its norm): each carries the stream.
+    value_outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
@@ -226,6 +229,7 @@ class _Trace:
     output_dims: dict[str, int]  # every other module: its first output's number of dims
     value_inputs: dict[str, tuple[int, ...]]  # every other module: see Dataflow.value_inputs
     stream_inputs: dict[str, tuple[int, ...]]  # every other module: inputs shaped and carrying like the stream
+    value_outputs: dict[str, tuple[int, ...]]  # every other module: see Dataflow.value_outputs
 
 
 def _carries_values(tensor: torch.Tensor) -> bool:
@@ -288,6 +292,7 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     output_dims: dict[str, int] = {}
     value_inputs: dict[str, tuple[int, ...]] = {}
     stream_inputs: dict[str, tuple[int, ...]] = {}
+    value_outputs: dict[str, tuple[int, ...]] = {}
 
     def record(name):
         def hook(module, args, kwargs, output):
@@ -295,6 +300,7 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
             if found is not None and name not in outputs:
                 outputs[name], output_dims[name] = mode.of(found), found.dim()
                 value_inputs[name], stream_inputs[name] = _value_positions(module, args, kwargs, mode)
+                value_outputs[name] = _output_positions(output, found)
         return hook
 
     handles = []
@@ -313,7 +319,16 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     logits = getattr(output, "logits", None)
     logits = logits if isinstance(logits, torch.Tensor) else _first_float(output)
     return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits), outputs, output_dims,
-                  value_inputs, stream_inputs)
+                  value_inputs, stream_inputs, value_outputs)
+
+
+def _output_positions(output, first: torch.Tensor) -> tuple[int, ...]:
+    """Positions of a module's outputs shaped like its first float output (DBRX's
+    norm_attn_norm returns the stream and its norm); a plain tensor output is (0,)."""
+    if not isinstance(output, (tuple, list)):
+        return (0,)
+    return tuple(index for index, item in enumerate(output)
+                 if isinstance(item, torch.Tensor) and item.is_floating_point() and item.shape == first.shape)
 
 
 def _value_positions(module: nn.Module, args: tuple, kwargs: dict,
@@ -420,6 +435,7 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
                     # a block adding the stream to its output itself takes it as an input of its own
                     value_inputs={name: trace.stream_inputs[name] if name in outside_sums else positions
                                   for name, positions in trace.value_inputs.items()},
+                    value_outputs=trace.value_outputs,
                     reads=frozenset((pattern(name), pattern(tag[1])) for name, tags in trace.inputs.items()
                                     for tag in tags if tag[0] == "mod" and tag[1] != name))
     if sequence_split is not None:

@@ -263,21 +263,23 @@ class ShardingPlanner:
         return TracedFacts(attention_inputs=self._attention_inputs(), outside_sums=self._stand_ins("outside_sums"),
                            routers=self._routers(), flat_outputs=self._stand_ins("flat_outputs"),
                            flat_inputs=self._stand_ins("flat_inputs"), after_layers=self._stand_ins("after_layers"),
-                           layer_readers=self._stand_ins("layer_readers"), value_inputs=self._value_inputs(),
+                           layer_readers=self._stand_ins("layer_readers"),
+                           value_inputs=self._positions("value_inputs"), value_outputs=self._positions("value_outputs"),
                            reads=self.dataflow.reads, split_error=self.dataflow.sequence_split_error,
                            whole_after_layers=self.dataflow.whole_after_layers, traced=True)
 
-    def _value_inputs(self) -> dict[str, tuple[int, ...]]:
-        """The model's modules -> the positions of their inputs that carried model values in
-        the traced forward (by stand-in)."""
+    def _positions(self, field: str) -> dict[str, tuple[int, ...]]:
+        """The model's modules -> the positions of their inputs (``value_inputs``) or outputs
+        (``value_outputs``) that carried the stream in the traced forward (by stand-in)."""
         if self.dataflow is None:
             return {}
-        traced = StandIns(self.dataflow.value_inputs)
+        positions = getattr(self.dataflow, field)
+        traced = StandIns(positions)
         found = {}
         for name, _ in self.model.named_modules():
             stand_ins = traced(name) if name else []
             if stand_ins:
-                found[name] = self.dataflow.value_inputs[stand_ins[0]]
+                found[name] = positions[stand_ins[0]]
         return found
 
     def _attention_inputs(self) -> frozenset[str]:

@@ -49,7 +49,7 @@ class _Points:
     split: str  # the first decoder layer: its stream input (position 0) is cut to the piece
     layers: tuple[str, ...]
     gathered: dict[str, tuple[int, ...]] = field(default_factory=dict)  # module -> stream input positions
-    sliced: set[str] = field(default_factory=set)  # modules whose (first) output is cut to the piece
+    sliced: dict[str, tuple[int, ...]] = field(default_factory=dict)  # module -> stream outputs cut to the piece
 
 
 class _Divergence(Exception):
@@ -99,12 +99,12 @@ def _points(model: nn.Module, flow, *, cp: bool, whole_after_layers: bool) -> _P
             streams = flow.value_inputs.get(fqn) or (0,)
             if leaf and block is not None:  # a projection of the layer itself
                 if not cp and fqn in block.consumers:
-                    points.sliced.add(fqn)
+                    points.sliced[fqn] = (0,)
                 elif not cp:
                     points.gathered[fqn] = (0,)
             elif attention or (not cp and not leaf):
                 points.gathered[fqn] = streams
-                points.sliced.add(fqn)
+                points.sliced[fqn] = flow.value_outputs.get(fqn) or (0,)
     head = output_embeddings(model)
     names = {id(module): name for name, module in model.named_modules()}
     head_name = names.get(id(head))
@@ -192,8 +192,8 @@ class _PieceRun:
         for name, positions in self.points.gathered.items():
             handles.append(self.modules[name].register_forward_pre_hook(self._gather(name, positions),
                                                                         with_kwargs=True))
-        for name in self.points.sliced:
-            handles.append(self.modules[name].register_forward_hook(self._slice(name), with_kwargs=True))
+        for name, positions in self.points.sliced.items():
+            handles.append(self.modules[name].register_forward_hook(self._slice(name, positions), with_kwargs=True))
         try:
             _forward(self.model, input_ids)
         except _Divergence:
@@ -269,17 +269,20 @@ class _PieceRun:
         whole.narrow(1, start, width).copy_(piece)
         return whole
 
-    def _slice(self, name: str):
+    def _slice(self, name: str, positions: tuple[int, ...]):
+        def cut(value, where: str):
+            if not isinstance(value, torch.Tensor):
+                return value
+            start, width = self._bounds(value, where)
+            return value.narrow(1, start, width)
+
         def hook(module, args, kwargs, output):
-            first = output[0] if isinstance(output, (tuple, list)) else output
-            if not isinstance(first, torch.Tensor):
-                return None
-            start, width = self._bounds(first, f"{name}'s output")
             self.last = f"{name}'s output"
-            piece = first.narrow(1, start, width)
-            if isinstance(output, (tuple, list)):
-                return type(output)([piece, *output[1:]]) if isinstance(output, list) else (piece, *output[1:])
-            return piece
+            if not isinstance(output, (tuple, list)):
+                return cut(output, f"{name}'s output")
+            items = [cut(item, f"{name}'s output {index}") if index in positions else item
+                     for index, item in enumerate(output)]
+            return items if isinstance(output, list) else tuple(items)
         return hook
 
     def _raised(self, exc: Exception) -> str:

@@ -76,6 +76,9 @@ class TracedFacts:
       project_out after the final norm): they compute on the split sequence;
     - ``value_inputs``: module -> positions of its inputs carrying the stream; a block
       converts each (CTRL's attention takes it as v, k and q), by default its first input;
+    - ``value_outputs``: module -> positions of its outputs carrying the stream; a block
+      hands on each split (DBRX's norm_attn_norm returns the stream and its norm), whole
+      before the split when there are several (no partial sum reaches two outputs);
     - ``reads``: (reader, source) name patterns (indices ``*``) of leaves whose input
       carries another leaf's output; a block whose module reads a partial sum of its own
       (AXK1's MoE ends in a norm of the experts' output) reduces it before handing it on;
@@ -94,6 +97,7 @@ class TracedFacts:
     flat_inputs: frozenset[str] = frozenset()
     after_layers: frozenset[str] = frozenset()
     value_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    value_outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     reads: frozenset[tuple[str, str]] = frozenset()
     layer_readers: frozenset[str] = frozenset()
     split_error: str = ""
@@ -197,18 +201,20 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                     "flattened ([tokens, hidden], no sequence dim), and sequence parallel splits each block's "
                     "output along the sequence dim; it cannot do such a block yet: set sequence_parallel: false")
             streams = traced.value_inputs.get(fqn) or (0,)
-            adds_stream = fqn in traced.outside_sums  # Bloom's blocks add the residual themselves
+            outputs = traced.value_outputs.get(fqn) or (0,)
+            # Bloom's blocks add the residual themselves; DBRX's hands on two streams
+            adds_stream = fqn in traced.outside_sums or len(outputs) > 1
             if _is_flat_member(fqn, child, roles):
                 _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
                              flat=fqn in traced.flat_inputs)
             elif _is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads,
-                                 adds_stream=adds_stream)
+                                 adds_stream=adds_stream, outputs=outputs)
             elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
                 _residual_module(modules[fqn], residual)  # a norm of the layer; not a block with own vectors
             else:
                 _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=traced.routers, streams=streams,
-                           reads=traced.reads, adds_stream=adds_stream)
+                           reads=traced.reads, adds_stream=adds_stream, outputs=outputs)
     if traced.split_error:
         key, fix = ("cp_size", "cp_size: 1") if cp else ("sequence_parallel", "sequence_parallel: false")
         raise PlanError(f"accelerator.{key}: a dry run of the split on a tiny copy of {type(model).__name__} failed: "
@@ -292,15 +298,18 @@ def _flat_member(fqn: str, modules, roles, residual: dict, *, cp: bool, sp: bool
 
 
 def _per_input(streams: tuple[int, ...], placement: dict) -> tuple:
-    """One placement per stream input of a block (its positions in ``streams``), None between."""
+    """One placement per stream input (or output) of a block (its positions in ``streams``),
+    None between."""
     return tuple(dict(placement) if index in streams else None for index in range(max(streams) + 1))
 
 
 def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams: tuple[int, ...] = (0,),
-                     reads: frozenset[tuple[str, str]] = frozenset(), adds_stream: bool = False) -> None:
+                     reads: frozenset[tuple[str, str]] = frozenset(), adds_stream: bool = False,
+                     outputs: tuple[int, ...] = (0,)) -> None:
     """``adds_stream``: the block adds the stream (an input of its own, gathered like the
     others) to its output itself, so its partial sums are reduced before that (else the
-    stream would be counted once per tp rank) and it hands on a slice of the whole."""
+    stream would be counted once per tp rank) and it hands on a slice of the whole;
+    ``outputs``: the positions of its outputs carrying the stream."""
     inner_entries = _inner_entries(fqn, block, modules)
     hand_on_partial = _has_partial_sums(inner_entries, roles) and not adds_stream and not _reads_partial_sums(
         fqn, block, inner_entries, roles, reads)
@@ -309,7 +318,8 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams:
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. GPT-OSS's sinks
     modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
                                   in_dst=_per_input(streams, full),
-                                  out_src=(block_out, None), out_dst=(dict(residual), None), local_map=True)
+                                  out_src=_per_input(outputs, block_out), out_dst=_per_input(outputs, residual),
+                                  local_map=True)
     roles[fqn] = "attention_block"
     for inner in inner_entries:
         if roles[inner] in _PARTIAL_OUTPUT_ROLES and hand_on_partial:
@@ -333,7 +343,7 @@ def _reads_partial_sums(fqn: str, block: nn.Module, inner_entries: list[str], ro
 
 def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: frozenset[str] = frozenset(),
                streams: tuple[int, ...] = (0,), reads: frozenset[tuple[str, str]] = frozenset(),
-               adds_stream: bool = False) -> None:
+               adds_stream: bool = False, outputs: tuple[int, ...] = (0,)) -> None:
     inner_entries = _inner_entries(fqn, block, modules)
     moe = any(roles.get(inner) == "packed_experts" or inner in routers for inner in inner_entries)
     token_dim = 0 if moe else 1  # MoE blocks flatten [batch, seq, hidden] to [tokens, hidden]
@@ -347,7 +357,8 @@ def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: froze
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. AFMoE's expert_bias
     modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
                                   in_dst=_per_input(streams, {**tokens, TP: Replicate()}),
-                                  out_src=({**tokens, TP: block_out},), out_dst=(dict(residual),),
+                                  out_src=_per_input(outputs, {**tokens, TP: block_out}),
+                                  out_dst=_per_input(outputs, residual),
                                   local_map=True)
     roles[fqn] = "moe_block" if moe else "mlp_block"
     for inner in inner_entries:

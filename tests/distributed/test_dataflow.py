@@ -363,3 +363,17 @@ def test_an_input_embedding_running_a_module_of_its_own_is_replicated():
     assert _planned(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                 num_hidden_layers=1, vocab_size=128),
                     ParallelDims(tp=TP)).roles["model.embed_tokens"] == "vocab_embedding"
+
+
+@pytest.mark.parametrize("dims, options", [(ParallelDims(cp=2), {}), (ParallelDims(tp=TP), {"sequence_parallel": True})])
+def test_a_block_handing_on_two_streams_splits_both_whole(dims, options):
+    # DBRX's norm_attn_norm returns (residual + attention, its norm): both are the stream, so
+    # both are handed on split along the sequence, each whole before the split (a partial
+    # sum reaching two outputs would be reduced for one only).
+    from hyper_parallel.families.tiny import tiny_config
+
+    result = _planned(tiny_config("dbrx"), dims, **options)
+    block = result.modules["transformer.blocks.0.norm_attn_norm"]
+    assert len(block.out_dst) == 2 and all(type(out["tp"]).__name__ == "Replicate" for out in block.out_src)
+    split = "cp" if dims.cp > 1 else "tp"
+    assert all(type(out[split]).__name__ == "Shard" for out in block.out_dst), block.out_dst
