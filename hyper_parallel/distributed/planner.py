@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, StandIns, roles_for
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
@@ -60,6 +61,7 @@ from hyper_parallel.distributed.roles import (
     SPLIT,
     StyleMeaning,
     is_packed_experts,
+    parameter_placement,
     style_meaning,
 )
 from hyper_parallel.distributed.sequence_layout import TracedFacts, apply_sequence_layout
@@ -151,9 +153,11 @@ class ShardingPlanner:
                     role = self.flow_fallback[fqn]
                     roles[fqn], modules[fqn] = role, ROLE_BUILDERS[role](module, {})
                     continue
-                if not isinstance(err, StyleRefusal) and self._splits_no_module():
+                if self._splits_no_module() or isinstance(err, StyleRefusal) and self.dims.tp == 1:
+                    # nothing is split per module (or nothing over tp, which the refused style is
+                    # about): whole weights are exact, the module needs no tensor-parallel role
                     roles[fqn], modules[fqn] = "replicate", ROLE_BUILDERS["replicate"](module, {})
-                    continue  # nothing is split per module: a module needs no tensor-parallel role
+                    continue
                 if not isinstance(err, StyleRefusal):
                     if self.dataflow_error:
                         raise PlanError(f"{err} (the planner went by names and hints only: {self.dataflow_error})")
@@ -302,6 +306,8 @@ class ShardingPlanner:
         meaning = self._hint_meaning(fqn, module) if use_hint else None
         if meaning is not None and meaning.role == "local_params":
             return "local_params"
+        if meaning is not None and meaning.role == "local_params_summed":
+            return self._summed_role(fqn, module)
         if isinstance(module, nn.Embedding):
             return self._embedding_role(fqn, module, meaning)
         if isinstance(module, nn.Linear):
@@ -320,6 +326,17 @@ class ShardingPlanner:
         if not any(p.requires_grad for p in module.parameters(recurse=False)):
             return "replicate"  # frozen statistics (ERNIE's moe_statics): no gradient to place or reduce
         raise PlanError(_unclassified_message(fqn, module))
+
+    def _summed_role(self, fqn: str, module: nn.Module) -> str:
+        """``all_reduce`` on a module computing from parameters of its own: a partial sum
+        only where a parameter's own entry splits it (``roles.local_params_summed``)."""
+        hints = self._param_hints(fqn, module)
+        if any(not isinstance(parameter_placement(style, name, module.get_parameter(name).dim()), Replicate)
+               for name, style in hints.items()):
+            return "local_params_summed"
+        raise StyleRefusal(fqn, module, self._module_hint(fqn),
+                           "which all-reduces a partial-sum output of the module's own computation, but no entry "
+                           "splits a parameter of it, so its output is whole, not a partial sum")
 
     def _hint_meaning(self, fqn: str, module: nn.Module) -> StyleMeaning | None:
         """What the module's TP-plan style means; None without one. A style this planner

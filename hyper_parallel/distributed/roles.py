@@ -17,6 +17,7 @@ arrive (``in_src``), how the module needs them (``in_dst``) and what it hands on
 | fused_gate_up       | weight packed_shard(0,2)           | replicate           | this rank's gate, up     |
 | projection_norm     | replicate                          | shard(-1) -> rep.   | replicate -> shard(-1)   |
 | local_params        | each as its own TP-plan entry says | unchanged           | unchanged                |
+| local_params_summed | each as its own TP-plan entry says | replicate           | partial -> replicate     |
 | replicate           | replicate                          | unchanged           | unchanged                |
 
 Every role but ``vocab_embedding`` (whose out-of-shard ids DTensor masks) runs as
@@ -219,6 +220,18 @@ def local_params(module: nn.Module, hints: dict) -> ShardingConfig:
     return ShardingConfig(state_shardings=states, local_map=True)
 
 
+def local_params_summed(module: nn.Module, hints: dict) -> ShardingConfig:
+    """HF's ``all_reduce`` on a module with parameters of its own (Inkling's shared experts:
+    3-d gate/up/down tensors written colwise, colwise, rowwise): each parameter laid out as
+    its own entry says, the module computes on local tensors, and its output, a partial sum
+    over tp, is all-reduced on the way out (the planner refuses the style where no entry
+    splits a parameter: the output would be whole, not a partial sum)."""
+    config = local_params(module, hints)
+    config.in_src = config.in_dst = (_on_tp(Replicate()),)
+    config.out_src, config.out_dst = (_on_tp(Partial()),), (_on_tp(Replicate()),)
+    return config
+
+
 def replicate(module: nn.Module, hints: dict) -> ShardingConfig:
     return ShardingConfig(state_shardings={name: _on_tp(Replicate()) for name in _params(module)}, local_map=True)
 
@@ -236,6 +249,7 @@ ROLE_BUILDERS: dict[str, Callable[[nn.Module, dict], ShardingConfig]] = {
     "fused_gate_up": fused_gate_up,
     "projection_norm": projection_norm,
     "local_params": local_params,
+    "local_params_summed": local_params_summed,
     "replicate": replicate,
 }
 
@@ -317,9 +331,10 @@ TP_STYLES: dict[str, StyleMeaning] = {
         role="head_norm", param_layout=REPLICATED),
     "mla_kv_a_proj": StyleMeaning(LINEAR, "replicated; the rope slice's gradient all-reduced", FULL, FULL,
                                   refused=_MLA_REFUSAL),
-    # A container whose children hand on partial sums; the roles here reduce their own.
+    # A container whose children hand on partial sums (the roles here reduce their own), or a
+    # module computing a partial sum from its own parameters, split as their entries say.
     "all_reduce": StyleMeaning(ANY, "untouched; the partial output all-reduced", AS_IS, FULL,
-                               refused="which all-reduces a partial-sum output of the module's own computation"),
+                               role="local_params_summed"),
     "moe_tp_experts": StyleMeaning(EXPERTS, "each expert's intermediate dim split (by the parameters' entries)",
                                    FULL, FULL, role="packed_experts"),
     "moe_identity_expert": StyleMeaning(ANY, "none; the input divided by tp", FULL, FULL,
@@ -349,7 +364,7 @@ LEGACY_TP_STYLES: dict[str, StyleMeaning] = {
     "local": StyleMeaning(EXPERTS, "the module's parameters used as local tensors (experts)", FULL, FULL,
                           role="packed_experts"),
     "gather": StyleMeaning(ANY, "untouched; the partial output all-reduced", AS_IS, FULL,
-                           refused="which all-reduces a partial-sum output of the module's own computation"),
+                           role="local_params_summed"),
     "ep_router": StyleMeaning(LINEAR, "replicated; expert ids outside this ep rank masked", FULL, FULL,
                               role="replicate", param_layout=REPLICATED),
 }

@@ -55,7 +55,7 @@ from hyper_parallel.protocols.sharding import ShardingConfig
 CP, TP = "cp", "tp"
 _ATTENTION_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "q_norm", "k_norm"})
 _ATTENTION_ROLES = frozenset({"head_norm", "projection_norm", "fused_qkv"})
-_PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_experts"})
+_PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_experts", "local_params_summed"})
 
 
 @dataclass(frozen=True)

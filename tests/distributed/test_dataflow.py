@@ -377,3 +377,32 @@ def test_a_block_handing_on_two_streams_splits_both_whole(dims, options):
     assert len(block.out_dst) == 2 and all(type(out["tp"]).__name__ == "Replicate" for out in block.out_src)
     split = "cp" if dims.cp > 1 else "tp"
     assert all(type(out[split]).__name__ == "Shard" for out in block.out_dst), block.out_dst
+
+
+def test_all_reduce_on_a_module_of_its_own_parameters_sums_their_partial_output():
+    # Inkling's shared experts hold 3-d gate/up/down tensors written colwise/colwise/rowwise
+    # and the module itself all_reduce: each tensor split as written, the output a partial
+    # sum over tp reduced on the way out. At tp 1 (dp, cp) the style needs no role at all.
+    from hyper_parallel.families.tiny import tiny_config
+
+    config = tiny_config("inkling_text")
+    result = _planned(config, ParallelDims(tp=TP))
+    shared = "model.layers.0.mlp.shared_experts"
+    assert result.roles[shared] == "local_params_summed"
+    states = {name: type(named["tp"]).__name__ + str(getattr(named["tp"], "dim", ""))
+              for name, named in result.modules[shared].state_shardings.items()}
+    assert states == {"gate_proj": "Shard1", "up_proj": "Shard1", "down_proj": "Shard2"}, states
+    assert type(result.modules[shared].out_src[0]["tp"]).__name__ == "Partial"
+    assert shared in _planned(config, ParallelDims(dp=2)).roles  # planned, not refused
+
+
+def test_a_refused_style_needs_no_role_where_nothing_is_split_over_tp():
+    # A style no role here means (MLA's kv_a_proj) is about tp; at tp 1 (cp 2) the module
+    # is replicated instead of the layout being refused.
+    from tests.distributed.test_planner_styles import _meta_model, _plan
+
+    model = _meta_model("qwen3")
+    hints = {"model.layers.*.self_attn.k_proj": "mla_kv_a_proj"}
+    with pytest.raises(Exception, match="rope slice"):
+        _plan(model, hints=hints)
+    assert _plan(model, hints=hints, cp=2, tp=1).roles["model.layers.0.self_attn.k_proj"] == "replicate"
