@@ -182,6 +182,7 @@ class _PieceRun:
         self.depth = 0  # decoder layers running
         self.layer_calls, self.all_layer_calls = 0, layer_calls
         self.last = "the split at the first decoder layer"  # the last conversion, for the reports
+        self.blocks_on_piece: list[str] = []  # layer children that ran on the piece since then
 
     def forward(self, input_ids: torch.Tensor) -> None:
         handles = []
@@ -194,6 +195,10 @@ class _PieceRun:
                                                                         with_kwargs=True))
         for name, positions in self.points.sliced.items():
             handles.append(self.modules[name].register_forward_hook(self._slice(name, positions), with_kwargs=True))
+        for name in self.points.layers:
+            for child, module in self.modules[name].named_children():
+                if f"{name}.{child}" not in self.points.gathered and any(True for _ in module.parameters()):
+                    handles.append(module.register_forward_pre_hook(self._on_piece(f"{name}.{child}")))
         try:
             _forward(self.model, input_ids)
         except _Divergence:
@@ -203,6 +208,19 @@ class _PieceRun:
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _on_piece(self, name: str):
+        def hook(module, args):
+            self.blocks_on_piece.append(name)
+        return hook
+
+    def _converted(self, where: str) -> None:
+        self.last, self.blocks_on_piece = where, []
+
+    def _stretch(self) -> str:
+        """What ran on the piece since the last conversion, for the reports."""
+        ran = ", ".join(dict.fromkeys(self.blocks_on_piece))
+        return f"since {self.last} (the model's own code{' and ' + ran if ran else ''})"
 
     def _after_layers(self) -> bool:
         """Every decoder layer call of the unsplit forward has ended (the code after them runs)."""
@@ -226,7 +244,7 @@ class _PieceRun:
                 return None
             start, width = self._bounds(where[key], f"{name}'s first input")
             where[key] = where[key].narrow(1, start, width)
-            self.last = f"the split at {name}'s input"
+            self._converted(f"the split at {name}'s input")
             return tuple(args), kwargs
         return hook
 
@@ -246,7 +264,7 @@ class _PieceRun:
                 if where is None or not isinstance(where[key], torch.Tensor) or position not in unsplit:
                     continue
                 where[key] = self._whole(where[key], unsplit[position], f"{name} (call {call + 1})")
-            self.last = f"{name}'s input"
+            self._converted(f"{name}'s input")
             return tuple(args), kwargs
         return hook
 
@@ -258,13 +276,13 @@ class _PieceRun:
         if piece.shape != want.shape:
             raise _Divergence(f"on piece {self.piece + 1} of {PIECES} of the sequence, {where} received shape "
                               f"{list(piece.shape)} where the unsplit model's slice is {list(want.shape)}; the "
-                              f"code that ran on the piece since {self.last} changed it", self._after_layers())
+                              f"code that ran on the piece {self._stretch()} changed it", self._after_layers())
         gap = (piece.float() - want.float()).abs().max().item() if piece.numel() else 0.0
         if gap > 1e-4 * max(1.0, want.float().abs().max().item()):
             raise _Divergence(f"on piece {self.piece + 1} of {PIECES} of the sequence, the input of {where} "
                               f"differs from the unsplit model's by up to {gap:.3g}: the code that ran on the piece "
-                              f"since {self.last} is not per-token (a token shift, a convolution or a cumulative "
-                              f"sum along the sequence outside the blocks)", self._after_layers())
+                              f"{self._stretch()} is not per-token (a token shift, a convolution or a cumulative "
+                              f"sum along the sequence, or tokens routed by the whole sequence)", self._after_layers())
         whole = unsplit.clone().to(piece.dtype)
         whole.narrow(1, start, width).copy_(piece)
         return whole
@@ -277,7 +295,7 @@ class _PieceRun:
             return value.narrow(1, start, width)
 
         def hook(module, args, kwargs, output):
-            self.last = f"{name}'s output"
+            self._converted(f"{name}'s output")
             if not isinstance(output, (tuple, list)):
                 return cut(output, f"{name}'s output")
             items = [cut(item, f"{name}'s output {index}") if index in positions else item
@@ -292,5 +310,5 @@ class _PieceRun:
         at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
         message = " ".join(str(exc).split())[:200]
         return (f"on piece {self.piece + 1} of {PIECES} of the sequence, the model's code raised "
-                f"{type(exc).__name__}: {message}{at}; the code that ran on the piece since {self.last} needs the "
+                f"{type(exc).__name__}: {message}{at}; the code that ran on the piece {self._stretch()} needs the "
                 f"whole sequence")
