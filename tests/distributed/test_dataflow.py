@@ -280,15 +280,39 @@ class _TokenShiftLayer(LlamaDecoderLayer):
         return super().forward(hidden_states, *args, **kwargs)
 
 
-def _token_shift_llama():
+class _GatedShiftLayer(LlamaDecoderLayer):
+    """A token shift behind a gate that starts at zero: invisible in a forward of fresh
+    weights, token mixing as soon as training moves the gate."""
+
+    def __init__(self, config, index):
+        super().__init__(config, index)
+        self.shift_gate = torch.nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(self, hidden_states, *args, **kwargs):
+        hidden_states = hidden_states + self.shift_gate * torch.nn.functional.pad(hidden_states, (0, 0, 1, -1))
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+def _token_shift_llama(layer_class=None):
+    layer_class = layer_class or _TokenShiftLayer
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=2, vocab_size=128)
     model = _tiny(config)
     for index, layer in enumerate(model.model.layers):
-        shifted = _TokenShiftLayer(config, index)
-        shifted.load_state_dict(layer.state_dict())
+        shifted = layer_class(config, index)
+        shifted.load_state_dict(layer.state_dict(), strict=False)
         model.model.layers[index] = shifted
     return model
+
+
+def test_a_token_shift_behind_a_zero_gate_is_refused_too():
+    # The dry run perturbs the copy's weights: a gate at zero hides the shift from a forward
+    # of fresh weights, not from training.
+    tiny = _token_shift_llama(_GatedShiftLayer)
+    assert torch.count_nonzero(tiny.model.layers[0].shift_gate) == 0
+    flow = _flow(tiny, tp=1, sequence_split="cp")
+    assert "is not per-token" in flow.sequence_split_error, flow.sequence_split_error
+    assert torch.count_nonzero(tiny.model.layers[0].shift_gate) == 0  # the copy's weights are restored
 
 
 @pytest.mark.parametrize("dims, options, key", [(ParallelDims(tp=TP), {"sequence_parallel": True}, "sequence_parallel"),
