@@ -473,13 +473,14 @@ def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axe
             return None
         originals, swapped = saved.pop()
         mod._parameters.update(originals)
-        if not isinstance(output, tuple) or not handed_on or handed_on[0] is None:
+        if not isinstance(output, (tuple, list)) or not handed_on or handed_on[0] is None:
             return None
         split_where_used = {axis for axis, p in zip(axes, _placements(handed_on[0], axes)) if isinstance(p, Shard)}
         if not any(id(item) in swapped for item in output) or not split_where_used:
             return None
-        return tuple(_handed_out(originals[swapped[id(item)]], axes, split_where_used) if id(item) in swapped
-                     else item for item in output)
+        items = [_handed_out(originals[swapped[id(item)]], axes, split_where_used) if id(item) in swapped else item
+                 for item in output]
+        return items if isinstance(output, list) else tuple(items)
 
     module.register_forward_pre_hook(swap_in)
     module.register_forward_hook(swap_out, always_call=True)

@@ -128,6 +128,10 @@ class Dataflow:
     # Modules (not leaves) -> the positions of their outputs shaped like the first float one
     # (DBRX's norm_attn_norm hands on the stream and its norm): each carries the stream.
     value_outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Modules handing out a parameter of their own other than as it is to their caller's own
+    # code (a view of it, inside a nested output, or into another module) -> how: under a
+    # sequence split its gradient cannot be placed (``_HandOuts``).
+    misplaced_hand_outs: dict[str, str] = field(default_factory=dict)
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
@@ -230,6 +234,7 @@ class _Trace:
     value_inputs: dict[str, tuple[int, ...]]  # every other module: see Dataflow.value_inputs
     stream_inputs: dict[str, tuple[int, ...]]  # every other module: inputs shaped and carrying like the stream
     value_outputs: dict[str, tuple[int, ...]]  # every other module: see Dataflow.value_outputs
+    misplaced_hand_outs: dict[str, str]  # see Dataflow.misplaced_hand_outs
 
 
 def _carries_values(tensor: torch.Tensor) -> bool:
@@ -257,8 +262,56 @@ def _first_float(value) -> torch.Tensor | None:
     return next((t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
 
+class _HandOuts:
+    """Parameters a module hands out of its forward (GPT-NeoX-Japanese's attention returns
+    its ``dense_bias``, which the decoder layer adds), and the modules that take another
+    module's parameter as an input. The applier can place only a parameter handed out as
+    it is, at the top of the output, and used by the caller's own code: ``misplaced``
+    says why any other hand-out cannot be placed."""
+
+    def __init__(self, model: nn.Module):
+        self.owners = {id(param): (name, pname) for name, module in model.named_modules()
+                       for pname, param in module.named_parameters(recurse=False)}
+        self.handed: dict[str, str] = {}  # module -> how it hands out which parameter
+        self.taken: dict[str, set[str]] = {}  # module -> modules that took one of its parameters
+
+    def _owner(self, value) -> tuple[str, str] | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        found = self.owners.get(id(value))
+        base = value._base
+        return found if found is not None else self.owners.get(id(base)) if base is not None else None
+
+    def hook(self, name: str):
+        def hook(module, args, kwargs, output):
+            for value in tree_flatten((args, kwargs))[0]:
+                owner = self._owner(value)
+                if owner is not None and owner[0] != name and not name.startswith(owner[0] + "."):
+                    self.taken.setdefault(owner[0], set()).add(name)
+            top = output if isinstance(output, (tuple, list)) else (output,)
+            for value in tree_flatten(output)[0]:
+                owner = self._owner(value)
+                if owner is None or owner[0] != name:
+                    continue
+                as_is = self.owners.get(id(value)) == owner and any(item is value for item in top)
+                how = "as it is" if as_is else "as a view" if self.owners.get(id(value)) is None else "nested"
+                self.handed.setdefault(name, f"{owner[1]} {how}")
+        return hook
+
+    def misplaced(self) -> dict[str, str]:
+        found = {}
+        for name, how in self.handed.items():
+            if not how.endswith("as it is"):
+                found[name] = f"hands out its parameter {how.replace('nested', 'inside a nested output')}"
+            elif self.taken.get(name):
+                takers = ", ".join(sorted(self.taken[name]))
+                found[name] = f"hands out its parameter {how.split()[0]}, which {takers} takes as an input"
+        return found
+
+
 def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     mode = _Tags()
+    hand_outs = _HandOuts(model)
     leaves = _leaves(model)
     mode.owners = {id(param): name for name, module in leaves.items() for param in _own_params(module)}
     inputs: dict[str, frozenset] = {}
@@ -305,6 +358,8 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
 
     handles = []
     for name, module in model.named_modules():
+        if name:
+            handles.append(module.register_forward_hook(hand_outs.hook(name), with_kwargs=True))
         if name and name not in leaves:
             handles.append(module.register_forward_hook(record(name), with_kwargs=True))
     for name, module in leaves.items():
@@ -319,7 +374,7 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     logits = getattr(output, "logits", None)
     logits = logits if isinstance(logits, torch.Tensor) else _first_float(output)
     return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits), outputs, output_dims,
-                  value_inputs, stream_inputs, value_outputs)
+                  value_inputs, stream_inputs, value_outputs, hand_outs.misplaced())
 
 
 def _output_positions(output, first: torch.Tensor) -> tuple[int, ...]:
@@ -435,7 +490,7 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
                     # a block adding the stream to its output itself takes it as an input of its own
                     value_inputs={name: trace.stream_inputs[name] if name in outside_sums else positions
                                   for name, positions in trace.value_inputs.items()},
-                    value_outputs=trace.value_outputs,
+                    value_outputs=trace.value_outputs, misplaced_hand_outs=trace.misplaced_hand_outs,
                     reads=frozenset((pattern(name), pattern(tag[1])) for name, tags in trace.inputs.items()
                                     for tag in tags if tag[0] == "mod" and tag[1] != name))
     if sequence_split is not None:

@@ -268,22 +268,25 @@ class ShardingPlanner:
                            routers=self._routers(), flat_outputs=self._stand_ins("flat_outputs"),
                            flat_inputs=self._stand_ins("flat_inputs"), after_layers=self._stand_ins("after_layers"),
                            layer_readers=self._stand_ins("layer_readers"),
-                           value_inputs=self._positions("value_inputs"), value_outputs=self._positions("value_outputs"),
+                           value_inputs=self._by_stand_in("value_inputs"),
+                           value_outputs=self._by_stand_in("value_outputs"),
                            reads=self.dataflow.reads, split_error=self.dataflow.sequence_split_error,
-                           whole_after_layers=self.dataflow.whole_after_layers, traced=True)
+                           whole_after_layers=self.dataflow.whole_after_layers,
+                           misplaced_hand_outs=self._by_stand_in("misplaced_hand_outs"), traced=True)
 
-    def _positions(self, field: str) -> dict[str, tuple[int, ...]]:
-        """The model's modules -> the positions of their inputs (``value_inputs``) or outputs
-        (``value_outputs``) that carried the stream in the traced forward (by stand-in)."""
+    def _by_stand_in(self, field: str) -> dict:
+        """The model's modules -> what ``Dataflow.<field>`` says of their stand-ins: the
+        positions of their inputs (``value_inputs``) or outputs (``value_outputs``) that
+        carried the stream, how they hand out a parameter (``misplaced_hand_outs``)."""
         if self.dataflow is None:
             return {}
-        positions = getattr(self.dataflow, field)
-        traced = StandIns(positions)
+        facts = getattr(self.dataflow, field)
+        traced = StandIns(facts)
         found = {}
         for name, _ in self.model.named_modules():
             stand_ins = traced(name) if name else []
             if stand_ins:
-                found[name] = positions[stand_ins[0]]
+                found[name] = facts[stand_ins[0]]
         return found
 
     def _attention_inputs(self) -> frozenset[str]:

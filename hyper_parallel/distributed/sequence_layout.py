@@ -84,6 +84,9 @@ class TracedFacts:
       (AXK1's MoE ends in a norm of the experts' output) reduces it before handing it on;
     - ``layer_readers``: leaves off the layers reading the layers' output itself (the final
       norm; the head when there is none);
+    - ``misplaced_hand_outs``: modules handing out a parameter of their own other than as
+      it is to the layer's code (a view, nested, or into another module): under a
+      sequence split its gradient cannot be placed; such a module in a layer is refused;
     - ``split_error`` / ``whole_after_layers``: the sequence split dry run's verdict
       (``sequence_dry_run.py``): why the model's code cannot run on a piece of the
       sequence, or that the code after the layers needs the stream whole (GPT-2 reshapes
@@ -100,6 +103,7 @@ class TracedFacts:
     value_outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     reads: frozenset[tuple[str, str]] = frozenset()
     layer_readers: frozenset[str] = frozenset()
+    misplaced_hand_outs: dict[str, str] = field(default_factory=dict)
     split_error: str = ""
     whole_after_layers: bool = False
     traced: bool = False  # the facts come from a trace (else every set is empty for want of one)
@@ -215,8 +219,13 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             else:
                 _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=traced.routers, streams=streams,
                            reads=traced.reads, adds_stream=adds_stream, outputs=outputs)
+    key, fix = ("cp_size", "cp_size: 1") if cp else ("sequence_parallel", "sequence_parallel: false")
+    for fqn, how in sorted(traced.misplaced_hand_outs.items()):
+        if fqn.startswith(layers_fqn + "."):
+            raise PlanError(f"accelerator.{key}: {fqn} ({type(model.get_submodule(fqn)).__name__}) {how}; split along "
+                            "the sequence, its gradient is placed only for a parameter handed out as it is to the "
+                            f"decoder layer's own code: set {fix}")
     if traced.split_error:
-        key, fix = ("cp_size", "cp_size: 1") if cp else ("sequence_parallel", "sequence_parallel: false")
         raise PlanError(f"accelerator.{key}: a dry run of the split on a tiny copy of {type(model).__name__} failed: "
                         f"{traced.split_error}; sequence and context parallel cannot do such a model yet: set {fix}")
     whole = traced.whole_after_layers

@@ -431,3 +431,26 @@ def test_a_refused_style_needs_no_role_where_nothing_is_split_over_tp():
     with pytest.raises(Exception, match="rope slice"):
         _plan(model, hints=hints)
     assert _plan(model, hints=hints, cp=2, tp=1).roles["model.layers.0.self_attn.k_proj"] == "replicate"
+
+
+def test_a_parameter_handed_out_as_a_view_is_refused_under_a_sequence_split(monkeypatch):
+    # GPT-NeoX-Japanese's attention returns its dense_bias, which the layer adds on its piece
+    # of the sequence: the applier gives that gradient partial sums over the split axes. A
+    # view of it (or one taken into another module) it cannot follow: refused by name.
+    from transformers.models.gpt_neox_japanese import modeling_gpt_neox_japanese as neox_j
+
+    from hyper_parallel.families.tiny import tiny_config
+
+    config = tiny_config("gpt_neox_japanese")
+    planned = _planned(config, ParallelDims(cp=2))
+    assert planned.roles["gpt_neox_japanese.layers.0.attention"] == "attention_block"
+    original = neox_j.GPTNeoXJapaneseAttention.forward
+
+    def forward_handing_out_a_view(self, *args, **kwargs):
+        output, weights, bias = original(self, *args, **kwargs)
+        return output, weights, None if bias is None else bias.view(bias.shape)
+
+    monkeypatch.setattr(neox_j.GPTNeoXJapaneseAttention, "forward", forward_handing_out_a_view)
+    with pytest.raises(Exception, match=r"accelerator.cp_size: gpt_neox_japanese.layers.0.attention "
+                                        r"\(GPTNeoXJapaneseAttention\) hands out its parameter dense_bias as a view"):
+        _planned(config, ParallelDims(cp=2))
