@@ -50,7 +50,7 @@ from hyper_parallel.distributed.model_parts import (
 )
 from hyper_parallel.distributed.sequence_dry_run import check_sequence_split
 
-SPLIT_MODE, GATHERED_MODE = "split", "gathered"
+SPLIT_MODE, GATHERED_MODE, WHOLE_MODE = "split", "gathered", "whole"
 _ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flex_attention"})
 _MATMULS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum"})
 _SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax"})
@@ -75,8 +75,15 @@ class Block:
     layouts: dict[str, int] = field(default_factory=dict)  # member -> packed parts (split mode)
     why: str = ""
 
+    @property
+    def whole(self) -> bool:
+        """Left whole: every member replicated (matrices the roles do not lay out)."""
+        return self.mode == WHOLE_MODE
+
     def roles(self) -> dict[str, str]:
         """The role of every member and norm in this block's mode."""
+        if self.whole:
+            return {name: "replicate" for name in (*self.members, *self.norms)}
         roles = {}
         for name in self.members:
             if name in self.consumers:
@@ -132,6 +139,9 @@ class Dataflow:
     # code (a view of it, inside a nested output, or into another module) -> how: under a
     # sequence split its gradient cannot be placed (``_HandOuts``).
     misplaced_hand_outs: dict[str, str] = field(default_factory=dict)
+    # Leaves whose parameters the model's code used outside their forward (DBRX's experts
+    # slice their GLU's matrices; Gemma 3n's layer reads AltUp's coefficients).
+    read_outside: frozenset[str] = frozenset()
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
@@ -478,12 +488,8 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     flat_outputs = frozenset(name for name, dims in trace.output_dims.items() if dims < stream_dims)
     flat_inputs = frozenset(name for name, value in trace.first_input.items() if value.dim() < stream_dims)
     inside = (lambda name: bool(layers) and name.startswith(layers[0] + "."))
-    after_layers = frozenset(
-        name for name in trace.leaves if name != head_name and not inside(name) and name in trace.inputs
-        and any(tag[0] == "mod" and inside(tag[1]) for tag in resolve(trace.inputs[name])))
-    layer_readers = frozenset(
-        name for name in trace.leaves if not inside(name) and name in trace.inputs
-        and any(tag[0] == "mod" and inside(tag[1]) for tag in resolve(trace.inputs[name], through_norms=False)))
+    layer_readers = _downstream(trace, resolve, inside, frozenset(), transitive=False)
+    after_layers = _downstream(trace, resolve, inside, frozenset({head_name}), transitive=True)
     flow = Dataflow(stream=stream, routers=routers, blocks=blocks, standalone=standalone,
                     attention_inputs=attention_inputs, outside_sums=outside_sums, flat_outputs=flat_outputs,
                     flat_inputs=flat_inputs, after_layers=after_layers, layer_readers=layer_readers,
@@ -491,12 +497,29 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
                     value_inputs={name: trace.stream_inputs[name] if name in outside_sums else positions
                                   for name, positions in trace.value_inputs.items()},
                     value_outputs=trace.value_outputs, misplaced_hand_outs=trace.misplaced_hand_outs,
+                    read_outside=frozenset(trace.mode.read_outside),
                     reads=frozenset((pattern(name), pattern(tag[1])) for name, tags in trace.inputs.items()
                                     for tag in tags if tag[0] == "mod" and tag[1] != name))
     if sequence_split is not None:
         verdict = check_sequence_split(model, input_ids, flow, cp=sequence_split == "cp")
         flow.sequence_split_error, flow.whole_after_layers = verdict.error, verdict.whole_after_layers
     return flow
+
+
+def _downstream(trace: _Trace, resolve: "_Resolver", inside: Callable[[str], bool], skip: frozenset,
+                transitive: bool) -> frozenset[str]:
+    """Leaves off the decoder layers (but ``skip``) reading what the layers wrote: directly,
+    or with ``transitive`` also through other such leaves (HY-V4's final norm reads its
+    hyper-connection head, which reads the layers)."""
+    found: set[str] = set()
+    while True:
+        more = {name for name in trace.leaves
+                if name not in found and name not in skip and not inside(name) and name in trace.inputs
+                and any(tag[0] == "mod" and (inside(tag[1]) or tag[1] in found)
+                        for tag in resolve(trace.inputs[name], through_norms=False))}
+        found |= more
+        if not more or not transitive:
+            return frozenset(found)
 
 
 def _replicable_containers(model: nn.Module, trace: _Trace, blocks: list[Block]) -> frozenset[str]:
@@ -552,8 +575,14 @@ def _blocks(trace: _Trace, resolve: _Resolver, matrices: list[str], stream: froz
 
         consumers = tuple(name for name in members if name in stream and fed_inside(name))
         producers = tuple(name for name in members if not fed_inside(name))
-        if len(members) < 2 or not consumers or not all(isinstance(trace.leaves[m], nn.Linear) for m in members):
-            continue  # the roles lay out nn.Linear weights ([out, in]); other matrices are the planner's
+        if len(members) < 2 or not consumers:
+            continue
+        if not all(isinstance(trace.leaves[m], nn.Linear) for m in members):
+            # the roles lay out nn.Linear weights ([out, in]): a block holding other matrices
+            # (Inkling-2's short convolutions on k and v) is left whole, not split by names
+            blocks.append(Block(members=tuple(members), consumers=consumers, producers=producers, mode=WHOLE_MODE,
+                                why="holds matrices other than nn.Linear, which the roles do not lay out"))
+            continue
         # Vector modules inside: fed by non-consumer members or the block's attention (a
         # norm on a consumer's output, a post-norm, is on the stream).
         inside = {("mod", name) for name in member_set - set(consumers)} | attentions.get(root, set())
@@ -577,6 +606,8 @@ def _plan_blocks(trace: _Trace, blocks: list[Block], tp: int, dry_run) -> None:
     to in the traced forward says nothing)."""
     by_shape: dict[tuple, list[Block]] = {}
     for block in blocks:
+        if block.mode == WHOLE_MODE:
+            continue  # not split at all: nothing to measure
         by_shape.setdefault(tuple(sorted(pattern(name) for name in block.members)), []).append(block)
     for same in by_shape.values():
         seen = [b for b in same if _saw_tokens(trace, b)]

@@ -272,7 +272,8 @@ class ShardingPlanner:
                            value_outputs=self._by_stand_in("value_outputs"),
                            reads=self.dataflow.reads, split_error=self.dataflow.sequence_split_error,
                            whole_after_layers=self.dataflow.whole_after_layers,
-                           misplaced_hand_outs=self._by_stand_in("misplaced_hand_outs"), traced=True)
+                           misplaced_hand_outs=self._by_stand_in("misplaced_hand_outs"),
+                           read_outside=self._stand_ins("read_outside"), traced=True)
 
     def _by_stand_in(self, field: str) -> dict:
         """The model's modules -> what ``Dataflow.<field>`` says of their stand-ins: the

@@ -60,6 +60,14 @@ class _Divergence(Exception):
         self.text, self.after_layers = text, after_layers
 
 
+def whole_over_cp(fqn: str, block: nn.Module, read_outside: frozenset[str]) -> bool:
+    """A block (not attention) that context parallel still gathers: the model's code uses
+    parameters of its modules outside their forward (DBRX's experts slice their GLU's
+    matrices), so they stay plain tensors, whose gradients only whole-sequence work makes
+    whole. The sequence layout and this dry run both ask this."""
+    return any((f"{fqn}.{name}" if name else fqn) in read_outside for name, _ in block.named_modules())
+
+
 def check_sequence_split(model: nn.Module, input_ids: torch.Tensor, flow, *, cp: bool) -> SequenceSplitCheck:
     """Run the dry run (module docstring) for a recipe with context parallel (``cp``: blocks
     other than attention keep their tokens split) or sequence parallel alone."""
@@ -123,12 +131,12 @@ def _points(model: nn.Module, flow, *, cp: bool, whole_after_layers: bool) -> _P
             attention = any((f"{fqn}.{sub}" if sub else fqn) in flow.attention_inputs
                             for sub, _ in child.named_modules())
             streams = flow.value_inputs.get(fqn) or (0,)
-            if leaf and block is not None:  # a projection of the layer itself
+            if leaf and block is not None and not block.whole:  # a projection of the layer itself
                 if not cp and fqn in block.consumers:
                     points.sliced[fqn] = (0,)
                 elif not cp:
                     points.gathered[fqn] = (0,)
-            elif attention or (not cp and not leaf):
+            elif attention or not cp and not leaf or cp and whole_over_cp(fqn, child, flow.read_outside):
                 points.gathered[fqn] = streams
                 points.sliced[fqn] = flow.value_outputs.get(fqn) or (0,)
     head = output_embeddings(model)

@@ -50,6 +50,7 @@ from hyper_parallel.distributed.dataflow import pattern
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.distributed.roles import replicate
+from hyper_parallel.distributed.sequence_dry_run import whole_over_cp
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 CP, TP = "cp", "tp"
@@ -84,6 +85,8 @@ class TracedFacts:
       (AXK1's MoE ends in a norm of the experts' output) reduces it before handing it on;
     - ``layer_readers``: leaves off the layers reading the layers' output itself (the final
       norm; the head when there is none);
+    - ``read_outside``: leaves whose parameters the model's code uses outside their forward;
+      under cp a block holding one is gathered like attention (``whole_over_cp``);
     - ``misplaced_hand_outs``: modules handing out a parameter of their own other than as
       it is to the layer's code (a view, nested, or into another module): under a
       sequence split its gradient cannot be placed; such a module in a layer is refused;
@@ -103,6 +106,7 @@ class TracedFacts:
     value_outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     reads: frozenset[tuple[str, str]] = frozenset()
     layer_readers: frozenset[str] = frozenset()
+    read_outside: frozenset[str] = frozenset()
     misplaced_hand_outs: dict[str, str] = field(default_factory=dict)
     split_error: str = ""
     whole_after_layers: bool = False
@@ -214,6 +218,9 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             elif _is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads,
                                  adds_stream=adds_stream, outputs=outputs)
+            elif cp and whole_over_cp(fqn, child, traced.read_outside):
+                _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads,
+                                 adds_stream=adds_stream, outputs=outputs, role="gathered_block")
             elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
                 _residual_module(modules[fqn], residual)  # a norm of the layer; not a block with own vectors
             else:
@@ -314,7 +321,7 @@ def _per_input(streams: tuple[int, ...], placement: dict) -> tuple:
 
 def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams: tuple[int, ...] = (0,),
                      reads: frozenset[tuple[str, str]] = frozenset(), adds_stream: bool = False,
-                     outputs: tuple[int, ...] = (0,)) -> None:
+                     outputs: tuple[int, ...] = (0,), role: str = "attention_block") -> None:
     """``adds_stream``: the block adds the stream (an input of its own, gathered like the
     others) to its output itself, so its partial sums are reduced before that (else the
     stream would be counted once per tp rank) and it hands on a slice of the whole;
@@ -329,7 +336,7 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams:
                                   in_dst=_per_input(streams, full),
                                   out_src=_per_input(outputs, block_out), out_dst=_per_input(outputs, residual),
                                   local_map=True)
-    roles[fqn] = "attention_block"
+    roles[fqn] = role
     for inner in inner_entries:
         if roles[inner] in _PARTIAL_OUTPUT_ROLES and hand_on_partial:
             modules[inner].out_dst = modules[inner].out_src

@@ -454,3 +454,41 @@ def test_a_parameter_handed_out_as_a_view_is_refused_under_a_sequence_split(monk
     with pytest.raises(Exception, match=r"accelerator.cp_size: gpt_neox_japanese.layers.0.attention "
                                         r"\(GPTNeoXJapaneseAttention\) hands out its parameter dense_bias as a view"):
         _planned(config, ParallelDims(cp=2))
+
+
+def test_modules_after_the_layers_read_the_split_stream_through_other_modules_too():
+    # HY-V4's final norm reads its hyper-connection head, which reads the layers: both run
+    # on the sequence piece, so both sum their weight gradients over the split axis.
+    from hyper_parallel.families.tiny import tiny_config
+
+    config = tiny_config("hy_v4")
+    flow = _flow(_tiny(config))
+    assert flow.layer_readers == {"model.hc_head"} and flow.after_layers == {"model.hc_head", "model.norm"}
+    result = _planned(config, ParallelDims(tp=TP), sequence_parallel=True)
+    for name in ("model.hc_head", "model.norm"):
+        assert type(result.modules[name].in_src[0]["tp"]).__name__ == "Shard", name
+
+
+def test_a_block_holding_other_matrices_is_left_whole_not_split_by_names():
+    # Inkling-2's attention runs short convolutions (Conv1d) on k and v: the roles lay out
+    # nn.Linear weights only, so the dataflow leaves the block whole; names must not split
+    # o_proj.gate_proj alone (colwise by its name, against a replicated attention output).
+    from hyper_parallel.families.tiny import tiny_config
+
+    result = _planned(tiny_config("inkling2_loop_text"), ParallelDims(tp=TP))
+    attention = {name: role for name, role in result.roles.items() if name.startswith("model.layers.0.self_attn.")}
+    assert attention and set(attention.values()) == {"replicate"}, attention
+    assert result.roles["model.layers.0.mlp.experts"] == "packed_experts"  # other blocks still split
+
+
+def test_a_block_whose_parameters_are_read_outside_their_modules_is_gathered_over_cp():
+    # DBRX's experts slice their GLU's matrices in the experts' loop, outside the GLU's
+    # forward: those stay plain tensors, whose gradients only whole-sequence work makes whole,
+    # so context parallel gathers that block like attention (sequence parallel need not).
+    from hyper_parallel.families.tiny import tiny_config
+
+    result = _planned(tiny_config("dbrx"), ParallelDims(cp=2))
+    block = result.modules["transformer.blocks.0.ffn"]
+    assert result.roles["transformer.blocks.0.ffn"] == "gathered_block"
+    assert type(block.in_dst[0]["cp"]).__name__ == "Replicate" and type(block.out_dst[0]["cp"]).__name__ == "Shard"
+    assert result.modules["transformer.blocks.0.ffn.experts.mlp"].in_src is None  # plain: no token split
