@@ -142,6 +142,10 @@ class Dataflow:
     # Leaves whose parameters the model's code used outside their forward (DBRX's experts
     # slice their GLU's matrices; Gemma 3n's layer reads AltUp's coefficients).
     read_outside: frozenset[str] = frozenset()
+    # Leaves off the decoder layers reading what they wrote and also called again elsewhere
+    # (a final norm applied to the embeddings too): one call on the sequence piece, another
+    # on the whole sequence, whose gradients no single placement describes.
+    after_layers_called_again: frozenset[str] = frozenset()
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
@@ -245,6 +249,7 @@ class _Trace:
     stream_inputs: dict[str, tuple[int, ...]]  # every other module: inputs shaped and carrying like the stream
     value_outputs: dict[str, tuple[int, ...]]  # every other module: see Dataflow.value_outputs
     misplaced_hand_outs: dict[str, str]  # see Dataflow.misplaced_hand_outs
+    called_again: frozenset[str]  # leaves called more than once in the forward
 
 
 def _carries_values(tensor: torch.Tensor) -> bool:
@@ -328,10 +333,13 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     first_input: dict[str, torch.Tensor] = {}
     first_output: dict[str, torch.Tensor] = {}
 
+    calls: dict[str, int] = {}
+
     def pre(name):
         def hook(module, args, kwargs):
             floats = [t for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor) and _carries_values(t) and not isinstance(t, nn.Parameter)]
+            calls[name] = calls.get(name, 0) + 1
             mode.running.append(name)
             inputs[name] = inputs.get(name, frozenset()).union(*(mode.of(t) for t in floats))
             if floats:
@@ -384,7 +392,8 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     logits = getattr(output, "logits", None)
     logits = logits if isinstance(logits, torch.Tensor) else _first_float(output)
     return _Trace(model, mode, inputs, first_input, first_output, leaves, mode.of(logits), outputs, output_dims,
-                  value_inputs, stream_inputs, value_outputs, hand_outs.misplaced())
+                  value_inputs, stream_inputs, value_outputs, hand_outs.misplaced(),
+                  frozenset(name for name, count in calls.items() if count > 1))
 
 
 def _output_positions(output, first: torch.Tensor) -> tuple[int, ...]:
@@ -498,6 +507,7 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
                                   for name, positions in trace.value_inputs.items()},
                     value_outputs=trace.value_outputs, misplaced_hand_outs=trace.misplaced_hand_outs,
                     read_outside=frozenset(trace.mode.read_outside),
+                    after_layers_called_again=after_layers & trace.called_again,
                     reads=frozenset((pattern(name), pattern(tag[1])) for name, tags in trace.inputs.items()
                                     for tag in tags if tag[0] == "mod" and tag[1] != name))
     if sequence_split is not None:

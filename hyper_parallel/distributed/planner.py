@@ -273,7 +273,8 @@ class ShardingPlanner:
                            reads=self.dataflow.reads, split_error=self.dataflow.sequence_split_error,
                            whole_after_layers=self.dataflow.whole_after_layers,
                            misplaced_hand_outs=self._by_stand_in("misplaced_hand_outs"),
-                           read_outside=self._stand_ins("read_outside"), traced=True)
+                           read_outside=self._stand_ins("read_outside"),
+                           after_layers_called_again=self._stand_ins("after_layers_called_again"), traced=True)
 
     def _by_stand_in(self, field: str) -> dict:
         """The model's modules -> what ``Dataflow.<field>`` says of their stand-ins: the

@@ -33,6 +33,9 @@ from torch import nn
 from hyper_parallel.distributed.model_parts import decoder_layers, locate_input, output_embeddings, positional_names
 
 PIECES = 2  # a token shift shows at the boundary of two pieces; a full-length reshape on any
+# Attention blocks by the names of their modules or by the roles of their members.
+ATTENTION_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "q_norm", "k_norm"})
+ATTENTION_ROLES = frozenset({"head_norm", "projection_norm", "fused_qkv"})
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,22 @@ class _Points:
     sliced: dict[str, tuple[int, ...]] = field(default_factory=dict)  # module -> stream outputs cut to the piece
 
 
+class _Unusable(Exception):
+    """The unsplit copy does not run, or computes non-finite values, so nothing compares."""
+
+
 class _Divergence(Exception):
     def __init__(self, text: str, after_layers: bool):
         super().__init__(text)
         self.text, self.after_layers = text, after_layers
+
+
+def is_attention(fqn: str, block: nn.Module, roles: dict[str, str], attention_inputs: frozenset[str]) -> bool:
+    """A block holding q/k/v projections or per-head norms (by name, by role, or seen
+    feeding attention in the traced forward). The sequence layout gathers such a block,
+    and this dry run does the same for the blocks of the traced copy."""
+    return any(name.rpartition(".")[2] in ATTENTION_LEAVES or roles.get(f"{fqn}.{name}") in ATTENTION_ROLES
+               or f"{fqn}.{name}" in attention_inputs for name, _ in block.named_modules() if name)
 
 
 def whole_over_cp(fqn: str, block: nn.Module, read_outside: frozenset[str]) -> bool:
@@ -74,27 +89,35 @@ def check_sequence_split(model: nn.Module, input_ids: torch.Tensor, flow, *, cp:
     points = _points(model, flow, cp=cp, whole_after_layers=False)
     if points is None:
         return SequenceSplitCheck()  # no decoder layers: the sequence layout refuses the model itself
-    with _perturbed(model):
-        return _verdict(model, input_ids, flow, points, cp=cp)
+    try:
+        try:
+            with _perturbed(model):
+                return _verdict(model, input_ids, flow, points, cp=cp)
+        except _Unusable:  # the perturbed copy does not run (or computes inf/nan): its own weights
+            return _verdict(model, input_ids, flow, points, cp=cp)
+    except Exception as exc:  # nothing checked is nothing claimed: the split is refused with why
+        return SequenceSplitCheck(error=f"the unsplit tiny copy did not run through the dry run: "
+                                        f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
 
 
 @contextlib.contextmanager
 def _perturbed(model: nn.Module) -> Iterator[None]:
-    """The copy's parameters with a little noise while the dry run runs: a path that starts
-    at zero (a token shift behind a zero-initialized gate) mixes tokens in training as soon
-    as the gate moves, but not in a forward of freshly initialized weights."""
-    saved = [param.detach().clone() for param in model.parameters()]
+    """The copy's parameters and float buffers with a little noise while the dry run runs:
+    a path that starts at zero (a token shift behind a zero-initialized gate, or a mixing
+    buffer a checkpoint sets) mixes tokens once training moves the gate or the checkpoint
+    loads, but not in a forward of freshly initialized weights."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    saved = [tensor.detach().clone() for tensor in tensors]
     generator = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
-            for param in model.parameters():
-                if param.is_floating_point():
-                    param.add_(0.02 * torch.randn(param.shape, generator=generator).to(param.dtype))
+            for tensor in tensors:
+                tensor.add_(0.02 * torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
         yield
     finally:
         with torch.no_grad():
-            for param, value in zip(model.parameters(), saved):
-                param.copy_(value)
+            for tensor, value in zip(tensors, saved):
+                tensor.copy_(value)
 
 
 def _verdict(model: nn.Module, input_ids: torch.Tensor, flow, points: "_Points", *, cp: bool) -> SequenceSplitCheck:
@@ -121,6 +144,7 @@ def _points(model: nn.Module, flow, *, cp: bool, whole_after_layers: bool) -> _P
         return None
     layers_fqn, layers = found
     points = _Points(split=f"{layers_fqn}.0", layers=tuple(f"{layers_fqn}.{i}" for i in range(len(layers))))
+    flow_roles = flow.roles()
     for index, layer in enumerate(layers):
         for name, child in layer.named_children():
             fqn = f"{layers_fqn}.{index}.{name}"
@@ -128,8 +152,7 @@ def _points(model: nn.Module, flow, *, cp: bool, whole_after_layers: bool) -> _P
                 continue
             leaf = not any(any(True for _ in c.parameters()) for c in child.children())
             block = flow.block_of(fqn)
-            attention = any((f"{fqn}.{sub}" if sub else fqn) in flow.attention_inputs
-                            for sub, _ in child.named_modules())
+            attention = is_attention(fqn, child, flow_roles, flow.attention_inputs)
             streams = flow.value_inputs.get(fqn) or (0,)
             if leaf and block is not None and not block.whole:  # a projection of the layer itself
                 if not cp and fqn in block.consumers:
@@ -186,9 +209,14 @@ def _reference_inputs(model: nn.Module, input_ids: torch.Tensor, points: _Points
     handles += [modules[name].register_forward_hook(lambda *_: layer_calls.append(1)) for name in points.layers]
     try:
         _forward(model, input_ids)
+    except Exception as exc:
+        raise _Unusable(f"{type(exc).__name__}: {exc}") from exc
     finally:
         for handle in handles:
             handle.remove()
+    if not all(torch.isfinite(value).all() for entry in seen.values() for value in entry.values()
+               if value.is_floating_point()):
+        raise _Unusable("non-finite values")
     return seen, len(layer_calls)
 
 

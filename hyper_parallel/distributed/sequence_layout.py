@@ -50,12 +50,10 @@ from hyper_parallel.distributed.dataflow import pattern
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.distributed.roles import replicate
-from hyper_parallel.distributed.sequence_dry_run import whole_over_cp
+from hyper_parallel.distributed.sequence_dry_run import is_attention, whole_over_cp
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 CP, TP = "cp", "tp"
-_ATTENTION_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "q_norm", "k_norm"})
-_ATTENTION_ROLES = frozenset({"head_norm", "projection_norm", "fused_qkv"})
 _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_experts", "local_params_summed"})
 
 
@@ -87,6 +85,9 @@ class TracedFacts:
       norm; the head when there is none);
     - ``read_outside``: leaves whose parameters the model's code uses outside their forward;
       under cp a block holding one is gathered like attention (``whole_over_cp``);
+    - ``after_layers_called_again``: modules after the layers also called elsewhere (a final
+      norm applied to the embeddings too): one call on the piece, one on the whole sequence;
+      refused;
     - ``misplaced_hand_outs``: modules handing out a parameter of their own other than as
       it is to the layer's code (a view, nested, or into another module): under a
       sequence split its gradient cannot be placed; such a module in a layer is refused;
@@ -107,6 +108,7 @@ class TracedFacts:
     reads: frozenset[tuple[str, str]] = frozenset()
     layer_readers: frozenset[str] = frozenset()
     read_outside: frozenset[str] = frozenset()
+    after_layers_called_again: frozenset[str] = frozenset()
     misplaced_hand_outs: dict[str, str] = field(default_factory=dict)
     split_error: str = ""
     whole_after_layers: bool = False
@@ -215,7 +217,7 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             if _is_flat_member(fqn, child, roles):
                 _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
                              flat=fqn in traced.flat_inputs)
-            elif _is_attention(fqn, child, roles, attention_inputs):
+            elif is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads,
                                  adds_stream=adds_stream, outputs=outputs)
             elif cp and whole_over_cp(fqn, child, traced.read_outside):
@@ -232,6 +234,10 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             raise PlanError(f"accelerator.{key}: {fqn} ({type(model.get_submodule(fqn)).__name__}) {how}; split along "
                             "the sequence, its gradient is placed only for a parameter handed out as it is to the "
                             f"decoder layer's own code: set {fix}")
+    for fqn in sorted(traced.after_layers_called_again):
+        raise PlanError(f"accelerator.{key}: {fqn} ({type(model.get_submodule(fqn)).__name__}) reads what the "
+                        "decoder layers wrote, on each rank's piece of the sequence, and is called again elsewhere in "
+                        f"the forward (on the whole sequence), so no one placement gives its gradients: set {fix}")
     if traced.split_error:
         raise PlanError(f"accelerator.{key}: a dry run of the split on a tiny copy of {type(model).__name__} failed: "
                         f"{traced.split_error}; sequence and context parallel cannot do such a model yet: set {fix}")
@@ -265,13 +271,6 @@ def _whole_reader(config: ShardingConfig, residual: dict, full: dict) -> None:
 
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
-
-
-def _is_attention(fqn: str, block: nn.Module, roles: dict[str, str], attention_inputs: frozenset[str]) -> bool:
-    """A block holding q/k/v projections or per-head norms (by name, by role, or seen
-    feeding attention in the traced forward)."""
-    return any(name.rpartition(".")[2] in _ATTENTION_LEAVES or roles.get(f"{fqn}.{name}") in _ATTENTION_ROLES
-               or f"{fqn}.{name}" in attention_inputs for name, _ in block.named_modules() if name)
 
 
 def _residual_module(config: ShardingConfig, residual: dict) -> None:

@@ -237,15 +237,17 @@ def shortest_faithful_depth(full_kinds: list[tuple]) -> int:
     return len(full_kinds)
 
 
-def faithful_probe_config(wide: Any, *, remote: bool, where: str) -> tuple[Any, int, list[tuple]]:
+def faithful_probe_config(wide: Any, *, remote: bool, where: str, min_depth: int = 1) -> tuple[Any, int, list[tuple]]:
     """``wide`` (``shrink_widths``' output) cut to the shortest prefix of layers that holds
-    every layer kind of the full depth: (the cut config, its depth, the full depth's kinds).
-    The kinds come from the model built on the meta device (no weights)."""
+    every layer kind of the full depth, and at least ``min_depth`` layers (2 where the
+    sequence is split: the model's code between two layers runs on the pieces too):
+    (the cut config, its depth, the full depth's kinds). The kinds come from the model
+    built on the meta device (no weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         full = AutoModelForCausalLM.from_config(wide, trust_remote_code=remote)
     kinds = layer_kinds(full, wide)
-    depth = shortest_faithful_depth(kinds)
+    depth = min(len(kinds), max(min_depth, shortest_faithful_depth(kinds)))
     return cut_depth(wide, depth, where), depth, kinds

@@ -161,7 +161,8 @@ def build_probe(spec: CodegenSpec, probe_dir: Path) -> Probe:
     config._attn_implementation = spec.attn_implementation
     wide = shrink_widths(config, tp=p.tp, ep=p.ep, seq_len=shape.seq_len, where=where)
     remote = trusts_remote_code(spec)
-    probe_config, depth, kinds = faithful_probe_config(wide, remote=remote, where=where)
+    probe_config, depth, kinds = faithful_probe_config(wide, remote=remote, where=where,
+                                                       min_depth=2 if p.cp > 1 or p.sequence_parallel else 1)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(probe_config, trust_remote_code=remote, dtype=torch.float32)
     if layer_kinds(reference, probe_config) != kinds[:depth]:

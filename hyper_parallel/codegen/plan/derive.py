@@ -162,7 +162,9 @@ def trace_dataflow(spec: CodegenSpec):
         config._attn_implementation = spec.attn_implementation
         where = f"{spec.model_dir / 'config.json'} (dataflow trace)"
         wide = shrink_widths(config, tp=p.tp, ep=p.ep, seq_len=TRACE_TOKENS, where=where)
-        tiny, _, _ = faithful_probe_config(wide, remote=trusts_remote_code(spec), where=where)
+        split = "cp" if p.cp > 1 else "sp" if p.sequence_parallel else None
+        tiny, _, _ = faithful_probe_config(wide, remote=trusts_remote_code(spec), where=where,
+                                           min_depth=2 if split else 1)
         state = torch.random.get_rng_state()
         try:
             torch.manual_seed(0)
@@ -170,7 +172,6 @@ def trace_dataflow(spec: CodegenSpec):
                                                      trust_remote_code=trusts_remote_code(spec), dtype=torch.float32)
             hyper_apply_replacements(model, spec.replacements)
             ids = torch.randint(0, tiny.vocab_size, (1, TRACE_TOKENS))
-            split = "cp" if p.cp > 1 else "sp" if p.sequence_parallel else None
             return analyze(model, ids, tp=p.tp, dry_run=local_widths_dry_run(model, ids, p.tp),
                            sequence_split=split), ""
         finally:
