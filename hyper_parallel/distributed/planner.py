@@ -70,6 +70,9 @@ from hyper_parallel.protocols.sharding import ShardingConfig
 __all__ = ["PlanError", "PlanResult", "ShardingPlanner", "merge_plan_overrides"]
 
 # What a projection hands on to the next op of its block: this rank's features or all of them.
+# Split roles exact only beside a partner (a colwise producer's split output needs a rowwise
+# consumer, and the other way round); gathered and split-input ones are exact on their own.
+_UNPARTNERED_ROLES = frozenset({"colwise", "rowwise", "fused_qkv", "fused_gate_up"})
 _PRODUCER_LAYOUTS = {"colwise": SPLIT, "fused_qkv": SPLIT, "fused_gate_up": SPLIT, "colwise_gathered": FULL}
 # What a rowwise projection expects, by role.
 _CONSUMER_EXPECTS = {"rowwise": SPLIT, "rowwise_split_input": FULL}
@@ -232,8 +235,14 @@ class ShardingPlanner:
                              if norm in modules and self._named_role(norm, modules[norm]) == "replicate"
                              and all(_PRODUCER_LAYOUTS.get(named.get(f)) == SPLIT for f in feeders)}
         stand_ins = StandIns(self.dataflow.roles())
+        standalone = StandIns(self.dataflow.standalone)
         for name, role in by_name.items():
             decided = any(other in flow_decided for other in stand_ins(name))
+            # A module the trace saw joined to no other projection (its output read whole)
+            # whose name alone would split it with no partner (Inkling-2's o_proj.gate_proj,
+            # "colwise" by its name, against a whole attention output): the dataflow decides.
+            decided = decided or bool(standalone(name)) and name in modules and self._named_role(
+                name, modules[name]) in _UNPARTNERED_ROLES
             (self.flow_roles if decided else self.flow_fallback)[name] = role
         if self.dims.tp > 1 and split_inside:
             split = StandIns(split_inside)

@@ -478,6 +478,10 @@ def test_a_block_holding_other_matrices_is_left_whole_not_split_by_names():
     result = _planned(tiny_config("inkling2_loop_text"), ParallelDims(tp=TP))
     attention = {name: role for name, role in result.roles.items() if name.startswith("model.layers.0.self_attn.")}
     assert attention and set(attention.values()) == {"replicate"}, attention
+    # Its looped layers' attention joins no block in the trace (standalone projections):
+    # the names alone would split gate_proj with no partner there too.
+    gates = {name: role for name, role in result.roles.items() if name.endswith("o_proj.gate_proj")}
+    assert len(gates) == 8 and set(gates.values()) == {"replicate"}, gates
     assert result.roles["model.layers.0.mlp.experts"] == "packed_experts"  # other blocks still split
 
 
