@@ -22,6 +22,11 @@ sequence dim (``R`` below) and only the blocks that need more see more:
 | needing the whole sequence | split dry run, ``sequence_dry_run.py``: GPT-2 reshapes to the full length |
 |                            | after its final norm), the modules reading the layers' output gather it   |
 |                            | and the head takes its cp piece of the whole (a slice)                    |
+| block adding the stream    | Bloom's attention and MLP take ``residual`` and add it themselves: that    |
+| itself / handing on two    | input is gathered too, partial sums are reduced before the add and the    |
+|                            | block hands on a slice (DBRX's norm_attn_norm: each stream output)         |
+| block whose parameters the | under cp gathered like attention (DBRX's experts slice their GLU's         |
+| model reads outside it     | matrices: plain tensors need whole-sequence gradients)                    |
 | lm_head                    | input gathered over tp; logits stay split over cp (and over the vocab     |
 |                            | with loss parallel) into the applier's sharded cross entropy — when the   |
 |                            | model's forward computes its loss through ``self.loss_function``, which   |
