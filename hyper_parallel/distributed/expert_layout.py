@@ -8,19 +8,36 @@ this replaces the cp token split the sequence layout wrote); the router stays
 replicated.
 """
 
+from torch import nn
 from torch.distributed.tensor import Shard
 
+from hyper_parallel.distributed.model_parts import positional_names
+from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 EP = "ep"
+DISPATCH_INPUTS = 3  # the dispatch takes (hidden_states, top_k_index, top_k_weights), as HF's experts do
 
 
-def apply_expert_layout(modules: dict[str, ShardingConfig], roles: dict[str, str], *, ep: int) -> None:
+def apply_expert_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
+                        ep: int) -> None:
     if ep <= 1:
         return
     for fqn, role in roles.items():
         if role == "packed_experts":
+            _check_dispatchable(fqn, model.get_submodule(fqn))
             _expert_parallel(modules[fqn])
+
+
+def _check_dispatchable(fqn: str, experts: nn.Module) -> None:
+    """The token dispatch routes each token by the top-k indices and weights the experts
+    module takes; experts whose router was applied before them (Llama 4's take the routed
+    hidden states alone) give it nothing to route by."""
+    names = positional_names(experts)
+    if len(names) < DISPATCH_INPUTS:
+        raise PlanError(f"accelerator.ep_size: {fqn} ({type(experts).__name__}) takes ({', '.join(names)}), not the "
+                        "hidden states with the top-k expert indices and weights, which expert parallel's token "
+                        "dispatch routes by; expert parallel cannot do such experts yet: set ep_size: 1")
 
 
 def _expert_parallel(config: ShardingConfig) -> None:

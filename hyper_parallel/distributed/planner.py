@@ -173,7 +173,7 @@ class ShardingPlanner:
             roles[fqn], modules[fqn] = role, config
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel, traced=self._traced_facts())
-        apply_expert_layout(modules, roles, ep=self.dims.ep)
+        apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
         if self.overrides:

@@ -496,3 +496,14 @@ def test_a_block_whose_parameters_are_read_outside_their_modules_is_gathered_ove
     assert result.roles["transformer.blocks.0.ffn"] == "gathered_block"
     assert type(block.in_dst[0]["cp"]).__name__ == "Replicate" and type(block.out_dst[0]["cp"]).__name__ == "Shard"
     assert result.modules["transformer.blocks.0.ffn.experts.mlp"].in_src is None  # plain: no token split
+
+
+def test_experts_taking_no_routing_are_refused_under_expert_parallel():
+    # Llama 4 applies its router before the experts, which take the routed hidden states
+    # alone: the token dispatch has no top-k indices to route by (a TypeError in training).
+    from hyper_parallel.families.tiny import tiny_config
+
+    with pytest.raises(Exception, match=r"accelerator.ep_size: model.layers.0.feed_forward.experts "
+                                        r"\(Llama4TextExperts\) takes \(hidden_states\)"):
+        _planned(tiny_config("llama4_text"), ParallelDims(dp=2, ep=2))
+    assert _planned(tiny_config("qwen3_moe"), ParallelDims(dp=2, ep=2)).roles
