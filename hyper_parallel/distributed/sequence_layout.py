@@ -338,12 +338,18 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams:
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. GPT-OSS's sinks
     modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
                                   in_dst=_per_input(streams, full),
-                                  out_src=_per_input(outputs, block_out), out_dst=_per_input(outputs, residual),
-                                  local_map=True)
+                                  out_src=_attention_outputs(outputs, block_out),
+                                  out_dst=_attention_outputs(outputs, residual), local_map=True)
     roles[fqn] = role
     for inner in inner_entries:
         if roles[inner] in _PARTIAL_OUTPUT_ROLES and hand_on_partial:
             modules[inner].out_dst = modules[inner].out_src
+
+
+def _attention_outputs(outputs: tuple[int, ...], placement: dict) -> tuple:
+    """The stream outputs' placements; with the stream first only, written ``(p, None)``:
+    the attention's weights (its second output) stay as they are, as plans say it."""
+    return (dict(placement), None) if outputs == (0,) else _per_input(outputs, placement)
 
 
 def _has_partial_sums(inner_entries: list[str], roles: dict[str, str]) -> bool:
