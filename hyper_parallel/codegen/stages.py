@@ -107,6 +107,8 @@ def run_derive(spec: CodegenSpec, log: Log) -> None:
     write_stage_record(StageFiles(spec).plan, {"signature": expected_signature(spec, "derive"), **derived})
     log(f"{len(plan['modules'])} module entries on mesh {dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))}; "
         f"applied axes {plan['applied_axes'] or 'none'}")
+    for note in derived.get("notes", ()):
+        log(f"note: {note}")
     if derived.get("dataflow_error"):
         log(f"note: planned by module names and the TP plan's hints alone, without the dataflow "
             f"({derived['dataflow_error']}); verify checks the result")

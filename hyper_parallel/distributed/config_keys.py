@@ -6,3 +6,22 @@ importing torch. The plan lint, derive's size relations and the verify probe sha
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k")
+
+
+def layer_views(config) -> list:
+    """The config as each decoder layer reads it. transformers' heterogeneous configs
+    (``per_layer_config``) hold sizes such as the heads or kv heads per layer and raise
+    when one of them is read for the whole model; every check of such a size goes over
+    these views. Any other config is its own single view."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config]
+
+
+def layer_overrides(config) -> dict[int, dict] | None:
+    """A heterogeneous config's per-layer values (layer index -> the keys that layer sets),
+    as ``to_dict`` writes them; None for any other config."""
+    if not getattr(config, "is_heterogeneous", False):
+        return None
+    raw = config.to_dict().get("per_layer_config") or {}
+    return {int(index): dict(values) for index, values in raw.items()}

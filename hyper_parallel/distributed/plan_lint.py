@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS
+from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, layer_views
 from hyper_parallel.distributed.placement_text import parse_placement_text
 from hyper_parallel.distributed.placements import placement_to_text
 
@@ -25,6 +25,17 @@ class PlanError(ValueError):
 
 
 def lint_config_divisibility(config, dims) -> None:
+    """Every size tp or ep splits divides by it, in every layer (``layer_views``)."""
+    problems: list[str] = []
+    for view in layer_views(config):
+        for problem in _divisibility_problems(view, dims):
+            if problem not in problems:
+                problems.append(problem)
+    if problems:
+        raise PlanError("parallel sizes do not fit the model:\n  " + "\n  ".join(problems))
+
+
+def _divisibility_problems(config, dims) -> list[str]:
     problems = []
     for key, why in _TP_SPLIT_KEYS:
         value = getattr(config, key, None)
@@ -40,8 +51,7 @@ def lint_config_divisibility(config, dims) -> None:
             key = next(k for k in EXPERT_COUNT_KEYS if getattr(config, k, None) == experts)
             problems.append(f"ep_size={dims.ep} does not divide config {key}={experts} "
                             "(experts are split across ep ranks)")
-    if problems:
-        raise PlanError("parallel sizes do not fit the model:\n  " + "\n  ".join(problems))
+    return problems
 
 
 def expand_plan_keys(model: nn.Module, modules: Mapping) -> dict[str, str]:

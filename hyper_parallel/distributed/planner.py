@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from hyper_parallel.distributed.config_keys import layer_views
 from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, StandIns, roles_for
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
-from hyper_parallel.distributed.model_parts import input_embeddings, output_embeddings
+from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility, lint_plan
 from hyper_parallel.distributed.plan_overrides import merge_plan_overrides, overridden_modules
 from hyper_parallel.distributed.placements import placement_to_text
@@ -96,6 +97,13 @@ class PlanResult:
     recorded_axes: dict[str, str]
     roles: dict[str, str] = field(default_factory=dict)
     dataflow_error: str = ""  # why the planner went without the dataflow (its trace failed)
+    notes: tuple[str, ...] = ()  # decisions a reader of the plan should know (derive prints them)
+
+
+class UnclassifiedModule(PlanError):
+    """A module with parameters that no rule gives a role: not its type, its name, the
+    model's TP plan or the dataflow. Inside a decoder layer its part of the layer is left
+    whole (``_replicate_layer_parts``); elsewhere it is refused."""
 
 
 class StyleRefusal(PlanError):
@@ -142,6 +150,7 @@ class ShardingPlanner:
         modules: dict[str, ShardingConfig] = {}
         roles: dict[str, str] = {}
         refusals: list[StyleRefusal] = []
+        unclassified: dict[str, nn.Module] = {}
         for fqn, module in self.model.named_modules():
             try:
                 if not _has_own_params(module):
@@ -161,6 +170,9 @@ class ShardingPlanner:
                     # about): whole weights are exact, the module needs no tensor-parallel role
                     roles[fqn], modules[fqn] = "replicate", ROLE_BUILDERS["replicate"](module, {})
                     continue
+                if isinstance(err, UnclassifiedModule) and self._layer_part(fqn) is not None:
+                    unclassified[fqn] = module  # its part of the layer is left whole below
+                    continue
                 if not isinstance(err, StyleRefusal):
                     if self.dataflow_error:
                         raise PlanError(f"{err} (the planner went by names and hints only: {self.dataflow_error})")
@@ -171,6 +183,7 @@ class ShardingPlanner:
                     continue
                 role, config = err.fallback_role, ROLE_BUILDERS[err.fallback_role](module, {})
             roles[fqn], modules[fqn] = role, config
+        notes = self._replicate_layer_parts(unclassified, modules, roles, overridden)
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel, traced=self._traced_facts())
         apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
@@ -181,7 +194,41 @@ class ShardingPlanner:
             roles.update({fqn: "override" for fqn in modules if fqn not in roles})
         lint_plan(self.model, modules, self.mesh)
         return PlanResult(modules=modules, applied_axes=self._applied_axes(modules),
-                          recorded_axes=self._recorded_axes(), roles=roles, dataflow_error=self.dataflow_error)
+                          recorded_axes=self._recorded_axes(), roles=roles, dataflow_error=self.dataflow_error,
+                          notes=tuple(notes))
+
+    def _layer_part(self, fqn: str) -> str | None:
+        """The decoder layer's child holding ``fqn`` (``model.layers.3.self_attn`` for
+        ``model.layers.3.self_attn.compressor.indexer``) as a name relative to its layer
+        (``self_attn``); None outside the layers or for the layer itself."""
+        found = decoder_layers(self.model)
+        if found is None or not fqn.startswith(found[0] + "."):
+            return None
+        parts = fqn[len(found[0]) + 1:].split(".")
+        return parts[1] if len(parts) > 1 else None
+
+    def _replicate_layer_parts(self, unclassified: dict[str, nn.Module], modules: dict[str, ShardingConfig],
+                               roles: dict[str, str], overridden: set[str]) -> list[str]:
+        """A module no rule classifies (DeepSeek-V4's indexer: a matrix of its own, no
+        Linear) leaves the part of the layer holding it whole: every module with
+        parameters in that part, in every layer, replicated, as transformers' own tensor
+        parallel leaves what its plan does not name. Whole weights on whole inputs are
+        exact at any tp; replicating the module alone would not be, where the modules
+        around it split what it reads. Returns one note per part for the derive log."""
+        found = decoder_layers(self.model)
+        notes = []
+        for part in sorted({self._layer_part(fqn) for fqn in unclassified}):
+            causes = [fqn for fqn in unclassified if self._layer_part(fqn) == part]
+            inside = re.compile(rf"{re.escape(found[0])}\.\d+\.{re.escape(part)}(\..+)?")
+            for name, module in self.model.named_modules():
+                if inside.fullmatch(name) and _has_own_params(module) and name not in overridden:
+                    roles[name], modules[name] = "replicate", ROLE_BUILDERS["replicate"](module, {})
+            module = unclassified[causes[0]]
+            params = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False))
+            notes.append(f"{found[0]}.*.{part} replicated whole over tp: {_layer_glob(causes[0])} "
+                         f"({type(module).__name__}; parameters {params}) has no tensor-parallel role from its "
+                         "type, its name or the model's TP plan; a plan_overrides entry can place it instead")
+        return notes
 
     def _splits_no_module(self) -> bool:
         """tp 1 and cp 1 (dp, or ep with nothing tensor-parallel): every module keeps its
@@ -339,7 +386,7 @@ class ShardingPlanner:
             return meaning.role
         if not any(p.requires_grad for p in module.parameters(recurse=False)):
             return "replicate"  # frozen statistics (ERNIE's moe_statics): no gradient to place or reduce
-        raise PlanError(_unclassified_message(fqn, module))
+        raise UnclassifiedModule(_unclassified_message(fqn, module))
 
     def _summed_role(self, fqn: str, module: nn.Module) -> str:
         """``all_reduce`` on a module computing from parameters of its own: a partial sum
@@ -390,7 +437,7 @@ class ShardingPlanner:
             return "replicate" if inner else "vocab_embedding"
         if meaning is not None and meaning.sits_on in (EMBEDDING, ANY):
             return meaning.role
-        raise PlanError(_unclassified_message(fqn, module))
+        raise UnclassifiedModule(_unclassified_message(fqn, module))
 
     def _linear_role(self, fqn: str, module: nn.Linear, meaning: StyleMeaning | None) -> str:
         """Output embedding -> lm_head; a rowwise one takes its input as its block hands it on;
@@ -420,7 +467,7 @@ class ShardingPlanner:
             return "fused_gate_up"
         if name in ROUTER_NAMES:
             return "replicate"
-        raise PlanError(_unclassified_message(fqn, module))
+        raise UnclassifiedModule(_unclassified_message(fqn, module))
 
     def _consumer_role(self, fqn: str, intent: str) -> str:
         """rowwise after split features, rowwise_split_input after full ones; the module's own
@@ -522,23 +569,30 @@ class ShardingPlanner:
         except PlanError:
             return "replicate"
 
-    def _head_dim(self) -> int | None:
+    def _layer_views(self) -> list:
         config = getattr(self.model, "config", None)
-        head_dim = getattr(config, "head_dim", None)
-        heads = getattr(config, "num_attention_heads", None)
-        return head_dim or (config.hidden_size // heads if heads else None)
+        return layer_views(config) if config is not None else []
+
+    def _head_dims(self) -> set[int]:
+        """The head widths the layers have (one per layer kind on a per-layer config)."""
+        dims = set()
+        for view in self._layer_views():
+            head_dim, heads = getattr(view, "head_dim", None), getattr(view, "num_attention_heads", None)
+            dims.add(head_dim or (view.hidden_size // heads if heads else None))
+        return dims - {None}
 
     def _qk_norm_role(self, module: nn.Module) -> str:
         """Per-head norms (weight = head_dim) act on head-split tensors; a norm whose
         weight spans the whole projection needs the full projection output."""
         weight = getattr(module, "weight", None)
-        if weight is not None and weight.shape[-1] != self._head_dim():
+        if weight is not None and weight.shape[-1] not in self._head_dims():
             return "projection_norm"
         return "head_norm"
 
     def _fused_qkv_role(self, fqn: str, module: nn.Linear) -> str:
-        config = getattr(self.model, "config", None)
-        heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+        sizes = {(getattr(view, "num_attention_heads", None), getattr(view, "num_key_value_heads", None))
+                 for view in self._layer_views()} or {(None, None)}
+        heads, kv_heads = next((pair for pair in sizes if pair[1] is not None and pair[1] != pair[0]), next(iter(sizes)))
         if module.out_features % 3 or (kv_heads is not None and kv_heads != heads):
             raise PlanError(
                 f"cannot shard fused projection {fqn} ({type(module).__name__}, out_features "
@@ -556,8 +610,8 @@ class ShardingPlanner:
         over tp (None: no such projection found). Split ones are split with the heads
         (``colwise``: rows), as a TP plan writes them (Granite-SWA's ``self_attn.sinks:
         colwise``); in a gathered block every rank keeps every head, so they stay whole."""
-        heads = getattr(getattr(self.model, "config", None), "num_attention_heads", None)
-        vectors = [name for name, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == heads]
+        heads = {getattr(view, "num_attention_heads", None) for view in self._layer_views()} - {None}
+        vectors = [name for name, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] in heads]
         if not heads or not vectors or isinstance(module, (nn.Linear, nn.Embedding)):
             return [], None
         feeding = self._attention_inputs()

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hyper_parallel.distributed.model_parts import positional_names
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.protocols.sharding import ShardingConfig
 
@@ -225,9 +226,12 @@ def local_params_summed(module: nn.Module, hints: dict) -> ShardingConfig:
     3-d gate/up/down tensors written colwise, colwise, rowwise): each parameter laid out as
     its own entry says, the module computes on local tensors, and its output, a partial sum
     over tp, is all-reduced on the way out (the planner refuses the style where no entry
-    splits a parameter: the output would be whole, not a partial sum)."""
+    splits a parameter: the output would be whole, not a partial sum). Every input is
+    declared replicate, not only the first: the split work makes the gradient of each
+    one a partial sum (Inkling's routing weights ``gammas`` scale the split intermediate),
+    which the input's boundary reduces."""
     config = local_params(module, hints)
-    config.in_src = config.in_dst = (_on_tp(Replicate()),)
+    config.in_src = config.in_dst = (_on_tp(Replicate()),) * max(1, len(positional_names(module)))
     config.out_src, config.out_dst = (_on_tp(Partial()),), (_on_tp(Replicate()),)
     return config
 

@@ -6,9 +6,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hyper_parallel.codegen.check.probe import ProbeError, faithful_probe_config, shrink_widths
+from hyper_parallel.codegen.check.probe import (
+    ProbeError,
+    cut_depth,
+    faithful_probe_config,
+    layer_kinds,
+    shrink_widths,
+)
 from hyper_parallel.distributed.dataflow import analyze, pattern
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.model_parts import decoder_layers
+from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.families.tiny import meta_model, tiny_config
 
@@ -30,12 +38,26 @@ def test_widths_equal_to_hidden_follow_it_so_the_probe_has_no_extra_projection()
     assert {pattern(name) for name, _ in meta_model(probe).named_modules()} == model_names
 
 
-def test_a_model_whose_layer_list_is_not_num_hidden_layers_long_is_refused():
-    # Longcat-Flash: num_hidden_layers counts sublayers (2 per layer); cutting it cut the
-    # probe to no layers at all, which verified nothing.
-    with pytest.raises(ProbeError, match=r"num_hidden_layers=2, but the decoder layers do not number that "
-                                         r"\(model.layers holds 1\)"):
-        _probe(tiny_config("longcat_flash"))
+def test_a_config_counting_sublayers_is_cut_by_whole_layers():
+    # Longcat-Flash: num_hidden_layers counts two attention sublayers per decoder layer
+    # (2 * num_layers); cut as if it counted layers, the probe had no layers at all, which
+    # verified nothing (and was refused since). It is cut by whole layers now.
+    config = tiny_config("longcat_flash")
+    probe = _probe(config)
+    layers = decoder_layers(meta_model(probe))[1]
+    assert probe.num_hidden_layers == 2 * len(layers) and len(layers) >= 1
+    assert {pattern(name) for name, _ in meta_model(probe).named_modules()} == {
+        pattern(name) for name, _ in meta_model(config).named_modules()}
+
+
+def test_a_model_whose_layer_list_is_no_fraction_of_num_hidden_layers_is_refused():
+    config = tiny_config("llama")
+    model = meta_model(config)
+    assert len(model.model.layers) == 2
+    config.num_hidden_layers = 3
+    with pytest.raises(ProbeError, match=r"num_hidden_layers=3, but the decoder layers do not number that or a whole "
+                                         r"fraction of it \(model.layers holds 2\)"):
+        layer_kinds(model, config)
 
 
 def test_biogpt_tiny_config_has_no_dropout():
@@ -78,3 +100,31 @@ def test_the_probe_plan_drops_only_entries_of_layers_the_probe_cut_off():
     kept = probe_plan(plan, model)
     assert sorted(kept["modules"]) == ["lm_head", "model.layers.*.mlp.up_proj", "model.layers.0", "model.layers.10x"]
     assert kept["format"] == 1 and len(plan["modules"]) == 5  # the bundle's plan is not changed
+
+
+def _heads_by_layer(config) -> list[tuple[int, int, int]]:
+    return [(layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim) for layer in config.per_layer_config]
+
+
+def test_a_per_layer_config_is_shrunk_layer_by_layer_and_cut_with_its_layers():
+    # dots3's sliding layers have heads of their own (transformers' per_layer_config): the
+    # model-wide value of such a key raises when read, each layer's heads shrink by the
+    # model-wide rule from its own counts, and a cut below a layer drops that layer's values
+    # (transformers refuses per-layer indices past the depth).
+    config = tiny_config("dots3_note_text")
+    assert config.is_heterogeneous and len(set(_heads_by_layer(config))) == 2
+    wide = shrink_widths(config, tp=2, ep=1, seq_len=8, where="test")
+    assert _heads_by_layer(wide) == [(2, 2, 8), (2, 2, 8), (2, 2, 16)], _heads_by_layer(config)
+    assert not wide.allow_global_per_layer_attribute_access  # still read per layer, as the model does
+    assert _heads_by_layer(cut_depth(wide, 2, "test")) == [(2, 2, 8), (2, 2, 8)]
+    probe = _probe(config, tp=2)
+    assert probe.num_hidden_layers == 3  # the sliding layer (own heads) is a kind of its own
+    assert {pattern(name) for name, _ in meta_model(probe).named_modules()} == {
+        pattern(name) for name, _ in meta_model(config).named_modules()}
+
+
+def test_sizes_tp_splits_must_divide_in_every_layer_of_a_per_layer_config():
+    config = tiny_config("dots3_note_text")  # 4 heads, the sliding layer 2
+    lint_config_divisibility(config, ParallelDims(tp=2))
+    with pytest.raises(PlanError, match=r"tp_size=4 does not divide config num_attention_heads=2"):
+        lint_config_divisibility(config, ParallelDims(tp=4))

@@ -37,11 +37,27 @@ UNCLASSIFIED = {"meta_reference": "layers.0.attention.wq", "fused_gqa": "decoder
 
 @pytest.mark.parametrize("name", sorted(UNCLASSIFIED))
 def test_data_parallel_plans_any_model_and_applies_no_axis(name):
-    with pytest.raises(PlanError, match="cannot classify module"):
-        _plan(_meta(name), tp=2)  # at tp 2 the module needs a role
     result = _plan(_meta(name), dp=2)
     assert result.roles[UNCLASSIFIED[name]] == "replicate"
     assert result.applied_axes == []
+
+
+@pytest.mark.parametrize("name", ["meta_reference", "fused_gqa"])
+def test_a_module_no_rule_classifies_leaves_its_part_of_every_layer_whole(name):
+    # Names alone (no dataflow here) give wq / query_key_value no role at tp 2: the layer's
+    # part holding it (attention) is replicated in every layer, which is exact at any tp,
+    # rather than refused; the plan's notes name the part and the module.
+    result = _plan(_meta(name), tp=2)
+    layer_list, index, part = UNCLASSIFIED[name].split(".")[-4:-1] if name == "fused_gqa" else \
+        UNCLASSIFIED[name].split(".")[:3]
+    inside = [fqn for fqn in result.roles if f".{part}." in f".{fqn}." and fqn.split(".")[-1] != part]
+    assert inside and all(result.roles[fqn] == "replicate" for fqn in inside), result.roles
+    assert any(f"*.{part} replicated whole over tp" in note for note in result.notes), result.notes
+
+
+def test_a_module_no_rule_classifies_outside_the_layers_is_refused():
+    with pytest.raises(PlanError, match="cannot classify module backbone.pos_embed"):
+        _plan(_meta("list_moe"), tp=2)
 
 
 def test_expert_parallel_over_a_module_list_is_not_reported_applied():

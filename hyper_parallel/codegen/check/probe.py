@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS
+from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS, layer_overrides
 
 HIDDEN = 64
 INTERMEDIATE = 32
@@ -82,22 +82,14 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
     training-mode steps of the bundle at the recipe's world size with one process, and
     dropout draws different random masks there, so the runs would differ by their masks
     however right the plan is. Verify checks the plan, not dropout."""
+    overrides = layer_overrides(config)
+    if overrides is not None:  # read (and set) the model-wide values; the layers' own follow below
+        config = copy.deepcopy(config)
+        config.allow_global_per_layer_attribute_access = True
     probe = copy.deepcopy(config)
-    values: dict[str, Any] = {}
-    heads = getattr(config, "num_attention_heads", None)
-    if not isinstance(heads, int) or heads < 1:
-        raise ProbeError(f"{where}: num_attention_heads: expected a positive integer to shrink the verify "
-                         f"probe by, got {heads!r}")
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if heads % kv:
-        raise ProbeError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    values: dict[str, Any] = _probe_heads(config, tp, where)
+    heads = getattr(config, "num_attention_heads")
     head_dim = getattr(config, "head_dim", None)
-    # at least 2 kv heads where the model has them: some split K/V by head pairs (DiffLlama)
-    fewest = max(tp, 2)
-    kv_probe = fewest if kv % fewest == 0 and kv > fewest else kv
-    values["num_attention_heads"] = kv_probe * (heads // kv)
-    if getattr(config, "num_key_value_heads", None) is not None:
-        values["num_key_value_heads"] = kv_probe
     if isinstance(head_dim, int) and head_dim > 0:
         values["hidden_size"] = _round_up(HIDDEN, tp)
     else:  # head_dim derives from hidden_size / heads: keep the original head width
@@ -125,6 +117,60 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
         if isinstance(token, int) and token >= values.get("vocab_size", math.inf):
             _set(probe, key, values["vocab_size"] - 1 - TOKEN_ID_KEYS.index(key), where)
     zero_dropout(probe, where)
+    if overrides is not None:
+        layers = config.per_layer_config
+        probe = with_layer_overrides(probe, {index: _shrink_layer(own, layers[index], tp=tp, ep=ep, seq_len=seq_len,
+                                                                  where=f"{where} per_layer_config[{index}]")
+                                             for index, own in overrides.items()}, where)
+    return probe
+
+
+def _probe_heads(config: Any, tp: int, where: str) -> dict[str, int]:
+    """The probe's query and kv heads for a config (or one layer's view of it)."""
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        raise ProbeError(f"{where}: num_attention_heads: expected a positive integer to shrink the verify "
+                         f"probe by, got {heads!r}")
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv:
+        raise ProbeError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    # at least 2 kv heads where the model has them: some split K/V by head pairs (DiffLlama)
+    fewest = max(tp, 2)
+    kv_probe = fewest if kv % fewest == 0 and kv > fewest else kv
+    values = {"num_attention_heads": kv_probe * (heads // kv)}
+    if getattr(config, "num_key_value_heads", None) is not None:
+        values["num_key_value_heads"] = kv_probe
+    return values
+
+
+def _shrink_layer(own: dict[str, Any], layer: Any, *, tp: int, ep: int, seq_len: int, where: str) -> dict[str, Any]:
+    """One layer's own values of a per-layer config, shrunk by the model-wide rules:
+    heads from that layer's heads and kv heads, intermediate sizes, expert counts and
+    windows as for the whole model; other values (head widths, rope settings) kept."""
+    shrunk = dict(own)
+    if {"num_attention_heads", "num_key_value_heads"} & set(own):
+        shrunk.update({key: value for key, value in _probe_heads(layer, tp, where).items() if key in own})
+    if "hidden_size" in own:
+        raise ProbeError(f"{where}: hidden_size differs by layer; the verify probe shrinks one model-wide width")
+    for key in INTERMEDIATE_KEYS:
+        if isinstance(own.get(key), int) and own[key] > 0:
+            shrunk[key] = _round_up(INTERMEDIATE, tp)
+    shrunk.update({key: value for key, value in _expert_counts(layer, ep, where).items() if key in own})
+    window = own.get("sliding_window")
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        shrunk["sliding_window"] = max(2, seq_len // 2)
+    return shrunk
+
+
+def with_layer_overrides(probe: Any, overrides: dict[int, dict[str, Any]], where: str) -> Any:
+    """``probe`` with these per-layer values (transformers' ``per_layer_config``) in place
+    of its own, and per-layer sizes readable only per layer again."""
+    probe.__dict__.pop("allow_global_per_layer_attribute_access", None)
+    try:
+        probe.per_layer_config = None
+        probe.per_layer_config = overrides
+    except (TypeError, ValueError) as exc:
+        raise ProbeError(f"{where}: per_layer_config: cannot shrink it for the verify probe: {exc}") from None
     return probe
 
 
@@ -181,6 +227,7 @@ def _set(config: Any, key: str, value: Any, where: str) -> None:
 
 def cut_depth(config: Any, layers: int, where: str) -> Any:
     """A copy of ``config`` with its first ``layers`` layers; per-layer lists cut alike."""
+    overrides = layer_overrides(config)
     probe = copy.deepcopy(config)
     full = config.num_hidden_layers
     per_layer = {key: value[:layers] for key, value in vars(config).items()
@@ -188,10 +235,14 @@ def cut_depth(config: Any, layers: int, where: str) -> Any:
                  and key not in ("architectures",)}
     # Set the lists and the depth together: strict configs check their lengths agree.
     try:
+        if overrides is not None:  # a per-layer config's layer indices must stay below the depth
+            probe.per_layer_config = None
         probe.__dict__.update(per_layer)
         probe.num_hidden_layers = layers
     except (TypeError, ValueError) as exc:
         raise ProbeError(f"{where}: num_hidden_layers: cannot cut to {layers} for the verify probe: {exc}") from None
+    if overrides is not None:
+        probe = with_layer_overrides(probe, {i: own for i, own in overrides.items() if i < layers}, where)
     return probe
 
 
@@ -214,16 +265,25 @@ def layer_kinds(model: Any, config: Any) -> list[tuple]:
 
 def decoder_layers(model: Any, count: int) -> list[Any]:
     """The model's decoder layers (``model_parts.decoder_layers``), which must number
-    ``count`` (num_hidden_layers): the probe cuts the depth through that key."""
+    ``count`` (num_hidden_layers) or a whole fraction of it (``sublayers_per_layer``):
+    the probe cuts the depth through that key."""
     from hyper_parallel.distributed.model_parts import decoder_layers as find_layers
 
     found = find_layers(model)
-    if found is None or len(found[1]) != count:
+    if found is None or not found[1] or count % len(found[1]):
         got = "no ModuleList of layers" if found is None else f"{found[0]} holds {len(found[1])}"
         raise ProbeError(f"{type(model).__name__}: the verify probe cuts the depth through num_hidden_layers="
-                         f"{count}, but the decoder layers do not number that ({got}); such a model cannot be "
-                         "verified yet")
+                         f"{count}, but the decoder layers do not number that or a whole fraction of it ({got}); "
+                         "such a model cannot be verified yet")
     return list(found[1])
+
+
+def sublayers_per_layer(model: Any, config: Any) -> int:
+    """How many of ``num_hidden_layers`` one decoder layer counts: 1, or k where the config
+    counts k sublayers in each (Longcat-Flash: two attention sublayers per layer,
+    ``num_hidden_layers = 2 * num_layers``). The probe's depth in layers times this is
+    the ``num_hidden_layers`` it is cut to."""
+    return config.num_hidden_layers // len(decoder_layers(model, config.num_hidden_layers))
 
 
 def shortest_faithful_depth(full_kinds: list[tuple]) -> int:
@@ -250,4 +310,4 @@ def faithful_probe_config(wide: Any, *, remote: bool, where: str, min_depth: int
         full = AutoModelForCausalLM.from_config(wide, trust_remote_code=remote)
     kinds = layer_kinds(full, wide)
     depth = min(len(kinds), max(min_depth, shortest_faithful_depth(kinds)))
-    return cut_depth(wide, depth, where), depth, kinds
+    return cut_depth(wide, depth * sublayers_per_layer(full, wide), where), depth, kinds

@@ -15,6 +15,7 @@ forward output). Not meant to be started by hand: ``verify.py`` writes the job.
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -289,7 +290,7 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
 
 def _gather(tensor) -> tuple[Any, float]:
     """The whole tensor, rebuilt on every rank from each rank's local piece (where each
-    piece sits: ``local_piece`` on an index grid; a plain tensor is one piece every rank
+    piece sits: ``local_elements`` on an index grid; a plain tensor is one piece every rank
     holds), and how far the ranks' copies of the same element disagree: replicas that
     differ would train different weights, so averaging them must not hide it. (DTensor's
     ``full_tensor`` cannot undo FSDP2's strided shard over edp on expert weights that are
@@ -298,15 +299,13 @@ def _gather(tensor) -> tuple[Any, float]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial
 
-    from hyper_parallel.distributed.applier import local_piece
-
     index = torch.arange(tensor.numel()).reshape(tensor.shape)
     if isinstance(tensor, DTensor):
         if any(isinstance(p, Partial) for p in tensor.placements):
             return tensor.full_tensor(), 0.0  # a sum still pending: DTensor reduces it
         mesh = tensor.device_mesh
-        for dim, (placement, coord) in enumerate(zip(tensor.placements, mesh.get_coordinate())):
-            index = local_piece(index, placement, mesh.size(dim), coord)
+        index = local_elements(index, tensor.placements, [mesh.size(dim) for dim in range(mesh.ndim)],
+                               mesh.get_coordinate())
         local = tensor.to_local()
     else:
         local = tensor
@@ -324,6 +323,35 @@ def _gather(tensor) -> tuple[Any, float]:
     spread = spread.reshape(1).to(local.dtype)
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     return whole.reshape(tensor.shape), 2 * spread.item()
+
+
+def local_elements(index, placements, sizes: list[int], coords: list[int]):
+    """The elements of ``index`` (the whole tensor's element numbers) one rank holds under
+    ``placements``: ``local_piece`` mesh dim by mesh dim, outermost first, as DTensor lays
+    them out, except for FSDP2's split of what the plan already split. FSDP2 shards the
+    piece a rank holds along the plan's dim and records that as a ``_StridedShard`` whose
+    split factor counts the later mesh dims' pieces, which describes the piece only where
+    the plan's split is a plain shard; after a packed split ([gate | up] kept per rank as
+    a ``_StridedShard`` itself) the rank holds a plain shard of its packed piece, so that
+    mesh dim is applied last, as a plain shard."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from hyper_parallel.distributed.applier import local_piece
+
+    order, last = [], []
+    for dim, placement in enumerate(placements):
+        later = [d for d in range(dim + 1, len(placements))
+                 if isinstance(placements[d], (Shard, _StridedShard)) and placements[d].dim == getattr(placement, "dim", None)]
+        if (isinstance(placement, _StridedShard) and any(isinstance(placements[d], _StridedShard) for d in later)
+                and placement.split_factor == math.prod(sizes[d] for d in later)):
+            last.append(dim)
+        else:
+            order.append(dim)
+    for dim in order + last:
+        placement = Shard(placements[dim].dim) if dim in last else placements[dim]
+        index = local_piece(index, placement, sizes[dim], coords[dim])
+    return index
 
 
 def _sum_then_divide(model) -> None:

@@ -3,10 +3,11 @@
 This is the one stage that imports torch and transformers.
 """
 
+import itertools
 from typing import Any
 
 from hyper_parallel.codegen.spec.types import CodegenSpec
-from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS
+from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS, layer_views
 
 
 class DeriveError(ValueError):
@@ -62,12 +63,12 @@ _SIZE_RELATIONS = ((TOP_K_KEYS, EXPERT_COUNT_KEYS),
 def _check_config_relations(spec: CodegenSpec, config) -> None:
     """Sizes that must not exceed each other (top-k within the experts, kv heads within the
     heads): otherwise the model's own code fails deep inside (torch.topk out of range)."""
-    for smaller_names, larger_names in _SIZE_RELATIONS:
-        smaller = next((n for n in smaller_names if isinstance(getattr(config, n, None), int)), None)
-        larger = next((n for n in larger_names if isinstance(getattr(config, n, None), int)), None)
-        if smaller is None or larger is None or not getattr(config, larger) > 0:
+    for (smaller_names, larger_names), view in itertools.product(_SIZE_RELATIONS, layer_views(config)):
+        smaller = next((n for n in smaller_names if isinstance(getattr(view, n, None), int)), None)
+        larger = next((n for n in larger_names if isinstance(getattr(view, n, None), int)), None)
+        if smaller is None or larger is None or not getattr(view, larger) > 0:
             continue
-        low, high = getattr(config, smaller), getattr(config, larger)
+        low, high = getattr(view, smaller), getattr(view, larger)
         if low > high:
             source = ("model.config_overrides" if {smaller, larger} & set(spec.config_overrides)
                       else f"{spec.model_dir / 'config.json'}")
@@ -198,6 +199,7 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
     return {
         "model_class": type(model).__name__,
         "dataflow_error": result.dataflow_error,
+        "notes": list(result.notes),
         "module_names": [name for name, _ in model.named_modules()],
         "plan": {
             "format": 1,
