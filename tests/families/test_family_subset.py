@@ -43,9 +43,11 @@ ROWS = {
                            "blocks of replicated Conv1D projections hand on a slice, not a partial sum",
     ("bloom", "cp2"): "attention and MLP that take the residual and add it to their output themselves",
     ("gpt_neox_japanese", "cp2"): "an attention returning its own bias parameter, which the layer adds on its piece",
+    ("phimoe", "tp2"): "a router sampling its experts in training (stochastic: refused, no layout equals one process)",
 }
 # (family, layout) -> reason substring of a refusal; every other row must pass.
-REFUSED: dict[tuple[str, str], str] = {("llama4_text", "tp2_sp_lp"): "returns its tokens flattened"}
+REFUSED: dict[tuple[str, str], str] = {("llama4_text", "tp2_sp_lp"): "returns its tokens flattened",
+                                       ("phimoe", "tp2"): "its training is stochastic"}
 LAYOUTS = ("tp2", "cp2")
 TIMEOUT_S = 300
 

@@ -118,6 +118,7 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: 
     mode = verify_mode(world)
     with scratch_dir("verify") as tmp:
         probe = build_probe(spec, Path(tmp) / "probe")
+        _refuse_if_stochastic(spec, probe)
         job = _job(spec, bundle_dir, bundle_key, files, model_class, Path(tmp), diagnose=False)
         log(f"probe: {probe.depth} of {probe.full_depth} layer(s), hidden {probe.config.hidden_size}, "
             f"{probe.seq_len} tokens x {spec.parallel.dp} sequence(s); {world} ranks as {mode}")
@@ -236,6 +237,30 @@ def reference_run(spec: CodegenSpec, probe: Probe, first_grads: dict | None = No
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return record
+
+
+def _refuse_if_stochastic(spec: CodegenSpec, probe: Probe) -> None:
+    """Refuse a model whose training forward draws random numbers with every dropout
+    probability at 0 (PhiMoE's router samples its experts, Gumbel-style). Ranks draw
+    other numbers than one process does, so no layout can equal one process step for
+    step, and verify cannot tell a right plan from a wrong one on it (a lucky draw even
+    passes it). Checked on the reference model: one training-mode forward that moves the
+    random state. (Dropout at probability 0 draws nothing.)"""
+    import torch
+
+    from hyper_parallel.codegen.check.probe import ProbeError
+
+    model = reference_model(spec, probe)
+    state = torch.random.get_rng_state()
+    with torch.no_grad():
+        model(input_ids=probe.tokens[:1])
+    drew = not torch.equal(state, torch.random.get_rng_state())
+    torch.random.set_rng_state(state)
+    if drew:
+        raise ProbeError(f"{spec.model_dir / 'config.json'}: {type(model).__name__}'s training forward draws random "
+                         "numbers with every dropout probability at 0 (sampling, noise), so its training is "
+                         "stochastic: ranks draw other numbers than one process, no parallel layout can equal one "
+                         "process step for step, and verify cannot prove a plan on it")
 
 
 # --- comparing ---------------------------------------------------------------------------------
