@@ -24,20 +24,38 @@ class PlanError(ValueError):
     """A plan (derived or overridden) that cannot be applied as written."""
 
 
-def lint_config_divisibility(config, dims) -> None:
-    """Every size tp or ep splits divides by it, in every layer (``layer_views``)."""
+HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+
+
+def lint_config_divisibility(config, dims, *, whole_attention: bool = False) -> None:
+    """Every size tp or ep splits divides by it, in every layer (``layer_views``); the head
+    counts not where the plan leaves attention whole (``whole_attention``)."""
     problems: list[str] = []
+    skip = HEAD_KEYS if whole_attention else ()
     for view in layer_views(config):
-        for problem in _divisibility_problems(view, dims):
+        for problem in _divisibility_problems(view, dims, skip):
             if problem not in problems:
                 problems.append(problem)
     if problems:
         raise PlanError("parallel sizes do not fit the model:\n  " + "\n  ".join(problems))
 
 
-def _divisibility_problems(config, dims) -> list[str]:
+def heads_not_dividing(config, tp: int) -> list[str]:
+    """``key=value`` for every head count (in any layer) that tp does not divide."""
+    found = []
+    for view in layer_views(config):
+        for key in HEAD_KEYS:
+            value = getattr(view, key, None)
+            if isinstance(value, int) and value % tp and f"{key}={value}" not in found:
+                found.append(f"{key}={value}")
+    return found
+
+
+def _divisibility_problems(config, dims, skip: tuple[str, ...] = ()) -> list[str]:
     problems = []
     for key, why in _TP_SPLIT_KEYS:
+        if key in skip:
+            continue
         value = getattr(config, key, None)
         if isinstance(value, int) and value % dims.tp:
             problems.append(f"tp_size={dims.tp} does not divide config {key}={value} ({why})")

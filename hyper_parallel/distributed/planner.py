@@ -44,7 +44,7 @@ from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, StandIns, 
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
-from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility, lint_plan
+from hyper_parallel.distributed.plan_lint import PlanError, heads_not_dividing, lint_config_divisibility, lint_plan
 from hyper_parallel.distributed.plan_overrides import merge_plan_overrides, overridden_modules
 from hyper_parallel.distributed.placements import placement_to_text
 from hyper_parallel.distributed.roles import (
@@ -143,10 +143,14 @@ class ShardingPlanner:
             raise PlanError(f"offline mesh {dict(zip(self.mesh.axis_names, self.mesh.sizes))} does not match "
                             f"tp_size={self.dims.tp}")
         config = getattr(self.model, "config", None)
-        lint_config_divisibility(config, self.dims)
+        # Heads tp cannot split (multi-query attention's one kv head): attention is left whole
+        # where the dataflow shows which modules it is, and the rest of the layer split.
+        uneven_heads = heads_not_dividing(config, self.dims.tp) if config is not None and self.dims.tp > 1 else []
+        self._prepare_flow()
+        whole_attention = bool(uneven_heads) and bool(self._attention_parts())
+        lint_config_divisibility(config, self.dims, whole_attention=whole_attention)
         active_axes = self.dims.active_axes(sequence_parallel=self.sequence_parallel)
         overridden = overridden_modules(self.overrides, self.model, active_axes=active_axes)
-        self._prepare_flow()
         modules: dict[str, ShardingConfig] = {}
         roles: dict[str, str] = {}
         refusals: list[StyleRefusal] = []
@@ -183,7 +187,13 @@ class ShardingPlanner:
                     continue
                 role, config = err.fallback_role, ROLE_BUILDERS[err.fallback_role](module, {})
             roles[fqn], modules[fqn] = role, config
-        notes = self._replicate_layer_parts(unclassified, modules, roles, overridden)
+        whole_parts = {self._layer_part(fqn): f"{_layer_glob(fqn)} ({type(module).__name__}; parameters "
+                       f"{_params_text(module)}) has no tensor-parallel role from its type, its name or the model's "
+                       "TP plan" for fqn, module in unclassified.items()}
+        if whole_attention:
+            whole_parts.update({part: f"tp_size={self.dims.tp} does not divide {', '.join(uneven_heads)}, so its "
+                                      "heads cannot be split" for part in self._attention_parts()})
+        notes = self._replicate_layer_parts(whole_parts, modules, roles, overridden)
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel, traced=self._traced_facts())
         apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
@@ -207,27 +217,29 @@ class ShardingPlanner:
         parts = fqn[len(found[0]) + 1:].split(".")
         return parts[1] if len(parts) > 1 else None
 
-    def _replicate_layer_parts(self, unclassified: dict[str, nn.Module], modules: dict[str, ShardingConfig],
+    def _attention_parts(self) -> list[str]:
+        """The layer parts (``_layer_part``) holding the projections the dataflow saw feed
+        an attention's q, k or v; empty without a dataflow."""
+        return sorted({part for name in self._attention_inputs() if (part := self._layer_part(name)) is not None})
+
+    def _replicate_layer_parts(self, whole_parts: dict[str, str], modules: dict[str, ShardingConfig],
                                roles: dict[str, str], overridden: set[str]) -> list[str]:
-        """A module no rule classifies (DeepSeek-V4's indexer: a matrix of its own, no
-        Linear) leaves the part of the layer holding it whole: every module with
-        parameters in that part, in every layer, replicated, as transformers' own tensor
-        parallel leaves what its plan does not name. Whole weights on whole inputs are
-        exact at any tp; replicating the module alone would not be, where the modules
-        around it split what it reads. Returns one note per part for the derive log."""
+        """Leave these parts of every decoder layer whole: every module with parameters in
+        them replicated, as transformers' own tensor parallel leaves what its plan does not
+        name. A module no rule classifies (DeepSeek-V4's indexer: a matrix of its own, no
+        Linear) or heads tp cannot split (one kv head) put them here. Whole weights on whole
+        inputs are exact at any tp; replicating one module alone would not be, where the
+        modules around it split what it reads. Returns one note per part (part -> why) for
+        the derive log."""
         found = decoder_layers(self.model)
         notes = []
-        for part in sorted({self._layer_part(fqn) for fqn in unclassified}):
-            causes = [fqn for fqn in unclassified if self._layer_part(fqn) == part]
+        for part, why in sorted(whole_parts.items()):
             inside = re.compile(rf"{re.escape(found[0])}\.\d+\.{re.escape(part)}(\..+)?")
             for name, module in self.model.named_modules():
                 if inside.fullmatch(name) and _has_own_params(module) and name not in overridden:
                     roles[name], modules[name] = "replicate", ROLE_BUILDERS["replicate"](module, {})
-            module = unclassified[causes[0]]
-            params = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False))
-            notes.append(f"{found[0]}.*.{part} replicated whole over tp: {_layer_glob(causes[0])} "
-                         f"({type(module).__name__}; parameters {params}) has no tensor-parallel role from its "
-                         "type, its name or the model's TP plan; a plan_overrides entry can place it instead")
+            notes.append(f"{found[0]}.*.{part} replicated whole over tp: {why}; a plan_overrides entry can place "
+                         "it instead")
         return notes
 
     def _splits_no_module(self) -> bool:
@@ -744,9 +756,13 @@ def _axes_placed(modules: dict[str, ShardingConfig]) -> set[str]:
     return placed
 
 
+def _params_text(module: nn.Module) -> str:
+    return ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False))
+
+
 def _unclassified_message(fqn: str, module: nn.Module) -> str:
     named = list(module.named_parameters(recurse=False))
-    params = ", ".join(f"{n} {list(p.shape)}" for n, p in named)
+    params = _params_text(module)
     example = ", ".join(f"{n}: {{tp: replicate}}" for n, _ in named)
     return (f"cannot classify module {fqn} ({type(module).__name__}; parameters {params}): no tensor-parallel "
             "role from its type, its name or the model's TP plan. A recipe plan_overrides entry can specify "

@@ -20,6 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from hyper_parallel.distributed.dataflow import GATHERED_MODE, SPLIT_MODE, analyze, local_widths_dry_run, pattern
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.distributed.planner import ShardingPlanner
 
 REMOTE = Path(__file__).resolve().parents[1] / "data" / "remote_code"
@@ -517,3 +518,23 @@ def test_experts_taking_no_routing_are_refused_under_expert_parallel():
                                         r"\(Llama4TextExperts\) takes \(hidden_states\)"):
         _planned(tiny_config("llama4_text"), ParallelDims(dp=2, ep=2))
     assert _planned(tiny_config("qwen3_moe"), ParallelDims(dp=2, ep=2)).roles
+
+
+def test_heads_tp_cannot_split_leave_attention_whole_and_split_the_rest():
+    # GPT-BigCode's multi-query attention has one kv head: tp 2 cannot split it, so the
+    # layers' attention is replicated whole (exact at any tp) while the MLP and the
+    # vocabulary stay split; the plan's note says why. Without a dataflow to show which
+    # modules are attention, the head count is refused as before.
+    from hyper_parallel.families.tiny import tiny_config
+
+    config = tiny_config("gpt_bigcode")
+    assert config.num_key_value_heads == 1
+    result = _planned(config, ParallelDims(tp=TP))
+    assert {result.roles[f"transformer.h.0.attn.{name}"] for name in ("c_attn", "c_proj")} == {"replicate"}
+    assert (result.roles["transformer.h.0.mlp.c_fc"], result.roles["transformer.h.0.mlp.c_proj"]) == ("colwise", "rowwise")
+    assert [note.split(":")[0] for note in result.notes] == ["transformer.h.*.attn replicated whole over tp"]
+    assert "num_key_value_heads=1" in result.notes[0]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(PlanError, match="tp_size=2 does not divide config num_key_value_heads=1"):
+        ShardingPlanner(model, dims=ParallelDims(tp=TP), mesh=build_offline_mesh(ParallelDims(tp=TP))).plan()
