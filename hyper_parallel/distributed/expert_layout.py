@@ -25,19 +25,33 @@ def apply_expert_layout(model: nn.Module, modules: dict[str, ShardingConfig], ro
         return
     for fqn, role in roles.items():
         if role == "packed_experts":
-            _check_dispatchable(fqn, model.get_submodule(fqn))
+            _check_dispatchable(fqn, model.get_submodule(fqn), ep)
             _expert_parallel(modules[fqn])
 
 
-def _check_dispatchable(fqn: str, experts: nn.Module) -> None:
+def _check_dispatchable(fqn: str, experts: nn.Module, ep: int) -> None:
     """The token dispatch routes each token by the top-k indices and weights the experts
     module takes; experts whose router was applied before them (Llama 4's take the routed
-    hidden states alone) give it nothing to route by."""
+    hidden states alone) give it nothing to route by. It numbers the experts by the
+    module's ``num_experts``, which every packed weight must hold along dim 0 (the dim ep
+    splits) and ep must divide: Longcat-Flash's experts have no such count, and their
+    gate_up_proj holds rows for zero-compute experts its down_proj lacks."""
     names = positional_names(experts)
+    what = f"accelerator.ep_size: {fqn} ({type(experts).__name__})"
     if len(names) < DISPATCH_INPUTS:
-        raise PlanError(f"accelerator.ep_size: {fqn} ({type(experts).__name__}) takes ({', '.join(names)}), not the "
-                        "hidden states with the top-k expert indices and weights, which expert parallel's token "
-                        "dispatch routes by; expert parallel cannot do such experts yet: set ep_size: 1")
+        raise PlanError(f"{what} takes ({', '.join(names)}), not the hidden states with the top-k expert indices "
+                        "and weights, which expert parallel's token dispatch routes by; expert parallel cannot do "
+                        "such experts yet: set ep_size: 1")
+    count = getattr(experts, "num_experts", None)
+    rows = {name: param.shape[0] for name, param in experts.named_parameters(recurse=False)}
+    if not isinstance(count, int) or isinstance(count, bool) or any(n != count for n in rows.values()):
+        raise PlanError(f"{what}: expert parallel numbers the experts by the module's num_experts, which every "
+                        f"expert weight must hold along dim 0; it has num_experts={count!r} and "
+                        f"{', '.join(f'{name} {n}' for name, n in rows.items())}; expert parallel cannot do such "
+                        "experts yet: set ep_size: 1")
+    if count % ep:
+        raise PlanError(f"{what}: ep_size={ep} does not divide its num_experts={count} (experts are split across "
+                        "ep ranks)")
 
 
 def _expert_parallel(config: ShardingConfig) -> None:

@@ -85,3 +85,15 @@ def test_loss_parallel_is_refused_for_an_inline_loss():
     with pytest.raises(PlanError, match=r"accelerator.loss_parallel: FusedDecoderForCausalLM.forward computes its "
                                         r"loss itself.*set loss_parallel: false"):
         _plan(_meta("fused_decoder"), tp=2, sp=True, loss_parallel=True)
+
+
+def test_expert_parallel_refuses_experts_it_cannot_number():
+    # Longcat-Flash's experts have no num_experts, and their gate_up_proj holds rows for the
+    # zero-compute experts that down_proj lacks: the token dispatch, which numbers experts by
+    # num_experts along dim 0 of every weight, failed on the ranks; refused at derive now.
+    from hyper_parallel.families.tiny import meta_model, tiny_config
+
+    with pytest.raises(PlanError, match=r"accelerator.ep_size: model.layers.0.mlp.experts \(LongcatFlashExperts\): "
+                                        r"expert parallel numbers the experts by the module's num_experts.*"
+                                        r"num_experts=None"):
+        _plan(meta_model(tiny_config("longcat_flash")), dp=2, ep=2)
