@@ -174,7 +174,7 @@ class ShardingPlanner:
                     # about): whole weights are exact, the module needs no tensor-parallel role
                     roles[fqn], modules[fqn] = "replicate", ROLE_BUILDERS["replicate"](module, {})
                     continue
-                if isinstance(err, UnclassifiedModule) and self._layer_part(fqn) is not None:
+                if isinstance(err, UnclassifiedModule) and self._layer_part(fqn, strictly_inside=True):
                     unclassified[fqn] = module  # its part of the layer is left whole below
                     continue
                 if not isinstance(err, StyleRefusal):
@@ -187,9 +187,14 @@ class ShardingPlanner:
                     continue
                 role, config = err.fallback_role, ROLE_BUILDERS[err.fallback_role](module, {})
             roles[fqn], modules[fqn] = role, config
-        whole_parts = {self._layer_part(fqn): f"{_layer_glob(fqn)} ({type(module).__name__}; parameters "
-                       f"{_params_text(module)}) has no tensor-parallel role from its type, its name or the model's "
-                       "TP plan" for fqn, module in unclassified.items()}
+        whole_parts: dict[str, str] = {}
+        for fqn, module in unclassified.items():
+            what = f"{_layer_glob(fqn)} ({type(module).__name__}; parameters {_params_text(module)})"
+            part = self._layer_part(fqn)
+            if what not in whole_parts.get(part, ""):
+                whole_parts[part] = f"{whole_parts[part]}, {what}" if part in whole_parts else what
+        whole_parts = {part: f"{what} has no tensor-parallel role from its type, its name or the model's TP plan"
+                       for part, what in whole_parts.items()}
         if whole_attention:
             whole_parts.update({part: f"tp_size={self.dims.tp} does not divide {', '.join(uneven_heads)}, so its "
                                       "heads cannot be split" for part in self._attention_parts()})
@@ -207,15 +212,19 @@ class ShardingPlanner:
                           recorded_axes=self._recorded_axes(), roles=roles, dataflow_error=self.dataflow_error,
                           notes=tuple(notes))
 
-    def _layer_part(self, fqn: str) -> str | None:
+    def _layer_part(self, fqn: str, *, strictly_inside: bool = False) -> str | None:
         """The decoder layer's child holding ``fqn`` (``model.layers.3.self_attn`` for
         ``model.layers.3.self_attn.compressor.indexer``) as a name relative to its layer
-        (``self_attn``); None outside the layers or for the layer itself."""
+        (``self_attn``); None outside the layers or for the layer itself, and with
+        ``strictly_inside`` also for the child itself (a projection of the layer's own,
+        whose neighbours are split around it: replicating it alone is not exact)."""
         found = decoder_layers(self.model)
         if found is None or not fqn.startswith(found[0] + "."):
             return None
         parts = fqn[len(found[0]) + 1:].split(".")
-        return parts[1] if len(parts) > 1 else None
+        if len(parts) < (3 if strictly_inside else 2):
+            return None
+        return parts[1]
 
     def _attention_parts(self) -> list[str]:
         """The layer parts (``_layer_part``) holding the projections the dataflow saw feed

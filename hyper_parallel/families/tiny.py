@@ -63,6 +63,10 @@ FAMILY_FIXES = {
     "hrm_text": {"num_layers_per_stack": 2, "H_cycles": 1, "L_cycles": 2},
     "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
     "dots1": {"n_shared_experts": 1},  # None (the default) fails in the MoE block
+    # Full-attention layers' own head width (per_layer_config) defaults to 512: 8x the tiny
+    # hidden size, which no real checkpoint has and which scales float noise past the tolerances.
+    "gemma4_text": {"global_head_dim": 32},
+    "gemma4_unified_text": {"global_head_dim": 32},
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
                      "layer_types": ["sliding_attention", "full_attention"] * 2},
 }

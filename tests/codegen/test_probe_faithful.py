@@ -128,3 +128,17 @@ def test_sizes_tp_splits_must_divide_in_every_layer_of_a_per_layer_config():
     lint_config_divisibility(config, ParallelDims(tp=2))
     with pytest.raises(PlanError, match=r"tp_size=4 does not divide config num_attention_heads=2"):
         lint_config_divisibility(config, ParallelDims(tp=4))
+
+
+def test_a_layer_setting_only_its_kv_heads_keeps_a_valid_head_ratio_and_no_dropout():
+    # A layer overriding num_key_value_heads alone: its query heads must shrink from its own
+    # counts too (the model-wide shrink gave 2 query heads against its 3 kv heads), and its
+    # own dropout is zeroed like the model's (verify runs in training mode).
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=12, head_dim=8,
+                         num_hidden_layers=3, intermediate_size=64, vocab_size=128,
+                         per_layer_config={2: {"num_key_value_heads": 3, "attention_dropout": 0.2}})
+    wide = shrink_widths(config, tp=1, ep=1, seq_len=8, where="test")
+    assert [(layer.num_attention_heads, layer.num_key_value_heads, layer.attention_dropout)
+            for layer in wide.per_layer_config] == [(2, 2, 0.0), (2, 2, 0.0), (12, 3, 0.0)]

@@ -149,16 +149,23 @@ def _shrink_layer(own: dict[str, Any], layer: Any, *, tp: int, ep: int, seq_len:
     windows as for the whole model; other values (head widths, rope settings) kept."""
     shrunk = dict(own)
     if {"num_attention_heads", "num_key_value_heads"} & set(own):
-        shrunk.update({key: value for key, value in _probe_heads(layer, tp, where).items() if key in own})
+        # both counts, even where the layer sets one: the model-wide shrink of the other
+        # came from the model-wide counts, not this layer's (a kv override alone would leave
+        # fewer query heads than kv heads)
+        shrunk.update(_probe_heads(layer, tp, where))
     if "hidden_size" in own:
         raise ProbeError(f"{where}: hidden_size differs by layer; the verify probe shrinks one model-wide width")
     for key in INTERMEDIATE_KEYS:
         if isinstance(own.get(key), int) and own[key] > 0:
             shrunk[key] = _round_up(INTERMEDIATE, tp)
-    shrunk.update({key: value for key, value in _expert_counts(layer, ep, where).items() if key in own})
+    experts = next(iter(_expert_counts(layer, ep, where).values()), None)
+    aliases = set(EXPERT_COUNT_KEYS) | {getattr(layer, "attribute_map", {}).get(key) for key in EXPERT_COUNT_KEYS}
+    shrunk.update({key: experts for key in own if experts is not None and key in aliases})
     window = own.get("sliding_window")
     if isinstance(window, int) and not isinstance(window, bool) and window > 0:
         shrunk["sliding_window"] = max(2, seq_len // 2)
+    # dropout per layer too: verify runs in training mode (zero_dropout, model-wide)
+    shrunk.update({key: 0.0 for key, value in own.items() if DROPOUT_KEY.search(key) and isinstance(value, float)})
     return shrunk
 
 

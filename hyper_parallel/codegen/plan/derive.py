@@ -37,7 +37,12 @@ def build_hf_config(spec: CodegenSpec, config_class: type | None = None):
         config = config_class.from_pretrained(str(spec.model_dir))
     else:
         config = AutoConfig.from_pretrained(str(spec.model_dir), trust_remote_code=trusts_remote_code(spec))
+    per_layer = getattr(config, "per_layer_attributes", None) or set()
     for key, value in spec.config_overrides.items():
+        if getattr(config, "attribute_map", {}).get(key, key) in per_layer:
+            raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: {key} differs by layer in "
+                              f"{spec.model_dir / 'config.json'} (per_layer_config), and one model-wide value would "
+                              "not reach the layers that set their own; set it in per_layer_config instead")
         if not hasattr(config, key):
             raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: "
                               f"{type(config).__name__} has no attribute {key!r}")
