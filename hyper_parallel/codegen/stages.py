@@ -107,6 +107,9 @@ def run_derive(spec: CodegenSpec, log: Log) -> None:
     write_stage_record(StageFiles(spec).plan, {"signature": expected_signature(spec, "derive"), **derived})
     log(f"{len(plan['modules'])} module entries on mesh {dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))}; "
         f"applied axes {plan['applied_axes'] or 'none'}")
+    for axis, why in plan.get("recorded_axes", {}).items():
+        if axis not in ("dp", "pp"):  # those the trainer and the runtime apply, always
+            log(f"note: {axis} not applied: {why}")
     for note in derived.get("notes", ()):
         log(f"note: {note}")
     if derived.get("dataflow_error"):

@@ -25,3 +25,19 @@ def layer_overrides(config) -> dict[int, dict] | None:
         return None
     raw = config.to_dict().get("per_layer_config") or {}
     return {int(index): dict(values) for index, values in raw.items()}
+
+
+def expert_count(config) -> tuple[str, int] | None:
+    """(key, value) of the model's expert count: the first of ``EXPERT_COUNT_KEYS`` on the
+    config, else on a config nested in it (DBRX keeps ``moe_num_experts`` in its
+    ``ffn_config``; the key is then written ``ffn_config.moe_num_experts``)."""
+    for key in EXPERT_COUNT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return key, value
+    for name, nested in vars(config).items():
+        if type(nested).__name__.endswith("Config") and nested is not config:
+            found = expert_count(nested)
+            if found is not None:
+                return f"{name}.{found[0]}", found[1]
+    return None

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, layer_views
+from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, expert_count, layer_views
 from hyper_parallel.distributed.placement_text import parse_placement_text
 from hyper_parallel.distributed.placements import placement_to_text
 
@@ -60,14 +60,12 @@ def _divisibility_problems(config, dims, skip: tuple[str, ...] = ()) -> list[str
         if isinstance(value, int) and value % dims.tp:
             problems.append(f"tp_size={dims.tp} does not divide config {key}={value} ({why})")
     if dims.ep > 1:
-        experts = next((getattr(config, k) for k in EXPERT_COUNT_KEYS if isinstance(getattr(config, k, None), int)),
-                       None)
-        if experts is None:
+        found = expert_count(config)
+        if found is None:
             problems.append(f"ep_size={dims.ep} but the model config has no expert count "
                             f"({' / '.join(EXPERT_COUNT_KEYS)})")
-        elif experts % dims.ep:
-            key = next(k for k in EXPERT_COUNT_KEYS if getattr(config, k, None) == experts)
-            problems.append(f"ep_size={dims.ep} does not divide config {key}={experts} "
+        elif found[1] % dims.ep:
+            problems.append(f"ep_size={dims.ep} does not divide config {found[0]}={found[1]} "
                             "(experts are split across ep ranks)")
     return problems
 

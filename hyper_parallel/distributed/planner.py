@@ -89,6 +89,11 @@ _NOT_APPLIED = {
     "dp": "data parallel is applied by the trainer (FSDP2 fully_shard), not by the plan",
 }
 
+_UNPLACED = {
+    "ep": "no experts module of this model is one expert parallel splits (packed experts with a num_experts "
+          "count): the ep ranks keep every expert and split the batch, as data parallel",
+}
+
 
 @dataclass
 class PlanResult:
@@ -208,8 +213,9 @@ class ShardingPlanner:
             modules = merge_plan_overrides(modules, self.overrides, self.model, active_axes=active_axes)
             roles.update({fqn: "override" for fqn in modules if fqn not in roles})
         lint_plan(self.model, modules, self.mesh)
-        return PlanResult(modules=modules, applied_axes=self._applied_axes(modules),
-                          recorded_axes=self._recorded_axes(), roles=roles, dataflow_error=self.dataflow_error,
+        applied = self._applied_axes(modules)
+        return PlanResult(modules=modules, applied_axes=applied,
+                          recorded_axes=self._recorded_axes(applied), roles=roles, dataflow_error=self.dataflow_error,
                           notes=tuple(notes))
 
     def _layer_part(self, fqn: str, *, strictly_inside: bool = False) -> str | None:
@@ -274,8 +280,14 @@ class ShardingPlanner:
                 applied.append(name)
         return applied
 
-    def _recorded_axes(self) -> dict[str, str]:
-        return {name: _NOT_APPLIED[name] for name in sorted(self._requested_axes() - _APPLIED)}
+    def _recorded_axes(self, applied: list[str]) -> dict[str, str]:
+        """Requested axes the plan does not apply, with why: those the runtime owns, and
+        those nothing in this model could be placed on (ep without experts the plan can
+        split: the ep ranks then keep every expert and split the batch, as dp)."""
+        recorded = {name: _NOT_APPLIED[name] for name in sorted(self._requested_axes() - _APPLIED)}
+        for name in sorted((self._requested_axes() & _APPLIED) - set(applied)):
+            recorded[name] = _UNPLACED.get(name, f"{name} was requested, but no plan entry places anything on it")
+        return recorded
 
     # --- dataflow ----------------------------------------------------------------------------
 

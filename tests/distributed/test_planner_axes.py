@@ -48,8 +48,8 @@ def test_a_module_no_rule_classifies_leaves_its_part_of_every_layer_whole(name):
     # part holding it (attention) is replicated in every layer, which is exact at any tp,
     # rather than refused; the plan's notes name the part and the module.
     result = _plan(_meta(name), tp=2)
-    layer_list, index, part = UNCLASSIFIED[name].split(".")[-4:-1] if name == "fused_gqa" else \
-        UNCLASSIFIED[name].split(".")[:3]
+    part = "attention"
+    assert f".{part}." in UNCLASSIFIED[name]
     inside = [fqn for fqn in result.roles if f".{part}." in f".{fqn}." and fqn.split(".")[-1] != part]
     assert inside and all(result.roles[fqn] == "replicate" for fqn in inside), result.roles
     assert any(f"*.{part} replicated whole over tp" in note for note in result.notes), result.notes
@@ -61,9 +61,24 @@ def test_a_module_no_rule_classifies_outside_the_layers_is_refused():
 
 
 def test_expert_parallel_over_a_module_list_is_not_reported_applied():
-    """list_moe's experts are a ModuleList: nothing is placed on ep, so ep is not applied."""
+    """list_moe's experts are a ModuleList: nothing is placed on ep, so ep is not applied,
+    and the plan records why (derive prints it)."""
     result = _plan(_meta("list_moe"), dp=2, ep=2)
     assert "ep" not in result.applied_axes, result.applied_axes
+    assert "the ep ranks keep every expert" in result.recorded_axes["ep"], result.recorded_axes
+
+
+def test_an_expert_count_in_a_nested_config_fits_expert_parallel():
+    # DBRX keeps moe_num_experts in its ffn_config: ep 2 was refused for "no expert count";
+    # its experts are no packed tensors, so ep is recorded as not applied instead.
+    from hyper_parallel.families.tiny import meta_model, tiny_config
+
+    config = tiny_config("dbrx")
+    result = _plan(meta_model(config), dp=2, ep=2)
+    assert "ep" not in result.applied_axes and "ep" in result.recorded_axes
+    config.ffn_config.moe_num_experts = 3
+    with pytest.raises(PlanError, match=r"ep_size=2 does not divide config ffn_config.moe_num_experts=3"):
+        _plan(meta_model(config), dp=2, ep=2)
 
 
 def test_inline_loss_gets_logits_gathered_over_cp():
