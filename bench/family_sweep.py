@@ -392,7 +392,14 @@ def pass_counts(cases: list[Case]) -> list[str]:
 
 
 def status_cell(case: Case | None) -> str:
-    return "" if case is None else {"pass": "pass", "refused": "refused", "fail": "**FAIL**"}[case.status]
+    """The row's status; "pass (ep not applied)" where the layout passed without an axis it
+    asks for (derive recorded it: nothing in the model could be placed on it)."""
+    if case is None:
+        return ""
+    unapplied = re.search(r"(\w+(?:, \w+)*) not applied \(derive's note\)", case.reason or "")
+    if case.status == "pass" and unapplied:
+        return f"pass ({unapplied.group(1)} not applied)"
+    return {"pass": "pass", "refused": "refused", "fail": "**FAIL**"}[case.status]
 
 
 def result_table(families: list[str], layouts: list[str], cases: list[Case], peer: dict, moe: dict) -> list[str]:
@@ -481,7 +488,9 @@ def docs_header(summary, command, partial, cases, peer, commits="") -> list[str]
         "backend under torchrun from the checkpoint against single-process HF on the same batches (loss rtol "
         "1e-5, gradient norm rtol 1e-4, every step).",
         "",
-        "- **pass**: generated, verified, and trained equal to one process;",
+        "- **pass**: generated, verified, and trained equal to one process; \"pass (ep not applied)\": the "
+        "layout ran without an axis it asks for, which derive recorded (nothing in the model could be placed on "
+        "it: ep without experts the plan splits);",
         "- **refused**: generate stopped (exit code 2) with one of the project's own errors (resolve, derive, "
         "freeze, or verify's probe), naming what it cannot plan;",
         "- **FAIL**: anything else: a verify mismatch, a crash in a stage or in verify's ranks, a training "

@@ -131,6 +131,9 @@ def run_case(project: Path, case: Case, *, timeout: float = 600, train: bool = T
         start = time.perf_counter()
         case.status, case.reason = run_training(project, recipe, world_of(case.layout), timeout)
         case.train_s = time.perf_counter() - start
+    unapplied = re.findall(r"note: (\w+) not applied:", output)
+    if case.status == "pass" and unapplied:  # a pass of the layout without that axis: the row says so
+        case.reason = "; ".join([*filter(None, [case.reason]), f"{', '.join(unapplied)} not applied (derive's note)"])
     return case
 
 
