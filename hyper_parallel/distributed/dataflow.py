@@ -125,6 +125,7 @@ class Dataflow:
     # code after the layers needs the stream whole (GPT-2's final reshape to the full length).
     sequence_split_error: str = ""
     whole_after_layers: bool = False
+    split_layer_inputs: tuple[int, ...] = ()  # the layers' other per-token inputs cut to the piece
     # (reader, source) name patterns (indices as *): a leaf whose input carries a leaf's
     # output (AXK1's post_mlp_layernorm reads the experts' and the shared expert's sum).
     reads: frozenset[tuple[str, str]] = frozenset()
@@ -513,6 +514,7 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
     if sequence_split is not None:
         verdict = check_sequence_split(model, input_ids, flow, cp=sequence_split == "cp")
         flow.sequence_split_error, flow.whole_after_layers = verdict.error, verdict.whole_after_layers
+        flow.split_layer_inputs = verdict.split_layer_inputs
     return flow
 
 

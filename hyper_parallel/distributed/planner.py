@@ -361,6 +361,7 @@ class ShardingPlanner:
                            value_outputs=self._by_stand_in("value_outputs"),
                            reads=self.dataflow.reads, split_error=self.dataflow.sequence_split_error,
                            whole_after_layers=self.dataflow.whole_after_layers,
+                           split_layer_inputs=self.dataflow.split_layer_inputs,
                            misplaced_hand_outs=self._by_stand_in("misplaced_hand_outs"),
                            read_outside=self._stand_ins("read_outside"),
                            after_layers_called_again=self._stand_ins("after_layers_called_again"), traced=True)

@@ -18,7 +18,10 @@ model's slice: a difference names the stretch of code that is not per-token. An 
 raised on a piece names the line. When only the code after the layers fails, the run is
 repeated with the stream made whole where it leaves the layers (each module reading the
 layers' output gathers it, ``Dataflow.layer_readers``); if that passes, the plan does the
-same (``whole_after_layers``).
+same (``whole_after_layers``). When the layers fail on other inputs they take per token,
+made on the whole sequence before them (Gemma 4's per-layer embeddings), the run is
+repeated with those cut to the piece at every layer; if that passes, the plan cuts them
+too (``split_layer_inputs``).
 """
 
 import contextlib
@@ -45,6 +48,7 @@ class SequenceSplitCheck:
 
     error: str = ""
     whole_after_layers: bool = False
+    split_layer_inputs: tuple[int, ...] = ()
 
 
 @dataclass
@@ -53,6 +57,7 @@ class _Points:
 
     split: str  # the first decoder layer: its stream input (position 0) is cut to the piece
     layers: tuple[str, ...]
+    split_inputs: tuple[int, ...] = ()  # other inputs of every layer cut to the piece (per-layer inputs)
     gathered: dict[str, tuple[int, ...]] = field(default_factory=dict)  # module -> stream input positions
     sliced: dict[str, tuple[int, ...]] = field(default_factory=dict)  # module -> stream outputs cut to the piece
 
@@ -122,16 +127,53 @@ def _perturbed(model: nn.Module) -> Iterator[None]:
 
 def _verdict(model: nn.Module, input_ids: torch.Tensor, flow, points: "_Points", *, cp: bool) -> SequenceSplitCheck:
     failure = _first_divergence(model, input_ids, points)
+    if failure is not None and not failure.after_layers:
+        # Inputs the layers take besides the stream, made on the whole sequence before them
+        # (Gemma 4's per-layer embeddings): the layer's own code may combine them with its
+        # piece, so they are cut to the piece as well, if that makes the run agree.
+        candidates = _sequence_layer_inputs(model, input_ids, points)
+        if candidates:
+            split = _Points(**{**vars(points), "split_inputs": candidates})
+            second = _first_divergence(model, input_ids, split)
+            if second is None or second.after_layers:
+                points, failure = split, second
+    split_inputs = points.split_inputs
     if failure is None:
-        return SequenceSplitCheck()
+        return SequenceSplitCheck(split_layer_inputs=split_inputs)
     if failure.after_layers:
         whole = _points(model, flow, cp=cp, whole_after_layers=True)
+        whole.split_inputs = split_inputs
         second = _first_divergence(model, input_ids, whole)
         if second is None:
-            return SequenceSplitCheck(whole_after_layers=True)
+            return SequenceSplitCheck(whole_after_layers=True, split_layer_inputs=split_inputs)
         return SequenceSplitCheck(error=f"{second.text} (also with the stream made whole where it leaves the "
                                         f"decoder layers)")
     return SequenceSplitCheck(error=failure.text)
+
+
+def _sequence_layer_inputs(model: nn.Module, input_ids: torch.Tensor, points: "_Points") -> tuple[int, ...]:
+    """Positions of the first layer's inputs other than the stream that hold a float value
+    per token ([batch, sequence, ...], 3 dims or more): candidates to cut to the piece.
+    (Masks are [batch, 1, sequence, sequence]; position ids and the rotary tables, which
+    attention reads on the whole sequence, are 2-d or passed in a tuple.)"""
+    first = dict(model.named_modules())[points.split]
+    names = positional_names(first)
+    found: list[int] = []
+
+    def hook(module, args, kwargs):
+        for position in range(1, len(names)):
+            where, key = locate_input(position, list(args), dict(kwargs), names)
+            value = None if where is None else where[key]
+            if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 3
+                    and value.shape[1] == input_ids.shape[1]):
+                found.append(position)
+
+    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        _forward(model, input_ids)
+    finally:
+        handle.remove()
+    return tuple(dict.fromkeys(found))
 
 
 def _points(model: nn.Module, flow, *, cp: bool, whole_after_layers: bool) -> _Points | None:
@@ -298,15 +340,16 @@ class _PieceRun:
     def _enter_layer(self, name: str):
         def hook(module, args, kwargs):
             self.depth += 1
-            if name != self.points.split:
-                return None
+            positions = ((0,) if name == self.points.split else ()) + self.points.split_inputs
             args, kwargs = list(args), dict(kwargs)
-            where, key = locate_input(0, args, kwargs, positional_names(module))
-            if where is None or not isinstance(where[key], torch.Tensor):
-                return None
-            start, width = self._bounds(where[key], f"{name}'s first input")
-            where[key] = where[key].narrow(1, start, width)
-            self._converted(f"the split at {name}'s input")
+            for position in positions:
+                where, key = locate_input(position, args, kwargs, positional_names(module))
+                if where is None or not isinstance(where[key], torch.Tensor):
+                    continue
+                start, width = self._bounds(where[key], f"{name}'s input {position}")
+                where[key] = where[key].narrow(1, start, width)
+            if name == self.points.split:
+                self._converted(f"the split at {name}'s input")
             return tuple(args), kwargs
         return hook
 

@@ -117,6 +117,7 @@ class TracedFacts:
     misplaced_hand_outs: dict[str, str] = field(default_factory=dict)
     split_error: str = ""
     whole_after_layers: bool = False
+    split_layer_inputs: tuple[int, ...] = ()
     traced: bool = False  # the facts come from a trace (else every set is empty for want of one)
 
 
@@ -202,6 +203,8 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
     for index in range(1, len(layers)):
         if f"{layers_fqn}.{index}" in modules:
             _residual_module(modules[f"{layers_fqn}.{index}"], residual)
+    for index in range(len(layers)) if traced.split_layer_inputs else ():
+        _split_layer_inputs(modules, roles, f"{layers_fqn}.{index}", traced.split_layer_inputs, residual, full)
     attention_inputs = traced.attention_inputs
     for index, layer in enumerate(layers):
         for name, child in layer.named_children():
@@ -266,6 +269,23 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             reads_split = not whole or fqn in traced.layer_readers
             _gathered_lm_head(modules[fqn], residual if reads_split else full, cp=cp,
                               keep_cp_split=logits_split_over_cp)
+
+
+def _split_layer_inputs(modules, roles, fqn: str, positions: tuple[int, ...], residual: dict, full: dict) -> None:
+    """The layer's other per-token inputs, made on the whole sequence before the layers
+    (Gemma 4's per-layer embeddings), cut to the rank's piece as it enters: the sequence
+    split dry run found the layer's own code combining them with its piece of the stream.
+    Their gradients are gathered back on the way out of the cut."""
+    config = modules.get(fqn)
+    if config is None:
+        config = modules[fqn] = ShardingConfig(state_shardings={}, local_map=True)
+        roles[fqn] = "sequence_split"
+    length = max(max(positions) + 1, len(config.in_src or ()), len(config.in_dst or ()))
+    src = [*(config.in_src or ()), *[None] * length][:length]
+    dst = [*(config.in_dst or ()), *[None] * length][:length]
+    for position in positions:
+        src[position], dst[position] = dict(full), dict(residual)
+    config.in_src, config.in_dst, config.local_map = tuple(src), tuple(dst), True
 
 
 def _whole_reader(config: ShardingConfig, residual: dict, full: dict) -> None:

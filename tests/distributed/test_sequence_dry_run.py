@@ -36,6 +36,8 @@ EXPECTED = {
     "shared_norm": "is called again elsewhere in the forward",
     "layers_twice": "whose dim 1 is not the sequence",
     "seq_first": "whose dim 1 is not the sequence",
+    "per_layer_input": "planned",  # a per-token input of every layer, cut to the piece too
+    "per_layer_input_shift": "needs the whole sequence",  # ... which the layer then shifts: refused
 }
 
 
@@ -61,6 +63,7 @@ def test_the_split_is_planned_or_refused_by_name(variant, layout, tmp_path):
     if expected in ("planned", "whole"):
         assert planner.plan().roles, variant
         assert flow.whole_after_layers == (expected == "whole"), (variant, flow.sequence_split_error)
+        assert flow.split_layer_inputs == ((1,) if variant == "per_layer_input" else ()), flow.split_layer_inputs
     else:
         key = "cp_size" if layout == "cp" else "sequence_parallel"
         with pytest.raises(Exception, match=rf"accelerator\.{key}: ") as refusal:

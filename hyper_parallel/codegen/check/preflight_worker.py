@@ -75,7 +75,11 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
         key, entry = plan_entry_for(owner, plan["modules"])
         # Each parameter lives on its own (sub-)mesh: the tp mesh, or the expert mesh for ep.
         param_mesh = getattr(param, "device_mesh", mesh)
-        expected = local_shard_shape(global_shapes[name], entry["state_shardings"][leaf],
+        # An axis of one rank splits nothing, and the applier leaves it out of the parameter's
+        # mesh (tp 1 under cp 2): the entry's placement on it says nothing about the shard.
+        placed = {axis: text for axis, text in entry["state_shardings"][leaf].items()
+                  if axis in param_mesh.mesh_dim_names or getattr(dims, str(axis), 0) != 1}
+        expected = local_shard_shape(global_shapes[name], placed,
                                      list(param_mesh.mesh_dim_names), list(param_mesh.mesh.shape),
                                      list(param_mesh.get_coordinate()))
         local = param.to_local() if hasattr(param, "to_local") else param

@@ -111,7 +111,7 @@ class AdvLayer(nn.Module):
             # a fixed (non-trained) token-shift mix read from the checkpoint; zero in a fresh model
             self.register_buffer("shift_mix", torch.zeros(config.hidden_size))
 
-    def forward(self, hidden):
+    def forward(self, hidden, extra=None):
         v = self.variant
         if v in ("bloom_kw", "bloom_two_out"):
             out = self.self_attn(self.input_layernorm(hidden), residual=hidden)
@@ -131,7 +131,10 @@ class AdvLayer(nn.Module):
             hidden = hidden + self.shift_mix * shift(hidden)
         if v == "shift_between_blocks":
             hidden = hidden + 0.5 * shift(hidden)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        out = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        if extra is not None:  # a per-layer input made on the whole sequence (Gemma 4's per-layer embeddings)
+            out = out + 0.5 * (shift(extra) if v == "per_layer_input_shift" else extra)
+        return out
 
 
 class AdvPreTrainedModel(PreTrainedModel):
@@ -166,6 +169,8 @@ class AdvModel(AdvPreTrainedModel):
             self.extra_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         if self.variant == "smoother_after_norm":
             self.smoother = nn.Conv1d(config.hidden_size, config.hidden_size, 2, groups=config.hidden_size)
+        if self.variant in ("per_layer_input", "per_layer_input_shift"):
+            self.per_layer_embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -187,7 +192,8 @@ class AdvModel(AdvPreTrainedModel):
             for index, layer in enumerate(self.layers):
                 if v == "shift_between_layers_only" and index > 0:
                     hidden = hidden + 0.5 * shift(hidden)  # mixes tokens between two layers
-                hidden = layer(hidden)
+                hidden = layer(hidden, self.per_layer_embed(input_ids)) if hasattr(self, "per_layer_embed") else \
+                    layer(hidden)
                 if v == "shift_between_layers":
                     hidden = hidden + 0.5 * shift(hidden)
         if v == "seq_first":
