@@ -538,3 +538,12 @@ def test_heads_tp_cannot_split_leave_attention_whole_and_split_the_rest():
         model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(PlanError, match="tp_size=2 does not divide config num_key_value_heads=1"):
         ShardingPlanner(model, dims=ParallelDims(tp=TP), mesh=build_offline_mesh(ParallelDims(tp=TP))).plan()
+
+
+def test_a_projection_the_trace_saw_pick_experts_is_replicated_whatever_its_name():
+    # ZAYA's router MLP ends in out_proj ("rowwise" by name, beside fc1's colwise split); the
+    # trace sees it pick the experts: a router, replicated (rowwise crashed on the ranks).
+    from hyper_parallel.families.tiny import tiny_config
+
+    result = _planned(tiny_config("zaya"), ParallelDims(tp=TP))
+    assert result.roles["model.layers.0.mlp.gate.router_mlp.out_proj"] == "replicate"
