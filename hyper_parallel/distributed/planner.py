@@ -317,6 +317,7 @@ class ShardingPlanner:
         stand_ins = StandIns(self.dataflow.roles())
         standalone = StandIns(self.dataflow.standalone)
         routers = StandIns(self.dataflow.routers)
+        in_blocks = StandIns({member for block in self.dataflow.blocks for member in block.members})
         for name, role in by_name.items():
             decided = any(other in flow_decided for other in stand_ins(name))
             # A module the trace saw joined to no other projection (its output read whole)
@@ -324,9 +325,11 @@ class ShardingPlanner:
             # "colwise" by its name, against a whole attention output): the dataflow decides.
             decided = decided or bool(standalone(name)) and name in modules and self._named_role(
                 name, modules[name]) in _UNPARTNERED_ROLES
-            # A projection the trace saw pick experts is a router, replicated, whatever its name
-            # says (ZAYA's router MLP ends in out_proj, "rowwise" by name beside fc1's split).
-            decided = decided or bool(routers(name))
+            # A projection outside every block that the trace saw pick experts is a router,
+            # replicated, whatever its name says (ZAYA's router MLP ends in out_proj, "rowwise"
+            # by name beside fc1's split). (A block member whose output only reaches a router
+            # through the stream, as attention's o_proj can, keeps its block's plan.)
+            decided = decided or bool(routers(name)) and not in_blocks(name)
             (self.flow_roles if decided else self.flow_fallback)[name] = role
         if self.dims.tp > 1 and split_inside:
             split = StandIns(split_inside)
