@@ -241,10 +241,11 @@ def reference_run(spec: CodegenSpec, probe: Probe, first_grads: dict | None = No
 
 def _refuse_if_stochastic(spec: CodegenSpec, probe: Probe) -> None:
     """Refuse a model whose training forward draws random numbers with every dropout
-    probability at 0 (PhiMoE's router samples its experts, Gumbel-style). Ranks draw
-    other numbers than one process does, so no layout can equal one process step for
-    step, and verify cannot tell a right plan from a wrong one on it (a lucky draw even
-    passes it). Checked on the reference model: one training-mode forward that moves the
+    probability at 0 (PhiMoE's router samples its experts, Gumbel-style). A rank equals one
+    process only where it draws the same numbers for the same tokens (transformers' own
+    tp2 does: every rank runs the whole batch from one random state); the generated model
+    does not arrange that, so verify cannot tell a right plan from a wrong one on it (a
+    lucky draw even passed it). Checked on the reference model: one training-mode forward that moves the
     random state. (Dropout at probability 0 draws nothing.)"""
     import torch
 
@@ -259,8 +260,8 @@ def _refuse_if_stochastic(spec: CodegenSpec, probe: Probe) -> None:
     if drew:
         raise ProbeError(f"{spec.model_dir / 'config.json'}: {type(model).__name__}'s training forward draws random "
                          "numbers with every dropout probability at 0 (sampling, noise), so its training is "
-                         "stochastic: ranks draw other numbers than one process, no parallel layout can equal one "
-                         "process step for step, and verify cannot prove a plan on it")
+                         "stochastic: a rank equals one process only where it draws the same numbers for the same "
+                         "tokens, which the generated model does not arrange, and verify cannot prove a plan on it")
 
 
 # --- comparing ---------------------------------------------------------------------------------
