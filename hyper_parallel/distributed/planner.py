@@ -148,9 +148,12 @@ class ShardingPlanner:
             raise PlanError(f"offline mesh {dict(zip(self.mesh.axis_names, self.mesh.sizes))} does not match "
                             f"tp_size={self.dims.tp}")
         config = getattr(self.model, "config", None)
-        # Heads tp cannot split (multi-query attention's one kv head): attention is left whole
-        # where the dataflow shows which modules it is, and the rest of the layer split.
+        # Multi-query attention's one kv head, which no tp > 1 splits: attention is left whole
+        # where the dataflow shows which modules it is, and the rest of the layer split. (Other
+        # head counts tp does not divide are refused: a tp that divides them exists.)
         uneven_heads = heads_not_dividing(config, self.dims.tp) if config is not None and self.dims.tp > 1 else []
+        if uneven_heads != ["num_key_value_heads=1"]:
+            uneven_heads = []
         self._prepare_flow()
         whole_attention = bool(uneven_heads) and bool(self._attention_parts())
         lint_config_divisibility(config, self.dims, whole_attention=whole_attention)
