@@ -34,7 +34,11 @@ What it does (issue 11, items 1 and 2):
    backend trains the saved checkpoint for 3 AdamW steps under torchrun
    (``hyper_parallel.trainer``; each rank reads its slices of the checkpoint) against
    single-process HF training on the same data: loss rtol 1e-5 and gradient norm rtol 1e-4
-   at every step (``--no-train`` skips this).
+   at every step (``--no-train`` skips this). When a step after the first is further off,
+   single-process HF trains again with fp32-rounding-sized noise on its gradients
+   (``reference_training(rounding_noise=True)``); the row passes when its deviation is within
+   that run's (AdamW's own sensitivity to rounding on this model), and says so. Step 1 stays
+   strict.
    Status: ``pass`` (generated, verified, trained equal); ``refused`` (generate exited 2,
    the CLI's code for bad input and the project's refusals, with one of the project's own
    error classes from resolve / derive / freeze or the verify probe, i.e. a clean error
@@ -56,7 +60,8 @@ What it does (issue 11, items 1 and 2):
 5. Peer column: the same checkpoints through transformers' own
    ``from_pretrained(dir, tp_plan="auto")`` at tp2 (torchrun, world 2, gloo; several
    families per launch, ``bench/family_sweep_worker.py``) against single-process HF, 3 AdamW
-   steps, loss rtol 1e-5 and gradient norm rtol 1e-4: ``pass`` / ``fail`` / ``unsupported``
+   steps, loss rtol 1e-5 and gradient norm rtol 1e-4 (widened past step 1 to AdamW's rounding
+   noise, as for the rows): ``pass`` / ``fail`` / ``unsupported``
    (the config has no ``base_model_tp_plan``; so for a remote-code fixture unless it
    defines one).
 
@@ -280,6 +285,8 @@ def judge_peer(result: dict) -> tuple[str, str]:
     if result.get("tp_size") != 2 or not result.get("sharded"):
         return "unsupported", f"tp_plan='auto' sharded nothing (tp_size {result.get('tp_size')})"
     status, reason = compare_training(result["peer"], result["reference"])
+    if status == "fail" and "reference_noisy" in result:  # the rows' rule: AdamW's rounding noise
+        status, reason = compare_training(result["peer"], result["reference"], result["reference_noisy"])
     return status, reason.replace("train", "tp_plan='auto'", 1)
 
 
@@ -486,7 +493,9 @@ def docs_header(summary, command, partial, cases, peer, commits="") -> list[str]
         "runs the bundle at the recipe's world size against one process on a shrunk probe: 2 AdamW steps, loss "
         f"rtol 1e-5, every gradient rtol 1e-4), then, if it generated, {TRAIN_STEPS} AdamW steps with the gen "
         "backend under torchrun from the checkpoint against single-process HF on the same batches (loss rtol "
-        "1e-5, gradient norm rtol 1e-4, every step).",
+        "1e-5, gradient norm rtol 1e-4, every step; after step 1 a row further off passes only within "
+        "AdamW's own noise on the model: the deviation of one process trained again with fp32-rounding-sized "
+        "noise on its gradients, and its reason says so).",
         "",
         "- **pass**: generated, verified, and trained equal to one process; \"pass (ep not applied)\": the "
         "layout ran without an axis it asks for, which derive recorded (nothing in the model could be placed on "
@@ -497,7 +506,7 @@ def docs_header(summary, command, partial, cases, peer, commits="") -> list[str]
         "mismatch or crash (e.g. the checkpoint does not load), a timeout;",
         "- **peer tp2**: the same checkpoint through transformers' `from_pretrained(dir, tp_plan=\"auto\")` at "
         f"tp 2 (world 2) against one process, {TRAIN_STEPS} AdamW steps (loss rtol 1e-5, gradient norm rtol "
-        "1e-4): pass / fail / unsupported (no `base_model_tp_plan`);",
+        "1e-4, the same noise rule): pass / fail / unsupported (no `base_model_tp_plan`);",
         "- layouts: `tp2`; `tp2_sp_lp` = tp2 + sequence parallel + loss parallel; `cp2`; `dp2` (FSDP2); for MoE "
         "families `ep2` (dp2 + ep2, world 2) and `tp2_ep2` (tp2 + dp2 + ep2, world 4) — ep is borrowed from "
         "dp x cp; `n/a`: the layout does not apply;",

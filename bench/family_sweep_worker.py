@@ -5,8 +5,9 @@
 
 CASES.json is a list of ``{"family", "model_dir"}``. For each, in order: transformers' own
 tensor parallel (``from_pretrained(model_dir, tp_plan="auto")``) and the single-process model
-from the same checkpoint train STEPS AdamW steps on the same tokens; each rank writes
-``OUT_DIR/<family>.rank<N>.json`` with both runs' per-step loss and global gradient norm
+from the same checkpoint train STEPS AdamW steps on the same tokens, and the single-process model
+again with rounding noise on its gradients (the judge's noise floor, as for the gen backend's
+rows); each rank writes ``OUT_DIR/<family>.rank<N>.json`` with the runs' per-step loss and global gradient norm
 (sharded gradients gathered). ``OUT_DIR/<family>.started`` marks the case in progress, so a
 launcher can tell which case a crashed or hung launch was on. A case that raises records its
 error and ends the launch (a failed collective can leave the process group unusable); the
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
+
+from hyper_parallel.trainer.reference import add_rounding_noise
 
 STEPS, LR, BATCH, SEQ, SEED = 3, 1e-3, 2, 16, 5
 
@@ -56,15 +59,18 @@ def global_grad_norm(model, full_shapes: dict[str, tuple]) -> float:
     return math.sqrt((replicated + sharded).item())
 
 
-def train(model, batch, full_shapes: dict[str, tuple]) -> list[dict]:
-    """Loss and gradient norm before each of STEPS AdamW steps."""
+def train(model, batch, full_shapes: dict[str, tuple], rounding_noise: bool = False) -> list[dict]:
+    """Loss and gradient norm before each of STEPS AdamW steps (with ``rounding_noise``, the
+    gradients perturbed after each record: the judge's measure of AdamW's own noise)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-    records = []
+    records, generator = [], torch.Generator().manual_seed(0)
     for _ in range(STEPS):
         loss = model(input_ids=batch, labels=batch).loss
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         loss.backward()
         records.append({"loss": value.item(), "grad_norm": global_grad_norm(model, full_shapes)})
+        if rounding_noise:
+            add_rounding_noise(model.parameters(), generator)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return records
@@ -81,7 +87,8 @@ def run_case(case: dict) -> dict:
     batch = torch.randint(0, reference.config.vocab_size, (BATCH, SEQ),
                           generator=torch.Generator().manual_seed(SEED))
     return {"tp_size": getattr(peer, "tp_size", None), "sharded": sharded,
-            "reference": train(reference, batch, full_shapes), "peer": train(peer, batch, full_shapes)}
+            "reference": train(reference, batch, full_shapes), "peer": train(peer, batch, full_shapes),
+            "reference_noisy": train(load(case["model_dir"]), batch, full_shapes, rounding_noise=True)}
 
 
 def leave(code: int) -> None:

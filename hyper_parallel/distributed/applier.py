@@ -44,8 +44,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hyper_parallel.distributed.boundary_collectives import (
     SharedInputReductions,
     all_reduce_in_forward,
+    first_rank_share,
     input_reductions,
     output_reductions,
+    output_shares,
 )
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
@@ -105,10 +107,12 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
 
 def _planned_ancestors(targets: Mapping[str, ShardingConfig]) -> set[str]:
     """FQNs of planned modules' ancestors: blocks whose planned submodules convert the
-    inputs they see themselves."""
+    inputs they see themselves. A submodule that neither places a parameter nor converts
+    an input (an identity expert handing on its share of a partial sum) leaves that to its
+    parent: the experts still reduce their own inputs' gradients."""
     ancestors = set()
-    for fqn in targets:
-        if fqn:
+    for fqn, config in targets.items():
+        if fqn and (config.state_shardings or any(config.in_src or ()) or any(config.in_dst or ())):
             parts = fqn.split(".")
             ancestors.update(".".join(parts[:index]) for index in range(len(parts)))
     return ancestors
@@ -431,6 +435,9 @@ def _convert_output(value, src, dst, sub_mesh, axes, where: str):
         reduce = output_reductions(src_placements, dst_placements)
         if reduce is not None:  # at most a partial sum reduced: one all-reduce, gradient unchanged
             return all_reduce_in_forward(value, _groups(sub_mesh, reduce))
+        shares = output_shares(src_placements, dst_placements)
+        if shares is not None:  # a whole value made one term of a partial sum: no data moves
+            return first_rank_share(value, sub_mesh.get_coordinate(), shares)
         value = DTensor.from_local(value, sub_mesh, src_placements, run_check=False)
     if dst is not None:
         value = _redistribute(value, sub_mesh, _placements(dst, axes, ndim), axes, where)

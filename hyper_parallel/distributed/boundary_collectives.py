@@ -124,3 +124,28 @@ def output_reductions(src: tuple, dst: tuple) -> tuple[int, ...] | None:
             continue
         return None
     return tuple(reduce)
+
+
+def output_shares(src: tuple, dst: tuple) -> tuple[int, ...] | None:
+    """Mesh dims where a replicated output is handed on as a partial sum (an identity
+    expert inside experts whose output is all-reduced); ``None`` when the conversion is
+    anything else, or nothing."""
+    shares = []
+    for dim, (placement, wanted) in enumerate(zip(src, dst)):
+        if placement == wanted:
+            continue
+        if isinstance(placement, Replicate) and _is_sum(wanted):
+            shares.append(dim)
+            continue
+        return None
+    return tuple(shares) or None
+
+
+def first_rank_share(tensor: torch.Tensor, coordinate: list[int], mesh_dims: tuple[int, ...]) -> torch.Tensor:
+    """A replicated value as one term of a sum over ``mesh_dims``: the first rank of them
+    keeps it whole, the others hand on zeros (``tensor * 0``, so their gradient is zero).
+    The sum counts the value once, and so does the gradient the input's boundary sums:
+    exact for any size, where dividing by it (DTensor's Replicate -> Partial, transformers'
+    ``moe_identity_expert``) rounds unless the size is a power of two."""
+    first = all(coordinate[dim] == 0 for dim in mesh_dims)
+    return tensor if first else tensor * 0

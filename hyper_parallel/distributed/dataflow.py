@@ -54,6 +54,7 @@ SPLIT_MODE, GATHERED_MODE, WHOLE_MODE = "split", "gathered", "whole"
 _ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flex_attention"})
 _MATMULS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum"})
 _SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax"})
+_LINEAR_MAPS = _MATMULS | {"linear", "mm", "addmm"}
 _SELECTIONS = frozenset({"topk", "sort", "argsort", "argmax"})
 # New tensors shaped like another: they take its shape, not its values.
 _FRESH = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "new_zeros",
@@ -171,6 +172,9 @@ class _Tags(TorchFunctionMode):
         self.selecting: set[str] = set()  # tagged modules that select (top-k) inside their own forward
         self.owners: dict[int, str] = {}  # id(parameter) -> the tagged module holding it
         self.read_outside: set[str] = set()  # tagged modules whose parameters code outside them used
+        self.linears: set[str] = set()  # the tagged modules that are Linear
+        self.weights: dict[int, tuple[torch.Tensor, str]] = {}  # a copy of a Linear's weight -> the Linear
+        self.pending_weight: str | None = None
 
     def of(self, value) -> frozenset:
         entry = self.tags.get(id(value))
@@ -191,6 +195,9 @@ class _Tags(TorchFunctionMode):
                 self.read_outside.add(owner)  # Gemma 3n's layer clamps and multiplies AltUp's coefs itself
         values = [t for t in tensors if _carries_values(t) and not isinstance(t, nn.Parameter)]
         carried = frozenset().union(*(self.of(t) for t in values)) if values else frozenset()
+        applied = self._weight_applied(name, tensors, values)
+        if applied is not None:  # (also for a copy of the weight: ``.type(float32)``, ``.t()``)
+            carried = frozenset({("mod", applied)})
         if name in _FRESH:
             carried = frozenset()
         elif name in _ATTENTION_FUNCTIONS and len(values) >= 3:
@@ -214,11 +221,35 @@ class _Tags(TorchFunctionMode):
                 base = target._base
                 if base is not None:
                     self.set(base, self.of(base) | carried)
+        weight_copy, self.pending_weight = self.pending_weight, None
         for result in tree_flatten(out)[0]:
+            if isinstance(result, torch.Tensor) and weight_copy is not None:
+                self.weights[id(result)] = (result, weight_copy)
             if isinstance(result, torch.Tensor) and id(result) not in map(id, tensors):
                 self.set(result, carried if _carries_values(result) else
                          carried | frozenset().union(*(self.of(t) for t in tensors)))
         return out
+
+    def _weight_applied(self, name: str, tensors: list[torch.Tensor], values: list[torch.Tensor]) -> str | None:
+        """The Linear whose weight this op applies outside the Linear's own forward
+        (LongCat's router: ``F.linear(x, self.classifier.weight)``): its result is that
+        projection's output, as if the module had run, so what it reaches (top-k: a router)
+        is the projection's and not the input's (the stream's last writer, attention's
+        o_proj). An op on the weight alone (a cast, a transpose) hands the mark on."""
+        owner = None
+        for tensor in tensors:
+            entry = self.weights.get(id(tensor))
+            if entry is not None and entry[0] is tensor:
+                owner = entry[1]
+            elif isinstance(tensor, nn.Parameter) and self.owners.get(id(tensor)) in self.linears \
+                    and self.running[-1:] != [self.owners[id(tensor)]]:
+                owner = self.owners[id(tensor)]
+        if owner is None:
+            return None
+        if values:  # applied as a linear map, not looked up (a tied embedding's table) or added
+            return owner if name in _LINEAR_MAPS else None
+        self.pending_weight = owner  # the op's result (set in ``__torch_function__``) is a copy
+        return None
 
     def _matmul(self, values: list[torch.Tensor], carried: frozenset) -> frozenset:
         """attention scores (a product of two activations), or probabilities times values."""
@@ -330,6 +361,7 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     hand_outs = _HandOuts(model)
     leaves = _leaves(model)
     mode.owners = {id(param): name for name, module in leaves.items() for param in _own_params(module)}
+    mode.linears = {name for name, module in leaves.items() if isinstance(module, nn.Linear)}
     inputs: dict[str, frozenset] = {}
     first_input: dict[str, torch.Tensor] = {}
     first_output: dict[str, torch.Tensor] = {}

@@ -56,6 +56,7 @@ from hyper_parallel.distributed.roles import (
     FUSED_QKV_NAMES,
     HEAD_NORM_NAMES,
     LINEAR,
+    PARTIAL_SUM_ROLES,
     ROLE_BUILDERS,
     ROUTER_NAMES,
     ROWWISE_NAMES,
@@ -166,7 +167,9 @@ class ShardingPlanner:
         for fqn, module in self.model.named_modules():
             try:
                 if not _has_own_params(module):
-                    self._check_container_hint(fqn, module)
+                    role = self._container_role(fqn, module, roles)
+                    if role is not None:
+                        roles[fqn], modules[fqn] = role, ROLE_BUILDERS[role](module, {})
                     continue
                 role = self._role(fqn, module)
                 config = ROLE_BUILDERS[role](module, self._param_hints(fqn, module))
@@ -458,17 +461,30 @@ class ShardingPlanner:
             raise StyleRefusal(fqn, module, style, meaning.refused)
         return meaning
 
-    def _check_container_hint(self, fqn: str, module: nn.Module) -> None:
+    def _container_role(self, fqn: str, module: nn.Module, roles: dict[str, str]) -> str | None:
         """A module without parameters of its own is not planned (its children are), but a
-        style on it that is unknown, or that changes its children's sums, is refused."""
+        style on it that is unknown, or that changes its children's sums, is refused; the
+        one planned is an identity expert's (``roles.identity_share``), where its experts'
+        output is a partial sum over tp (the nearest planned ancestor: planned first, as
+        ``named_modules`` lists parents before children)."""
         style = self._module_hint(fqn)
         if style is None:
-            return
+            return None
         meaning = style_meaning(style)
         if meaning is None:
             raise StyleRefusal(fqn, module, style, "a style this planner has no meaning for")
-        if not meaning.container_ok:
+        if meaning.container_ok:
+            return None
+        if meaning.role != "identity_share":
             raise StyleRefusal(fqn, module, style, meaning.refused)
+        if self.dims.tp == 1:
+            return None  # no partial sum over tp: the expert's output counts once as it is
+        owner = max((name for name in roles if fqn.startswith(name + ".")), key=len, default=None)
+        if owner is None or roles[owner] not in PARTIAL_SUM_ROLES:
+            where = f"its experts {owner} have role {roles[owner]}" if owner else "no module around it is planned"
+            raise StyleRefusal(fqn, module, style, "which makes an identity expert's output one term of its experts' "
+                               f"partial sum over tp, but {where}, whose output is not such a sum")
+        return "identity_share"
 
     def _embedding_role(self, fqn: str, module: nn.Embedding, meaning: StyleMeaning | None) -> str:
         """The model's input embedding is split by vocabulary whatever its hint says — unless

@@ -19,6 +19,7 @@ arrive (``in_src``), how the module needs them (``in_dst``) and what it hands on
 | local_params        | each as its own TP-plan entry says | unchanged           | unchanged                |
 | local_params_summed | each as its own TP-plan entry says | replicate           | partial -> replicate     |
 | replicate           | replicate                          | unchanged           | unchanged                |
+| identity_share      | (none: an identity expert)         | unchanged           | replicate -> partial     |
 
 Every role but ``vocab_embedding`` (whose out-of-shard ids DTensor masks) runs as
 ``local_map``: it computes on local tensors, which
@@ -240,6 +241,16 @@ def replicate(module: nn.Module, hints: dict) -> ShardingConfig:
     return ShardingConfig(state_shardings={name: _on_tp(Replicate()) for name in _params(module)}, local_map=True)
 
 
+def identity_share(module: nn.Module, hints: dict) -> ShardingConfig:
+    """HF's ``moe_identity_expert``: a zero-compute expert (LongCat's ``nn.Identity``) inside
+    experts whose output is a partial sum over tp. Its output is whole on every rank, so the
+    sum would count it tp times: it is handed on as one term of that sum (the first tp rank
+    whole, the others zeros; ``boundary_collectives.first_rank_share``), and its gradients
+    (the input's, the routing weight's) are then counted once by the boundaries that sum
+    them. The planner gives this role only inside such experts."""
+    return ShardingConfig(out_src=(_on_tp(Replicate()),), out_dst=(_on_tp(Partial()),), local_map=True)
+
+
 ROLE_BUILDERS: dict[str, Callable[[nn.Module, dict], ShardingConfig]] = {
     "colwise": colwise,
     "rowwise": rowwise,
@@ -255,6 +266,7 @@ ROLE_BUILDERS: dict[str, Callable[[nn.Module, dict], ShardingConfig]] = {
     "local_params": local_params,
     "local_params_summed": local_params_summed,
     "replicate": replicate,
+    "identity_share": identity_share,
 }
 
 
@@ -297,9 +309,9 @@ _MLA_REFUSAL = (
     "which replicates MLA's kv_a_proj_with_mqa and all-reduces the gradient of only the rope slice of its "
     "output (that slice goes straight to the head-split attention, the rest through kv_b_proj, which sums "
     "its own input gradient); no placement of one module says that")
-_IDENTITY_EXPERT_REFUSAL = (
-    "which divides an identity (zero-compute) expert's input by the tp size so that the experts' partial-sum "
-    "reduction counts it once; the packed-experts role here reduces only the packed experts' own output")
+# Roles whose module output is a partial sum over tp, all-reduced on the way out: an
+# identity expert inside one hands on its share of that sum (``identity_share``).
+PARTIAL_SUM_ROLES = frozenset({"packed_experts", "local_params_summed"})
 
 # Every style transformers 5.24 registers in ``ALL_PARALLEL_STYLES`` (``transformers.distributed``).
 TP_STYLES: dict[str, StyleMeaning] = {
@@ -341,8 +353,9 @@ TP_STYLES: dict[str, StyleMeaning] = {
                                role="local_params_summed"),
     "moe_tp_experts": StyleMeaning(EXPERTS, "each expert's intermediate dim split (by the parameters' entries)",
                                    FULL, FULL, role="packed_experts"),
+    # On a module without parameters: planned only inside one of PARTIAL_SUM_ROLES (planner).
     "moe_identity_expert": StyleMeaning(ANY, "none; the input divided by tp", FULL, FULL,
-                                        refused=_IDENTITY_EXPERT_REFUSAL, container_ok=False),
+                                        role="identity_share", container_ok=False),
     "local_params": StyleMeaning(ANY, "each parameter as its own entry says, used as local tensors", AS_IS, AS_IS,
                                  role="local_params"),
     "replicate": StyleMeaning(ANY, "replicated", AS_IS, AS_IS, role="replicate", param_layout=REPLICATED),

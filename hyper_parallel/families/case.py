@@ -256,7 +256,10 @@ def run_training(project: Path, recipe: Path, world: int, timeout: float) -> tup
         return "fail", training_crash(proc.returncode, proc.stdout, proc.stderr, metrics.is_file(), project)
     got = json.loads(metrics.read_text())
     want = reference_training(recipe)
-    return compare_training(got, want)
+    status, reason = compare_training(got, want)
+    if status == "fail":  # measured only when needed: is the deviation AdamW's rounding noise?
+        status, reason = compare_training(got, want, reference_training(recipe, rounding_noise=True))
+    return status, reason
 
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|", re.M)  # the trainer's progress lines
@@ -292,20 +295,42 @@ def training_crash(code: int, stdout: str, stderr: str, metrics_written: bool, p
     return first_line(f"train (gen backend) crashed: {'; '.join(parts)}: {detail}", 400)
 
 
-def compare_training(got: list[dict], want: list[dict]) -> tuple[str, str]:
-    """Loss rtol LOSS_RTOL and gradient norm rtol NORM_RTOL at every step."""
+def compare_training(got: list[dict], want: list[dict], noisy: list[dict] | None = None) -> tuple[str, str]:
+    """Loss rtol LOSS_RTOL and gradient norm rtol NORM_RTOL at every step.
+
+    With ``noisy`` (one process trained again with rounding-sized noise on its gradients,
+    ``reference_training(rounding_noise=True)``) a step after the first may also deviate as
+    far as that run deviates from the plain one: on some models AdamW carries fp32 rounding
+    (what any other summation order leaves) past 1e-4 within two steps. The first step, which
+    no optimizer step precedes, stays strict either way."""
     if len(got) != len(want):
         return "fail", f"train: {len(got)} steps logged, expected {len(want)}"
-    worst_loss = worst_norm = 0.0
+    worst_loss = worst_norm = noise_loss = noise_norm = 0.0
     for step, (have, ref) in enumerate(zip(got, want), start=1):
-        loss_rel = abs(have["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12)
-        norm_rel = abs(have["grad_norm"] - ref["grad_norm"]) / max(abs(ref["grad_norm"]), 1e-12)
+        loss_rel, norm_rel = relative_deviation(have, ref)
         worst_loss, worst_norm = max(worst_loss, loss_rel), max(worst_norm, norm_rel)
-        if not math.isfinite(have["loss"]) or loss_rel > LOSS_RTOL or norm_rel > NORM_RTOL:
+        loss_tol, norm_tol = LOSS_RTOL, NORM_RTOL
+        if noisy is not None and step > 1:
+            floor_loss, floor_norm = relative_deviation(noisy[step - 1], ref)
+            noise_loss, noise_norm = max(noise_loss, floor_loss), max(noise_norm, floor_norm)
+            loss_tol, norm_tol = max(loss_tol, floor_loss), max(norm_tol, floor_norm)
+        if not math.isfinite(have["loss"]) or loss_rel > loss_tol or norm_rel > norm_tol:
+            noise = f"; one process with rounding noise: loss rel {floor_loss:.1e}, grad norm rel {floor_norm:.1e}" \
+                if noisy is not None and step > 1 else ""
             return "fail", (f"train step {step}: loss {have['loss']:.7g} vs one process {ref['loss']:.7g} "
                             f"(rel {loss_rel:.1e}), grad norm {have['grad_norm']:.6g} vs {ref['grad_norm']:.6g} "
-                            f"(rel {norm_rel:.1e})")
-    return "pass", f"train {len(got)} steps: loss rel <= {worst_loss:.0e}, grad norm rel <= {worst_norm:.0e}"
+                            f"(rel {norm_rel:.1e}){noise}")
+    reason = f"train {len(got)} steps: loss rel <= {worst_loss:.0e}, grad norm rel <= {worst_norm:.0e}"
+    if noisy is not None:
+        reason += (f", within AdamW's rounding noise on this model (one process with fp32 rounding noise "
+                   f"on its gradients: loss rel {noise_loss:.0e}, grad norm rel {noise_norm:.0e})")
+    return "pass", reason
+
+
+def relative_deviation(have: dict, ref: dict) -> tuple[float, float]:
+    """(loss, gradient norm) relative deviation of one step's record from the reference's."""
+    return (abs(have["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12),
+            abs(have["grad_norm"] - ref["grad_norm"]) / max(abs(ref["grad_norm"]), 1e-12))
 
 
 def first_line(text: str, limit: int = 240) -> str:

@@ -14,8 +14,29 @@ from hyper_parallel.config import load_training_config
 from hyper_parallel.trainer.data import global_batch, micro_batches
 
 
-def reference_training(recipe: str | Path) -> list[dict]:
-    """``[{"loss", "grad_norm"}]`` per step of single-process HF training of ``recipe``."""
+# fp32's relative precision: the size of the error a different summation order (a sharded
+# matmul, an all-reduce) leaves in a gradient, relative to the tensor's largest element.
+ROUNDING_NOISE = 2.0 ** -23
+
+
+def add_rounding_noise(parameters, generator: torch.Generator) -> None:
+    """Perturb every gradient by ROUNDING_NOISE x its largest element x N(0, 1).
+
+    Why: AdamW's first steps divide each element by its own magnitude (``g / (|g| + eps)``),
+    so an element whose true gradient is near zero moves by up to ``lr`` on a rounding-sized
+    change of sign or size. Training a second reference with this noise measures how far
+    AdamW alone carries rounding differences on this model: a parallel run that agrees with
+    one process to within that is as close as a different summation order allows."""
+    for param in parameters:
+        if param.grad is not None:
+            scale = ROUNDING_NOISE * param.grad.abs().max()
+            param.grad.add_(scale * torch.randn(param.grad.shape, generator=generator, dtype=param.grad.dtype))
+
+
+def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list[dict]:
+    """``[{"loss", "grad_norm"}]`` per step of single-process HF training of ``recipe``;
+    with ``rounding_noise`` each step's gradients are perturbed (``add_rounding_noise``)
+    after the step's record is taken, so only later steps feel it."""
     recipe = Path(recipe)
     config = load_training_config(str(recipe))
     model = AutoModelForCausalLM.from_pretrained(recipe.parent / config.model.pretrained_model_name_or_path,
@@ -24,7 +45,7 @@ def reference_training(recipe: str | Path) -> list[dict]:
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                   weight_decay=opt.weight_decay, foreach=False)
-    records = []
+    records, generator = [], torch.Generator().manual_seed(0)
     for step in range(config.training.steps):
         batch = global_batch(step, config.training, config.dataset, model.config.vocab_size)
         parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "reference"))
@@ -34,6 +55,8 @@ def reference_training(recipe: str | Path) -> list[dict]:
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+        if rounding_noise:
+            add_rounding_noise(model.parameters(), generator)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         records.append({"loss": total, "grad_norm": norm})

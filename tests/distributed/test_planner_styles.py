@@ -261,7 +261,7 @@ def test_unknown_style_is_refused_with_the_entry_that_places_the_module(layout):
     ("model.layers.*.self_attn.k_proj", "mla_kv_a_proj", "rope slice"),
     ("model.layers.*.mlp.down_proj", "all_reduce", "partial-sum output"),
     ("model.layers.*.mlp.up_proj", "packed_rowwise", "parameter-level style"),
-    ("model.layers.*.mlp", "moe_identity_expert", "identity (zero-compute) expert"),
+    ("model.layers.*.mlp", "moe_identity_expert", "one term of its experts' partial sum"),
     ("model.layers.*.mlp.up_proj.weight", "moe_tp_experts", "gives a parameter no layout"),
 ])
 def test_a_style_no_role_means_is_refused_by_name(target, style, words):
