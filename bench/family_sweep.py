@@ -60,7 +60,7 @@ What it does (issue 11, items 1 and 2):
 5. Peer column: the same checkpoints through transformers' own
    ``from_pretrained(dir, tp_plan="auto")`` at tp2 (torchrun, world 2, gloo; several
    families per launch, ``bench/family_sweep_worker.py``) against single-process HF, 3 AdamW
-   steps, loss rtol 1e-5 and gradient norm rtol 1e-4 (widened past step 1 to AdamW's rounding
+   steps in training mode with each step's random state seeded alike, loss rtol 1e-5 and gradient norm rtol 1e-4 (widened past step 1 to AdamW's rounding
    noise, as for the rows): ``pass`` / ``fail`` / ``unsupported``
    (the config has no ``base_model_tp_plan``; so for a remote-code fixture unless it
    defines one).
@@ -505,7 +505,8 @@ def docs_header(summary, command, partial, cases, peer, commits="") -> list[str]
         "- **FAIL**: anything else: a verify mismatch, a crash in a stage or in verify's ranks, a training "
         "mismatch or crash (e.g. the checkpoint does not load), a timeout;",
         "- **peer tp2**: the same checkpoint through transformers' `from_pretrained(dir, tp_plan=\"auto\")` at "
-        f"tp 2 (world 2) against one process, {TRAIN_STEPS} AdamW steps (loss rtol 1e-5, gradient norm rtol "
+        f"tp 2 (world 2) against one process, {TRAIN_STEPS} AdamW steps in training mode, each step seeded alike "
+        "(loss rtol 1e-5, gradient norm rtol "
         "1e-4, the same noise rule): pass / fail / unsupported (no `base_model_tp_plan`);",
         "- layouts: `tp2`; `tp2_sp_lp` = tp2 + sequence parallel + loss parallel; `cp2`; `dp2` (FSDP2); for MoE "
         "families `ep2` (dp2 + ep2, world 2) and `tp2_ep2` (tp2 + dp2 + ep2, world 4) — ep is borrowed from "

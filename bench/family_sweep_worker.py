@@ -5,7 +5,7 @@
 
 CASES.json is a list of ``{"family", "model_dir"}``. For each, in order: transformers' own
 tensor parallel (``from_pretrained(model_dir, tp_plan="auto")``) and the single-process model
-from the same checkpoint train STEPS AdamW steps on the same tokens, and the single-process model
+from the same checkpoint train STEPS AdamW steps on the same tokens (training mode, the global random state seeded alike at each step), and the single-process model
 again with rounding noise on its gradients (the judge's noise floor, as for the gen backend's
 rows); each rank writes ``OUT_DIR/<family>.rank<N>.json`` with the runs' per-step loss and global gradient norm
 (sharded gradients gathered). ``OUT_DIR/<family>.started`` marks the case in progress, so a
@@ -64,7 +64,9 @@ def train(model, batch, full_shapes: dict[str, tuple], rounding_noise: bool = Fa
     gradients perturbed after each record: the judge's measure of AdamW's own noise)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     records, generator = [], torch.Generator().manual_seed(0)
-    for _ in range(STEPS):
+    model.train()  # as training runs it (PhiMoE samples its experts only in training)
+    for step in range(STEPS):
+        torch.manual_seed(SEED + step)  # the same draws for every model and rank at a step
         loss = model(input_ids=batch, labels=batch).loss
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         loss.backward()

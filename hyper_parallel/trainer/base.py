@@ -20,7 +20,7 @@ from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.models._transformers.model_builder import runtime_device_type
-from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens
+from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens, seed_step
 
 
 @dataclass
@@ -75,6 +75,7 @@ class BaseTrainer:
         for step in range(training.steps):
             start = time.perf_counter()
             batch = global_batch(step, training, dataset, vocab, text)
+            seed_step(step, training)
             parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
             total = None
             for micro in parts:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hyper_parallel.config import load_training_config
-from hyper_parallel.trainer.data import global_batch, micro_batches
+from hyper_parallel.trainer.data import global_batch, micro_batches, seed_step
 
 
 # fp32's relative precision: the size of the error a different summation order (a sharded
@@ -41,13 +41,14 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
     config = load_training_config(str(recipe))
     model = AutoModelForCausalLM.from_pretrained(recipe.parent / config.model.pretrained_model_name_or_path,
                                                  attn_implementation="eager", dtype=torch.float32,
-                                                 trust_remote_code=config.model.trust_remote_code)
+                                                 trust_remote_code=config.model.trust_remote_code).train()
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                   weight_decay=opt.weight_decay, foreach=False)
     records, generator = [], torch.Generator().manual_seed(0)
     for step in range(config.training.steps):
         batch = global_batch(step, config.training, config.dataset, model.config.vocab_size)
+        seed_step(step, config.training)
         parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "reference"))
         total = 0.0
         for micro in parts:

@@ -43,13 +43,15 @@ ROWS = {
                            "blocks of replicated Conv1D projections hand on a slice, not a partial sum",
     ("bloom", "cp2"): "attention and MLP that take the residual and add it to their output themselves",
     ("gpt_neox_japanese", "cp2"): "an attention returning its own bias parameter, which the layer adds on its piece",
-    ("phimoe", "tp2"): "a router sampling its experts in training (stochastic: refused, no layout equals one process)",
+    ("phimoe", "tp2"): "a router sampling its experts in training: every tp rank draws what one process draws "
+                       "(each step seeded alike in verify, training and the reference)",
+    ("phimoe", "tp2_sp_lp"): "the same under sequence parallel: each rank's tokens draw other numbers (refused)",
     ("longcat_flash", "tp2"): "zero-compute identity experts inside the packed experts (HF's moe_identity_expert); "
                               "a router applying its classifier's weight itself; two attentions and MLPs per layer",
 }
 # (family, layout) -> reason substring of a refusal; every other row must pass.
 REFUSED: dict[tuple[str, str], str] = {("llama4_text", "tp2_sp_lp"): "returns its tokens flattened",
-                                       ("phimoe", "tp2"): "its training is stochastic"}
+                                       ("phimoe", "tp2_sp_lp"): "accelerator.sequence_parallel split the tokens"}
 LAYOUTS = ("tp2", "cp2")
 TIMEOUT_S = 300
 

@@ -39,7 +39,7 @@ from hyper_parallel.codegen.check.launch import (
     scratch_dir,
     wait_for_ranks,
 )
-from hyper_parallel.codegen.check.verify_worker import LR, STEPS, brief_entry
+from hyper_parallel.codegen.check.verify_worker import LR, STEPS, brief_entry, seed_step
 from hyper_parallel.codegen.spec.types import CodegenSpec
 
 LOSS_RTOL = 1e-5
@@ -218,8 +218,9 @@ def reference_run(spec: CodegenSpec, probe: Probe, first_grads: dict | None = No
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     record: dict[str, list] = {"losses": [], "norms": [], "grads": []}
     sequences = probe.tokens.shape[0]
-    for _ in range(STEPS):
+    for step in range(STEPS):
         total = 0.0
+        seed_step(step)
         for index in range(sequences):
             batch = probe.tokens[index:index + 1]
             loss = model(input_ids=batch, labels=batch).loss / sequences
@@ -241,16 +242,25 @@ def reference_run(spec: CodegenSpec, probe: Probe, first_grads: dict | None = No
 
 def _refuse_if_stochastic(spec: CodegenSpec, probe: Probe) -> None:
     """Refuse a model whose training forward draws random numbers with every dropout
-    probability at 0 (PhiMoE's router samples its experts, Gumbel-style). A rank equals one
-    process only where it draws the same numbers for the same tokens (transformers' own
-    tp2 does: every rank runs the whole batch from one random state); the generated model
-    does not arrange that, so verify cannot tell a right plan from a wrong one on it (a
-    lucky draw even passed it). Checked on the reference model: one training-mode forward that moves the
-    random state. (Dropout at probability 0 draws nothing.)"""
+    probability at 0 (PhiMoE's router samples its experts, Gumbel-style) under a layout
+    where a rank cannot draw what one process draws. Verify and training seed every step
+    alike on every rank and in the reference (``seed_step``), so where every rank runs all
+    the tokens through the same code (tensor parallel alone, ranks as processes) the draws
+    are the same, as transformers' own tp2 has them; splitting the tokens (sequence or
+    context parallel) or the batch (data or expert parallel) changes what each rank draws,
+    and a lucky draw could pass verify with a wrong plan. Checked on the reference model:
+    one training-mode forward that moves the random state. (Dropout at probability 0
+    draws nothing.)"""
     import torch
 
     from hyper_parallel.codegen.check.probe import ProbeError
 
+    p = spec.parallel
+    splits = [key for key, on in (("sequence_parallel", p.sequence_parallel and p.tp > 1), ("cp_size", p.cp > 1),
+                                  ("dp_size", p.dp > 1), ("ep_size", p.ep > 1)) if on]
+    threads = verify_mode(p.world_size) == "threads"
+    if not splits and not threads:
+        return
     model = reference_model(spec, probe)
     state = torch.random.get_rng_state()
     with torch.no_grad():
@@ -258,10 +268,14 @@ def _refuse_if_stochastic(spec: CodegenSpec, probe: Probe) -> None:
     drew = not torch.equal(state, torch.random.get_rng_state())
     torch.random.set_rng_state(state)
     if drew:
+        why = (f"accelerator.{', accelerator.'.join(splits)} split the tokens or the batch, so each rank draws "
+               "other numbers than one process does for the same tokens") if splits else (
+               f"world {p.world_size} is verified as threads of one process, which share one random state")
         raise ProbeError(f"{spec.model_dir / 'config.json'}: {type(model).__name__}'s training forward draws random "
                          "numbers with every dropout probability at 0 (sampling, noise), so its training is "
-                         "stochastic: a rank equals one process only where it draws the same numbers for the same "
-                         "tokens, which the generated model does not arrange, and verify cannot prove a plan on it")
+                         f"stochastic; a rank equals one process only where it draws the same numbers for the same "
+                         f"tokens, as under tensor parallel alone, but {why}: verify cannot prove a plan on it; "
+                         "use tp_size alone for this model")
 
 
 # --- comparing ---------------------------------------------------------------------------------

@@ -30,6 +30,16 @@ STEPS = 2
 LR = 1e-3
 
 
+def seed_step(step: int) -> None:
+    """The global random state for ``step``, the same in the reference run and on every
+    rank: a model that draws in training (PhiMoE's sampling router) draws on each rank what
+    one process draws for the same tokens, where every rank runs all of them (verify
+    refuses such a model under layouts that split the tokens)."""
+    import torch
+
+    torch.manual_seed(1_000 + step)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hyper_parallel.codegen.check.verify_worker")
     parser.add_argument("--job", required=True, help="the job file the verify launcher wrote")
@@ -263,6 +273,7 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
     for step in range(STEPS):
         progress(job, f"step {step + 1}")
         batch = tokens[dp_rank:dp_rank + 1]
+        seed_step(step)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
