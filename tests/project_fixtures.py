@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from hyper_parallel.codegen.light_boot import NO_TORCH_BOOT
@@ -71,14 +72,21 @@ def tree_state(root: Path) -> dict[str, bytes | str]:
     return state
 
 
-def orphaned_scratch() -> list[str]:
+def orphaned_scratch(settle_s: float = 15.0) -> list[str]:
     """verify/preflight scratch folders whose owning process is gone (live ones belong to
-    other runs): a run must remove its own, even when it is killed."""
+    other runs): a run must remove its own, even when it is killed. A killed run's watcher
+    removes its folder within moments, so a folder is reported only when it outlives
+    ``settle_s``: another test running at the same time (pytest-xdist) may be inside that
+    moment, a leak is not."""
     from hyper_parallel.codegen.artifact import pid_alive
 
-    found = []
-    for path in Path(tempfile.gettempdir()).glob("hp-*-*-*"):
-        pid = path.name.split("-")[2]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            found.append(path.name)
-    return found
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = []
+        for path in Path(tempfile.gettempdir()).glob("hp-*-*-*"):
+            pid = path.name.split("-")[2]
+            if pid.isdigit() and not pid_alive(int(pid)) and path.exists():
+                found.append(path.name)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.25)

@@ -547,3 +547,17 @@ def test_a_projection_the_trace_saw_pick_experts_is_replicated_whatever_its_name
 
     result = _planned(tiny_config("zaya"), ParallelDims(tp=TP))
     assert result.roles["model.layers.0.mlp.gate.router_mlp.out_proj"] == "replicate"
+
+
+def test_a_linear_weight_applied_outside_its_forward_is_that_linear_output():
+    """LongCat-Flash's router applies its classifier's weight itself (``F.linear(x,
+    self.classifier.weight)``): the scores top-k picks from are the classifier's output, so
+    the classifier is the router. Read as the input's, they named the stream's last writer,
+    attention's o_proj, a router, and its attention lost its block."""
+    from hyper_parallel.families.tiny import tiny_config
+
+    flow = _flow(_tiny(tiny_config("longcat_flash")))
+    assert {pattern(name) for name in flow.routers} == {"model.layers.*.mlp.router.classifier"}
+    roles = _roles(flow)
+    assert roles["model.layers.*.self_attn.*.o_proj"] in ("rowwise", "rowwise_split_input"), roles
+    assert flow.block_of("model.layers.0.self_attn.0.o_proj") is not None

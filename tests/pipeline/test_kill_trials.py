@@ -93,7 +93,7 @@ def _wait_for_cleanup(pid: int, project: Path, timeout_s: float = 10.0) -> tuple
     deadline = time.monotonic() + timeout_s
     while True:
         processes = _leftovers(pid, project)
-        scratch = [name for name in orphaned_scratch() if f"-{pid}-" in name]
+        scratch = [name for name in orphaned_scratch(settle_s=0) if f"-{pid}-" in name]
         if (not processes and not scratch) or time.monotonic() > deadline:
             return processes, scratch
         time.sleep(0.25)

@@ -268,14 +268,14 @@ def _refuse_if_stochastic(spec: CodegenSpec, probe: Probe) -> None:
     drew = not torch.equal(state, torch.random.get_rng_state())
     torch.random.set_rng_state(state)
     if drew:
-        why = (f"accelerator.{', accelerator.'.join(splits)} split the tokens or the batch, so each rank draws "
-               "other numbers than one process does for the same tokens") if splits else (
+        why = (f"accelerator.{', accelerator.'.join(splits)} split the tokens or the batch, so each rank draws other "
+               "numbers than one process does") if splits else (
                f"world {p.world_size} is verified as threads of one process, which share one random state")
         raise ProbeError(f"{spec.model_dir / 'config.json'}: {type(model).__name__}'s training forward draws random "
-                         "numbers with every dropout probability at 0 (sampling, noise), so its training is "
-                         f"stochastic; a rank equals one process only where it draws the same numbers for the same "
-                         f"tokens, as under tensor parallel alone, but {why}: verify cannot prove a plan on it; "
-                         "use tp_size alone for this model")
+                         f"numbers (sampling, noise; every dropout probability is 0), and {why}: its training is "
+                         "stochastic, a rank equals one process only where it draws the same numbers for the same "
+                         "tokens (tensor parallel alone), so verify cannot prove a plan on it; use tp_size alone "
+                         "for this model")
 
 
 # --- comparing ---------------------------------------------------------------------------------
