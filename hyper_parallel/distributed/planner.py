@@ -126,6 +126,12 @@ class StyleRefusal(PlanError):
         super().__init__(self.head)
 
 
+# HF's ``moe_identity_expert`` is planned only on what it is written for: a zero-compute
+# expert (``nn.Identity``, no parameters) inside experts whose output is a partial sum.
+_IDENTITY_ONLY = ("which makes an identity (zero-compute) expert's output one term of its experts' partial sum over "
+                  "tp; it is planned only on an nn.Identity without parameters, which this module is not")
+
+
 class ShardingPlanner:
     def __init__(self, model: nn.Module, *, dims: ParallelDims, mesh: OfflineMesh,
                  sequence_parallel: bool = False, loss_parallel: bool = False, hints: dict | None = None,
@@ -459,6 +465,8 @@ class ShardingPlanner:
                 "transformers' tensor-parallel vocabulary it knows, roles.TP_STYLES)")
         if meaning.role is None:
             raise StyleRefusal(fqn, module, style, meaning.refused)
+        if meaning.role == "identity_share":
+            raise StyleRefusal(fqn, module, style, _IDENTITY_ONLY)
         return meaning
 
     def _container_role(self, fqn: str, module: nn.Module, roles: dict[str, str]) -> str | None:
@@ -477,6 +485,8 @@ class ShardingPlanner:
             return None
         if meaning.role != "identity_share":
             raise StyleRefusal(fqn, module, style, meaning.refused)
+        if not isinstance(module, nn.Identity):
+            raise StyleRefusal(fqn, module, style, _IDENTITY_ONLY)
         if self.dims.tp == 1:
             return None  # no partial sum over tp: the expert's output counts once as it is
         owner = max((name for name in roles if fqn.startswith(name + ".")), key=len, default=None)

@@ -32,6 +32,9 @@ LAYOUTS = {
 }
 MOE_LAYOUTS = ("ep2", "tp2_ep2")
 TRAIN_STEPS, LOSS_RTOL, NORM_RTOL = 3, 1e-5, 1e-4
+# The most AdamW's measured rounding noise may widen a later step's tolerance to: a noisy
+# reference that wanders further (an unstable model) proves nothing about the parallel run.
+NOISE_CAP = 1e-2
 
 # The project's own "cannot plan this" errors: a clean refusal when raised before emit or by
 # verify's probe, and the CLI exits EXIT_REFUSED for them. Anything else (TypeError,
@@ -301,8 +304,9 @@ def compare_training(got: list[dict], want: list[dict], noisy: list[dict] | None
     With ``noisy`` (one process trained again with rounding-sized noise on its gradients,
     ``reference_training(rounding_noise=True)``) a step after the first may also deviate as
     far as that run deviates from the plain one: on some models AdamW carries fp32 rounding
-    (what any other summation order leaves) past 1e-4 within two steps. The first step, which
-    no optimizer step precedes, stays strict either way."""
+    (what any other summation order leaves) past 1e-4 within two steps; by at most NOISE_CAP.
+    The first step, which no optimizer step precedes, stays strict either way; a loss or
+    gradient norm that is not finite fails."""
     if len(got) != len(want):
         return "fail", f"train: {len(got)} steps logged, expected {len(want)}"
     worst_loss = worst_norm = noise_loss = noise_norm = 0.0
@@ -313,8 +317,9 @@ def compare_training(got: list[dict], want: list[dict], noisy: list[dict] | None
         if noisy is not None and step > 1:
             floor_loss, floor_norm = relative_deviation(noisy[step - 1], ref)
             noise_loss, noise_norm = max(noise_loss, floor_loss), max(noise_norm, floor_norm)
-            loss_tol, norm_tol = max(loss_tol, floor_loss), max(norm_tol, floor_norm)
-        if not math.isfinite(have["loss"]) or loss_rel > loss_tol or norm_rel > norm_tol:
+            loss_tol, norm_tol = max(loss_tol, min(floor_loss, NOISE_CAP)), max(norm_tol, min(floor_norm, NOISE_CAP))
+        finite = math.isfinite(have["loss"]) and math.isfinite(have["grad_norm"])
+        if not finite or not loss_rel <= loss_tol or not norm_rel <= norm_tol:
             noise = f"; one process with rounding noise: loss rel {floor_loss:.1e}, grad norm rel {floor_norm:.1e}" \
                 if noisy is not None and step > 1 else ""
             return "fail", (f"train step {step}: loss {have['loss']:.7g} vs one process {ref['loss']:.7g} "

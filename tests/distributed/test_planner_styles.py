@@ -262,6 +262,7 @@ def test_unknown_style_is_refused_with_the_entry_that_places_the_module(layout):
     ("model.layers.*.mlp.down_proj", "all_reduce", "partial-sum output"),
     ("model.layers.*.mlp.up_proj", "packed_rowwise", "parameter-level style"),
     ("model.layers.*.mlp", "moe_identity_expert", "one term of its experts' partial sum"),
+    ("model.layers.*.input_layernorm", "moe_identity_expert", "planned only on an nn.Identity"),
     ("model.layers.*.mlp.up_proj.weight", "moe_tp_experts", "gives a parameter no layout"),
 ])
 def test_a_style_no_role_means_is_refused_by_name(target, style, words):
@@ -272,3 +273,13 @@ def test_a_style_no_role_means_is_refused_by_name(target, style, words):
     module = target.removesuffix(".weight").replace("*", "0")
     assert f"cannot plan module {module} " in message and repr(style) in message and words in message, message
     assert _plan(model, hints={target: style}, overrides=_override_entries(message)).roles  # placed by the entry
+
+
+def test_identity_expert_style_on_what_is_not_an_identity_is_refused():
+    """``moe_identity_expert`` written on the experts' activation (no parameters, inside
+    packed experts, but not an expert): handing on a zero from every rank but the first
+    would drop the activation; refused by name."""
+    model = _meta_model("mixtral")
+    with pytest.raises(PlanError) as err:
+        _plan(model, hints={"model.layers.*.mlp.experts.act_fn": "moe_identity_expert"})
+    assert "model.layers.0.mlp.experts.act_fn" in str(err.value) and "nn.Identity" in str(err.value), err.value

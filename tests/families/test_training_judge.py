@@ -57,3 +57,13 @@ def test_reference_noise_starts_after_the_first_record(tmp_path):
     assert plain[1:] != noisy[1:]
     for have, ref in zip(noisy, plain):
         assert abs(have["grad_norm"] - ref["grad_norm"]) <= 1e-2 * ref["grad_norm"], (noisy, plain)
+
+
+def test_a_norm_that_is_not_finite_fails_and_the_noise_widens_by_at_most_the_cap():
+    nan = run_with(2)
+    nan[1]["grad_norm"] = float("nan")
+    assert compare_training(nan, REFERENCE)[0] == "fail"
+    assert compare_training(nan, REFERENCE, NOISY)[0] == "fail"
+    wild = [dict(record) for record in NOISY]
+    wild[2]["loss"] *= 1.4  # an unstable noisy run: 40% is no rounding noise
+    assert compare_training(run_with(3, loss_rel=0.3), REFERENCE, wild)[0] == "fail"
