@@ -58,6 +58,17 @@ def test_generating_twice_gives_identical_bytes(built, tmp_path):
     other = make_project(tmp_path / "elsewhere" / "checkout")
     _ok(doit(other, "install", f"config={TINY_RECIPE}"))
     assert bundle_bytes(other / BUNDLE) == bundle_bytes(built / BUNDLE)
+    # Stage records too: install depends on them by content, so a second run that wrote
+    # other bytes (a timing) would make a concurrent generate redo install.
+    records = _stage_records(built)
+    assert sorted(records) == ["diff.json", "emit.json", "frozen.json", "plan.json", "source.json", "verify.json"]
+    assert _stage_records(other) == records
+
+
+def _stage_records(project: Path) -> dict[str, bytes]:
+    """The workspace's records of the stages through install (preflight ran only in ``built``)."""
+    names = ("source", "plan", "frozen", "emit", "diff", "verify")
+    return {path.name: path.read_bytes() for name in names for path in (project / "generated").glob(f"*/{name}.json")}
 
 
 def test_copied_checkout_keeps_the_bundle_valid(built, tmp_path):

@@ -132,7 +132,9 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: 
             divergence = _first_divergence(spec, probe, job, Path(tmp), mode, world)
             raise VerifyError(_failure_message(spec, failure, divergence, bundle_dir, job, world, mode, probe))
     seconds = time.perf_counter() - start
-    report = {"mode": mode, "world": world, "steps": STEPS, **figures, "seconds": round(seconds, 2)}
+    # No timing in the report: verify.json is install's file dependency, and a second
+    # run (a concurrent generate) must write the same bytes or doit redoes install.
+    report = {"mode": mode, "world": world, "steps": STEPS, **figures}
     log(f"ok: world {world} ({mode}), {STEPS} steps, max loss rel err {figures['max_loss_rel']:.1e}, "
         f"max grad rel err {figures['max_grad_rel']:.1e}, {len(got['grads'][0])} parameters, {seconds:.1f}s")
     return report
