@@ -12,10 +12,32 @@ PROCESS_TESTS = frozenset({
 })
 
 
+# Modules whose tests share a costly module- or session-scoped fixture run on one worker,
+# so the fixture is built once, not once per worker. Left out: modules whose fixture is
+# cheap next to their tests, which the two workers should share.
+SPLIT_MODULES = frozenset({"tests/families/test_family_subset.py"})
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid.split("::", 1)[0] in PROCESS_TESTS:
+        module = item.nodeid.split("::", 1)[0]
+        if module in PROCESS_TESTS:
             item.add_marker(pytest.mark.xdist_group("processes"))
+        elif module not in SPLIT_MODULES and (group := _shared_fixture_group(item, module)):
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _shared_fixture_group(item, module: str) -> str | None:
+    """The worker group of a test that uses a module- or session-scoped fixture defined in
+    tests/ (pytest's own, such as tmp_path_factory, cost nothing to share): its module, or
+    for a session fixture the fixture itself, which several modules may use."""
+    info = getattr(item, "_fixtureinfo", None)
+    scopes = {}
+    for name, definitions in (info.name2fixturedefs.items() if info else ()):
+        fixture = definitions[-1]
+        if fixture.scope in ("module", "session") and fixture.baseid.startswith("tests"):
+            scopes[fixture.scope] = f"{fixture.baseid}::{name}"
+    return scopes.get("session") or (module if "module" in scopes else None)
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """Shared by the pipeline tests: one generated tiny project per pytest run, copied
 into each test that changes it, and a small synthetic bundle for loader tests."""
 
+import fcntl
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,18 +17,34 @@ ENV = {"PYTHONPATH": str(REPO)}
 BUNDLE = Path("recipes/tiny_cpu/generated")
 MODELING_FILE = "modeling_Qwen3_Moe_gen_cpu.py"
 
-_generated: list[Path] = []  # the one project generated in this pytest process
+_generated: list[Path] = []  # the one project generated in this pytest run
 
 
 def generated_tiny_project(tmp_path_factory) -> Path:
     """A project whose tiny recipe is generated through install (no torchrun preflight).
-    Built once per pytest process; treat it as read-only and copy it to change it."""
+    Built once per pytest run, also under pytest-xdist: the first worker to ask builds it
+    under a lock in the run's shared temp folder, the others wait and reuse it. Treat it
+    as read-only and copy it to change it."""
     if not _generated:
-        project = make_project(tmp_path_factory.mktemp("generated") / "project")
-        proc = cli(project, "generate", "--config", TINY_RECIPE, "--skip-preflight", env=ENV)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        root = _run_temp(tmp_path_factory)
+        project, done = root / "generated-tiny" / "project", root / "generated-tiny.done"
+        with open(root / "generated-tiny.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                shutil.rmtree(project.parent, ignore_errors=True)  # a failed build's remains
+                make_project(project)
+                proc = cli(project, "generate", "--config", TINY_RECIPE, "--skip-preflight", env=ENV)
+                assert proc.returncode == 0, proc.stdout + proc.stderr
+                done.touch()
         _generated.append(project)
     return _generated[0]
+
+
+def _run_temp(tmp_path_factory) -> Path:
+    """This pytest run's temp folder, shared by its xdist workers (each worker's own
+    base temp folder sits inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def copy_project(source: Path, dest: Path) -> Path:

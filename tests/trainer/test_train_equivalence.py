@@ -1,5 +1,11 @@
 """The tiny recipe trains under torchrun with the gen backend, and its per-step losses
-and gradient norms equal single-process HF training on the same data and weights."""
+and gradient norms equal single-process HF training on the same data and weights.
+
+Rank 0 generates the bundle at start; its verify stage runs the ranks as threads of one
+process (verify's own mode above its process cap, ``$HYPER_PARALLEL_VERIFY_MAX_PROCS``;
+tests/verify/test_verify_modes.py shows both modes give the same verdict and figures).
+Training is what is under test here, and at world 4 a torchrun verify starts five more
+torch processes on a 2-core machine for each layout."""
 
 import json
 import math
@@ -13,6 +19,7 @@ from safetensors.torch import save_file
 
 from hyper_parallel.config import load_training_config
 from hyper_parallel.trainer.data import global_batch, micro_batches
+from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
 from tests.project_fixtures import TINY_RECIPE, run
 
 STEPS = 10
@@ -95,7 +102,7 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
     metrics = tmp_path / "metrics.json"
     proc = run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
                 "--standalone", "-m", "hyper_parallel.trainer",
-                "--config", str(recipe), "--metrics", str(metrics)], cwd=project)
+                "--config", str(recipe), "--metrics", str(metrics)], cwd=project, env={MAX_PROCS_ENV: "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"step {STEPS}/{STEPS}" in proc.stdout
     if "plan_overrides" in data:  # the generated model applies the replacements
