@@ -1,10 +1,8 @@
 """A failed torchrun preflight reports the failing rank's own error, not torchrun's
 summary that only says a child failed."""
 
-import sys
-
 from hyper_parallel.codegen.check.launch import last_error_line as _last_error_line
-from tests.project_fixtures import run
+from tests.launch import torchrun
 
 
 def test_the_ranks_error_is_reported_not_torchruns_summary(tmp_path):
@@ -12,8 +10,7 @@ def test_the_ranks_error_is_reported_not_torchruns_summary(tmp_path):
     # One rank fails: two ranks writing the same error at once interleave on stderr.
     worker.write_text("import os\nif os.environ['RANK'] == '1':\n"
                       "    raise ValueError('bundle digest 1 differs from rank 0s 2')\n")
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)],
-               cwd=tmp_path, timeout=120)
+    proc = torchrun([str(worker)], cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
     assert "ChildFailedError" in proc.stderr + proc.stdout  # what the old report showed
     assert _last_error_line(proc.stderr + proc.stdout) == "ValueError: bundle digest 1 differs from rank 0s 2"

@@ -11,8 +11,6 @@ import argparse
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from hyper_parallel.codegen.emit.modeling import emit_modeling_source
 from hyper_parallel.codegen.runtime import hyper_apply_replacements
+from tests.launch import assert_ran, torchrun
 from tests.rank_exit import leave_after_barrier
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,11 +69,10 @@ def test_generated_hyper_parallelize_matches_hf_under_torchrun(tmp_path):
     reference = transformers.AutoModelForCausalLM.from_config(tiny_config())
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(tmp_path / "w.safetensors"))
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.codegen.test_runtime_hyper_parallelize",
-               "--generated", str(generated), "--weights", str(tmp_path / "w.safetensors"), "--out", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"torchrun failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run = torchrun(["-m", "tests.codegen.test_runtime_hyper_parallelize",
+                    "--generated", str(generated), "--weights", str(tmp_path / "w.safetensors"), "--out", str(tmp_path)],
+                   cwd=REPO, timeout=300)
+    assert_ran(run)
 
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -10,7 +10,6 @@ transformers really writes: ``block_sparse_moe.experts.E.w1/w2/w3.weight`` per e
 import dataclasses
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,8 @@ from transformers.core_model_loading import Interleave, Split, WeightConverter
 import hyper_parallel.distributed.checkpoint_names as checkpoint_names
 from hyper_parallel.distributed.checkpoint_names import StoredTensor, conversion_transforms, route_checkpoint
 from hyper_parallel.distributed.sharded_load import load_sharded_safetensors
-from tests.project_fixtures import REPO, run
+from tests.launch import assert_ran, torchrun
+from tests.project_fixtures import REPO
 
 SOURCE_MODULE = "transformers.models.mixtral.modeling_mixtral"
 EXPERTS = 4
@@ -229,10 +229,9 @@ def test_mixtral_save_pretrained_loads_in_the_gen_path_at_tp2_and_dp2_ep2(tmp_pa
 
     model_dir = save_mixtral(tmp_path / "model")
     cases = [f"{layout}={_emit_generated(tmp_path, layout, dims)}" for layout, dims in LAYOUTS.items()]
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                "-m", "tests.distributed.checkpoint_conversion_worker", "--model-dir", str(model_dir),
-                "--out", str(tmp_path), *[arg for case in cases for arg in ("--case", case)]], cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(["-m", "tests.distributed.checkpoint_conversion_worker", "--model-dir", str(model_dir),
+                     "--out", str(tmp_path), *[arg for case in cases for arg in ("--case", case)]], cwd=REPO)
+    assert_ran(proc)
 
     held_by_rank = []
     for rank in (0, 1):

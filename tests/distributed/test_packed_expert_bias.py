@@ -8,9 +8,6 @@ and the input's (rtol 1e-4), the gradient norm, and the loss after an AdamW step
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.planner import ShardingPlanner
+from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
 
 TP, CP = "tp", "cp"
@@ -28,11 +26,8 @@ TINY_GPT_OSS = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_head
 
 
 def test_tp2_expert_down_bias_matches_one_process(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-               "-m", "tests.distributed.expert_bias_worker", "--out", str(tmp_path)]
-    run = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"torchrun failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run = torchrun(["-m", "tests.distributed.expert_bias_worker", "--out", str(tmp_path)], cwd=REPO, timeout=300)
+    assert_ran(run)
     for rank in (0, 1):
         for result in json.loads((tmp_path / f"rank{rank}.json").read_text()):
             assert math.isclose(result["par_loss"], result["ref_loss"], rel_tol=1e-5), result

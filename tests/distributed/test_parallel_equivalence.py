@@ -4,13 +4,12 @@ equals the single-process HF model — first loss (rtol 1e-5), every gathered gr
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 
 from tests.distributed.test_tp_equivalence import CONFIG_DIR, REPO, _save_random_weights
+from tests.launch import assert_ran, torchrun
 
 # id: (world size, worker flags, applied axes, local logits shape for a [2, 12] batch,
 #      local shape of an experts down_proj [experts, hidden, intermediate])
@@ -34,17 +33,14 @@ def weights(tmp_path_factory):
 
 
 def launch_worker(world: int, flags: list[str], weights, out) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--standalone", "-m", "tests.distributed.tp_equivalence_worker",
-        "--config-dir", str(CONFIG_DIR), "--weights", str(weights), "--out", str(out), *flags,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return torchrun(["-m", "tests.distributed.tp_equivalence_worker",
+                     "--config-dir", str(CONFIG_DIR), "--weights", str(weights), "--out", str(out), *flags],
+                    cwd=REPO, nproc=world, timeout=300)
 
 
 def run_worker(world: int, flags: list[str], weights, out) -> list[dict]:
     run = launch_worker(world, flags, weights, out)
-    assert run.returncode == 0, f"torchrun failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    assert_ran(run)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 

@@ -3,14 +3,14 @@
 import json
 import math
 import shutil
-import sys
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
 
-from tests.project_fixtures import REPO, run
+from tests.launch import assert_ran, torchrun
+from tests.project_fixtures import REPO
 
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
@@ -45,9 +45,9 @@ def test_tp2_sharded_load_equals_hf_and_reads_less(tmp_path, layout):
     save_file(state, str(model_dir / "reference.safetensors.ref"))
     save_file(_per_expert(state) if layout == "per_expert" else state, str(model_dir / "model.safetensors"))
 
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.distributed.sharded_load_worker",
-                "--model-dir", str(model_dir), "--out", str(tmp_path)], cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(["-m", "tests.distributed.sharded_load_worker", "--model-dir", str(model_dir), "--out", str(tmp_path)],
+                    cwd=REPO)
+    assert_ran(proc)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert math.isclose(result["loss"], result["ref_loss"], rel_tol=1e-5), result

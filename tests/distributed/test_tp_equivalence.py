@@ -2,14 +2,13 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import transformers
 from safetensors.torch import save_file
+
+from tests.launch import assert_ran, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
@@ -26,13 +25,10 @@ def _save_random_weights(path: Path) -> None:
 def test_tp2_loss_grads_and_step_match_single_process(tmp_path):
     weights = tmp_path / "weights.safetensors"
     _save_random_weights(weights)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.distributed.tp_equivalence_worker",
-        "--config-dir", str(CONFIG_DIR), "--weights", str(weights), "--out", str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"torchrun failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run = torchrun(["-m", "tests.distributed.tp_equivalence_worker",
+                    "--config-dir", str(CONFIG_DIR), "--weights", str(weights), "--out", str(tmp_path)],
+                   cwd=REPO, timeout=300)
+    assert_ran(run)
 
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

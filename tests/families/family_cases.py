@@ -1,9 +1,6 @@
 """Shared by the family tests: tiny configs, random weights, one torchrun for many cases."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -11,6 +8,7 @@ import transformers
 import yaml
 from safetensors.torch import save_file
 
+from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,11 +31,9 @@ def run_cases(cases: list[dict], out: Path, timeout: int = 300) -> dict[str, lis
     """Run every case in one torchrun (world 2); returns ``{name: [rank0 result, rank1 result]}``."""
     cases_file = out / "cases.json"
     cases_file.write_text(json.dumps(cases, indent=1))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.families.family_worker",
-               "--cases", str(cases_file), "--out", str(out)]
-    run = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, f"torchrun failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run = torchrun(["-m", "tests.families.family_worker", "--cases", str(cases_file), "--out", str(out)],
+                   cwd=REPO, timeout=timeout)
+    assert_ran(run)
     return {case["name"]: [json.loads((out / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
             for case in cases}
 

@@ -7,7 +7,6 @@ each rank's piece (the head), so its gradient is a sum of a complete and a parti
 
 import json
 import math
-import sys
 import types
 import warnings
 
@@ -20,7 +19,8 @@ from safetensors import safe_open
 from hyper_parallel.config import load_training_config
 from hyper_parallel.models._transformers.model_builder import build_generated_model_sharded
 from hyper_parallel.trainer.reference import reference_training
-from tests.project_fixtures import REPO, run
+from tests.launch import assert_ran, torchrun
+from tests.project_fixtures import REPO
 
 FAMILY = "starcoder2"
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
@@ -86,10 +86,9 @@ def test_tied_family_trains_like_one_process(tied_recipe, tmp_path, layout):
     tied_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     metrics = tmp_path / "metrics.json"
     world = LAYOUTS[layout]["nproc_per_node"]
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                "-m", "hyper_parallel.trainer", "--config", str(tied_recipe), "--metrics", str(metrics)],
-               cwd=tied_recipe.parents[2])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(tied_recipe), "--metrics", str(metrics)],
+                    cwd=tied_recipe.parents[2], nproc=world)
+    assert_ran(proc)
     got, want = json.loads(metrics.read_text()), reference_training(tied_recipe)
     assert len(got) == len(want) == STEPS
     for step, (have, ref) in enumerate(zip(got, want), start=1):

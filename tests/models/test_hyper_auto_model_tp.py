@@ -5,10 +5,10 @@ single-process HF model's loss, and gen/hf its gradients."""
 
 import json
 import math
-import sys
 
 from tests.models.model_helpers import GROUPED_EXPERTS_FACTORY, save_random_hf_weights, tiny_project_recipe
-from tests.project_fixtures import REPO, run
+from tests.launch import assert_ran, torchrun
+from tests.project_fixtures import REPO
 
 BACKENDS = ("gen", "hf", "custom")
 
@@ -20,10 +20,10 @@ def test_from_pretrained_with_a_tp2_mesh_equals_single_process_hf(tmp_path):
                                                                                      "nproc_per_node: 2"))
     save_random_hf_weights(recipe.parent / "models/tiny-qwen3-moe", seed=4321)
 
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.models.auto_model_tp_worker",
-                "--recipe", str(recipe), "--workspace", str(tmp_path / "project/generated"),
-                "--out", str(tmp_path), "--backends", ",".join(BACKENDS)], cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(["-m", "tests.models.auto_model_tp_worker",
+                     "--recipe", str(recipe), "--workspace", str(tmp_path / "project/generated"),
+                     "--out", str(tmp_path), "--backends", ",".join(BACKENDS)], cwd=REPO)
+    assert_ran(proc)
 
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

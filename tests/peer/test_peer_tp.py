@@ -4,14 +4,12 @@ planner -> applier, in the same run."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import torch
 import transformers
 
 from tests.families.family_cases import REPO
+from tests.launch import assert_ran, torchrun
 
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
@@ -22,11 +20,9 @@ def test_transformers_tp_plan_auto_agrees_with_one_process_and_with_us(tmp_path)
     config = transformers.AutoConfig.from_pretrained(CONFIG_DIR)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.peer.peer_worker",
-               "--model-dir", str(model_dir), "--out", str(tmp_path)]
-    run = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"torchrun failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run = torchrun(["-m", "tests.peer.peer_worker", "--model-dir", str(model_dir), "--out", str(tmp_path)],
+                   cwd=REPO, timeout=300)
+    assert_ran(run)
 
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

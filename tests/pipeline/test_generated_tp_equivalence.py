@@ -3,13 +3,13 @@ torchrun, computes the single-process HF model's loss and gradients."""
 
 import json
 import math
-import sys
 
 import torch
 import transformers
 from safetensors.torch import save_file
 
-from tests.project_fixtures import REPO, TINY_RECIPE, cli, run
+from tests.launch import assert_ran, torchrun
+from tests.project_fixtures import REPO, TINY_RECIPE, cli
 
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
@@ -25,10 +25,10 @@ def test_generated_bundle_at_tp2_equals_single_process_hf(project, tmp_path):
     weights = tmp_path / "weights.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
 
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.pipeline.generated_tp_worker",
-                "--bundle", str(bundle), "--config-dir", str(CONFIG_DIR), "--weights", str(weights),
-                "--out", str(tmp_path)], cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(["-m", "tests.pipeline.generated_tp_worker",
+                     "--bundle", str(bundle), "--config-dir", str(CONFIG_DIR), "--weights", str(weights),
+                     "--out", str(tmp_path)], cwd=REPO)
+    assert_ran(proc)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["generated_class_module"].startswith("hyper_parallel_generated."), result

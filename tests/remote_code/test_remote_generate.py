@@ -8,7 +8,6 @@ import json
 import math
 import shutil
 import socket
-import sys
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ from hyper_parallel.codegen.loader import bundle_package_name, load_generated_mo
 from hyper_parallel.codegen.manager import load_spec
 from hyper_parallel.codegen.meta import load_codegen_meta
 from hyper_parallel.codegen.plan.derive import build_meta_model
-from tests.project_fixtures import REPO, cli, doit, run, tasks_ran
+from tests.launch import assert_ran, torchrun
+from tests.project_fixtures import REPO, cli, doit, tasks_ran
 from tests.remote_code.remote_project import (
     BUNDLE,
     MODEL_DIR,
@@ -97,10 +97,10 @@ def test_generated_model_at_tp2_equals_single_process_remote_model(generated, tm
     weights = tmp_path / "weights.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(weights))
 
-    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "tests.remote_code.remote_tp_worker",
-               "--bundle", str(project / BUNDLE), "--model-dir", str(model_dir), "--weights", str(weights),
-               "--out", str(tmp_path)], cwd=REPO, env=OFFLINE_ENV)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = torchrun(["-m", "tests.remote_code.remote_tp_worker",
+                    "--bundle", str(project / BUNDLE), "--model-dir", str(model_dir), "--weights", str(weights),
+                    "--out", str(tmp_path)], cwd=REPO, env=OFFLINE_ENV)
+    assert_ran(out)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["generated_class_module"].startswith("hyper_parallel_generated."), result

@@ -7,19 +7,14 @@ order, the rows were put back in the wrong places and verify refused a right pla
 puts each row, under torchrun at world 4."""
 
 import json
-import os
-import subprocess
-import sys
 
+from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
 
 
 def test_each_rank_holds_the_rows_local_elements_names(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
-               "-m", "tests.verify.gather_layout_worker", "--out", str(tmp_path)]
-    run = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"torchrun failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run = torchrun(["-m", "tests.verify.gather_layout_worker", "--out", str(tmp_path)], cwd=REPO, nproc=4, timeout=300)
+    assert_ran(run)
     held_packed = []
     for rank in range(4):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -3,9 +3,9 @@ equal the single-process HF model's (rtol 1e-5 / 1e-4), with and without sequenc
 parallel and loss parallel."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.launch import torchrun
 
 REPO_ROOT = Path(__file__).resolve().parents[5]
 WORKER = Path(__file__).with_name("tp_custom_backend_worker.py")
@@ -14,12 +14,8 @@ WORKER = Path(__file__).with_name("tp_custom_backend_worker.py")
 
 def test_tp2_loss_and_grads_match_hf_single_process():
     variants = "sp=0:lp=0,sp=1:lp=1,sp=1:lp=0,sp=0:lp=1"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--standalone", str(WORKER), variants],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    result = torchrun([str(WORKER), variants], cwd=REPO_ROOT, env=env, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     for rank in (0, 1):
