@@ -18,6 +18,9 @@ PROCESS_TESTS = frozenset({
 SPLIT_MODULES = frozenset({"tests/families/test_family_subset.py"})
 
 
+# tryfirst: pytest-xdist's own hook reads the marks into each test's id (``@group``), which
+# is what --dist loadgroup schedules by; a mark added after it is ignored.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.nodeid.split("::", 1)[0]

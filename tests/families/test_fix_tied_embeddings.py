@@ -3,7 +3,10 @@
 with the gen backend's sharded loader, the head and the embedding one parameter, and trains
 at tp2, cp2 and tp2+cp2 equal to single-process HF: loss rtol 1e-5 and gradient norm rtol
 1e-4 every step. Under cp the one weight is used on the full sequence (the embedding) and on
-each rank's piece (the head), so its gradient is a sum of a complete and a partial one."""
+each rank's piece (the head), so its gradient is a sum of a complete and a partial one.
+
+The bundle rank 0 generates at start is verified as threads of one process (as in
+tests/trainer/test_train_equivalence.py: training is under test here)."""
 
 import json
 import math
@@ -16,6 +19,7 @@ import transformers
 import yaml
 from safetensors import safe_open
 
+from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
 from hyper_parallel.config import load_training_config
 from hyper_parallel.models._transformers.model_builder import build_generated_model_sharded
 from hyper_parallel.trainer.reference import reference_training
@@ -87,7 +91,7 @@ def test_tied_family_trains_like_one_process(tied_recipe, tmp_path, layout):
     metrics = tmp_path / "metrics.json"
     world = LAYOUTS[layout]["nproc_per_node"]
     proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(tied_recipe), "--metrics", str(metrics)],
-                    cwd=tied_recipe.parents[2], nproc=world)
+                    cwd=tied_recipe.parents[2], nproc=world, env={MAX_PROCS_ENV: "1"})
     assert_ran(proc)
     got, want = json.loads(metrics.read_text()), reference_training(tied_recipe)
     assert len(got) == len(want) == STEPS

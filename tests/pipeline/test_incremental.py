@@ -28,6 +28,12 @@ def built(tmp_path_factory):
     return project
 
 
+@pytest.fixture
+def built_copy(built, tmp_path):
+    """A copy of ``built`` to change: every stage up to date, as after a first install."""
+    return shutil.copytree(built, tmp_path / "copy", symlinks=True)
+
+
 def test_first_generate_writes_the_bundle(built):
     names = sorted(p.name for p in (built / BUNDLE).iterdir())
     assert names == ["__init__.py", "codegen_meta.json", "modeling_Qwen3_Moe_gen_cpu.py",
@@ -86,8 +92,8 @@ def _set_accelerator(recipe: Path, **values) -> None:
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def test_tp_change_reruns_every_stage_after_resolve(project):
-    _ok(doit(project, "install", f"config={TINY_RECIPE}"))
+def test_tp_change_reruns_every_stage_after_resolve(built_copy):
+    project = built_copy
     _set_accelerator(project / TINY_RECIPE, tp_size=1, nproc_per_node=1)
     out = _ok(doit(project, "install", f"config={TINY_RECIPE}"))
     assert tasks_ran(out) == THROUGH_INSTALL[1:]
@@ -126,8 +132,8 @@ def _fake_transformers_version(root: Path, version: str) -> Path:
     return root
 
 
-def test_modeling_source_change_reruns_everything(project, tmp_path):
-    _ok(doit(project, "install", f"config={TINY_RECIPE}"))
+def test_modeling_source_change_reruns_everything(built_copy, tmp_path):
+    project = built_copy
     shadow = _shadow_transformers(tmp_path / "shadow")
     out = _ok(doit(project, "install", f"config={TINY_RECIPE}", env={"PYTHONPATH": str(shadow)}))
     assert tasks_ran(out) == THROUGH_INSTALL
@@ -135,8 +141,8 @@ def test_modeling_source_change_reruns_everything(project, tmp_path):
     assert "# one more line" in generated  # the bundle is built from the changed source
 
 
-def test_transformers_version_change_reruns_everything(project, tmp_path):
-    _ok(doit(project, "install", f"config={TINY_RECIPE}"))
+def test_transformers_version_change_reruns_everything(built_copy, tmp_path):
+    project = built_copy
     fake = _fake_transformers_version(tmp_path / "fake", "5.99.0")
     out = _ok(doit(project, "install", f"config={TINY_RECIPE}", env={"PYTHONPATH": str(fake)}))
     assert tasks_ran(out) == THROUGH_INSTALL

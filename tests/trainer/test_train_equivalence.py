@@ -9,7 +9,6 @@ torch processes on a 2-core machine for each layout."""
 
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ from safetensors.torch import save_file
 from hyper_parallel.config import load_training_config
 from hyper_parallel.trainer.data import global_batch, micro_batches
 from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
-from tests.project_fixtures import TINY_RECIPE, run
+from tests.launch import assert_ran, torchrun
+from tests.project_fixtures import TINY_RECIPE
 
 STEPS = 10
 
@@ -100,10 +100,9 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
     _save_weights(recipe.parent / data["model"]["pretrained_model_name_or_path"])
 
     metrics = tmp_path / "metrics.json"
-    proc = run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                "--standalone", "-m", "hyper_parallel.trainer",
-                "--config", str(recipe), "--metrics", str(metrics)], cwd=project, env={MAX_PROCS_ENV: "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics", str(metrics)], project,
+                    nproc=world, env={MAX_PROCS_ENV: "1"})
+    assert_ran(proc)
     assert f"step {STEPS}/{STEPS}" in proc.stdout
     if "plan_overrides" in data:  # the generated model applies the replacements
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
