@@ -28,6 +28,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("processes"))
         elif module not in SPLIT_MODULES and (group := _shared_fixture_group(item, module)):
             item.add_marker(pytest.mark.xdist_group(group))
+    # Slow modules first (a stable sort: each module stays in one piece, in its own order):
+    # the workers then end on short tests together, not one on a minute-long test alone.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def _shared_fixture_group(item, module: str) -> str | None:

@@ -1,8 +1,12 @@
 """A failed torchrun preflight reports the failing rank's own error, not torchrun's
 summary that only says a child failed."""
 
+import pytest
+
 from hyper_parallel.codegen.check.launch import last_error_line as _last_error_line
 from tests.launch import torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 def test_the_ranks_error_is_reported_not_torchruns_summary(tmp_path):

@@ -14,6 +14,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -22,6 +23,8 @@ from hyper_parallel.codegen.emit.modeling import emit_modeling_source
 from hyper_parallel.codegen.runtime import hyper_apply_replacements
 from tests.launch import assert_ran, torchrun
 from tests.rank_exit import leave_after_barrier
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"

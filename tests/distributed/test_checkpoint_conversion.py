@@ -25,6 +25,8 @@ from hyper_parallel.distributed.sharded_load import load_sharded_safetensors
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 SOURCE_MODULE = "transformers.models.mixtral.modeling_mixtral"
 EXPERTS = 4
 

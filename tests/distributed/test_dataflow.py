@@ -23,6 +23,8 @@ from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.distributed.planner import ShardingPlanner
 
+pytestmark = pytest.mark.slow
+
 REMOTE = Path(__file__).resolve().parents[1] / "data" / "remote_code"
 TP = 2
 

@@ -19,6 +19,8 @@ from hyper_parallel.distributed.planner import ShardingPlanner
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 TP, CP = "tp", "cp"
 TINY_GPT_OSS = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                 "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256,

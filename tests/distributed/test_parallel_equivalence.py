@@ -11,6 +11,8 @@ import pytest
 from tests.distributed.test_tp_equivalence import CONFIG_DIR, REPO, _save_random_weights
 from tests.launch import assert_ran, torchrun
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 # id: (world size, worker flags, applied axes, local logits shape for a [2, 12] batch,
 #      local shape of an experts down_proj [experts, hidden, intermediate])
 FORMS = {

@@ -11,6 +11,8 @@ import pytest
 
 from tests.families.family_cases import FAMILY_CONFIGS, FORMS, assert_equivalent, run_cases, save_random_hf_weights
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 FAMILIES = ("olmo2", "phi3")
 EXPECTED_ROLES = {
     "olmo2": {"self_attn.q_proj": "colwise_gathered", "self_attn.k_proj": "colwise_gathered",

@@ -12,6 +12,8 @@ from safetensors.torch import save_file
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
 

@@ -4,11 +4,14 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
 
 from tests.launch import assert_ran, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"

@@ -5,6 +5,8 @@ import pytest
 
 from tests.families.family_cases import FORMS, HF_FAMILIES, assert_equivalent
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 # What must be tensor-parallel in each family (beyond attention, embedding and lm_head).
 SHARDED_IN_LAYER_0 = {
     "llama": ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"),

@@ -28,6 +28,8 @@ from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
 from hyper_parallel.families.case import Case, make_project, run_case
 from hyper_parallel.families.tiny import family_dir, save_checkpoint
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 # family -> what it adds to the planner's cases
 FAMILIES = {
     "llama": "plain: separate q/k/v/o, gated MLP, RMSNorm, untied head",

@@ -4,11 +4,14 @@
 
 import json
 
+import pytest
 import transformers
 
 from hyper_parallel.codegen.check.probe import shrink_widths
 from tests.families.family_cases import generate_tp2
 from tests.project_fixtures import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LLAMA = REPO / "tests/data/families/llama"
 

@@ -19,6 +19,8 @@ from hyper_parallel.codegen.source.resolver import SourceError, modeling_path
 from tests.families.family_cases import generate_tp2
 from tests.project_fixtures import REPO
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 # Types whose modeling file is not models/<type>/modeling_<type>.py (refused before).
 NOT_BY_NAME = {
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3",

@@ -26,6 +26,8 @@ from hyper_parallel.trainer.reference import reference_training
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 FAMILY = "starcoder2"
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
         "vocab_size": 256, "num_hidden_layers": 2, "max_position_embeddings": 128, "use_cache": False,

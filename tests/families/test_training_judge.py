@@ -2,9 +2,13 @@
 one process passes only as far as one process itself moves when its gradients carry
 rounding-sized noise (AdamW's own sensitivity, measured on the same model)."""
 
+import pytest
+
 from hyper_parallel.families.case import compare_training, write_recipe
 from hyper_parallel.families.tiny import save_checkpoint
 from hyper_parallel.trainer.reference import reference_training
+
+pytestmark = pytest.mark.slow
 
 REFERENCE = [{"loss": 5.0, "grad_norm": 10.0}, {"loss": 4.9, "grad_norm": 9.0}, {"loss": 4.8, "grad_norm": 8.0}]
 # one process again, with rounding noise: step 1 identical, later steps off by 1e-4 / 5e-3

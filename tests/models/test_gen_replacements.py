@@ -1,6 +1,7 @@
 """On the gen path each replace_module is lowered into the generated __init__ (visible
 in the .diff) and applied exactly once when the model is built."""
 
+import pytest
 import torch
 import yaml
 
@@ -9,6 +10,8 @@ from hyper_parallel.config import load_training_config
 from hyper_parallel.models._transformers.auto_model import HyperAutoModel
 from tests.models import counting_replacements
 from tests.models.model_helpers import save_random_hf_weights, tiny_project_recipe, token_batch
+
+pytestmark = pytest.mark.slow
 
 OVERRIDES = [
     {"match": "*.self_attn", "module_type": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",

@@ -14,6 +14,8 @@ from hyper_parallel.models._transformers import HyperAutoModel
 from tests.models.model_helpers import GROUPED_EXPERTS_FACTORY, save_random_hf_weights, tiny_project_recipe, token_batch
 from tests.project_fixtures import REPO
 
+pytestmark = pytest.mark.slow
+
 GROUPED_EXPERTS_OVERRIDE = [{"match": "*.mlp.experts", "replace_module": {"_target_": GROUPED_EXPERTS_FACTORY}}]
 
 

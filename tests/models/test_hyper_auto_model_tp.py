@@ -6,9 +6,13 @@ single-process HF model's loss, and gen/hf its gradients."""
 import json
 import math
 
+import pytest
+
 from tests.models.model_helpers import GROUPED_EXPERTS_FACTORY, save_random_hf_weights, tiny_project_recipe
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 BACKENDS = ("gen", "hf", "custom")
 

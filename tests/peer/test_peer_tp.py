@@ -5,11 +5,14 @@ planner -> applier, in the same run."""
 import json
 import math
 
+import pytest
 import torch
 import transformers
 
 from tests.families.family_cases import REPO
 from tests.launch import assert_ran, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 

@@ -14,6 +14,8 @@ from hyper_parallel.codegen.spec.types import STAGES
 from hyper_parallel.config import RecipeError
 from tests.project_fixtures import TINY_RECIPE
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 
 def test_install_refuses_a_folder_holding_other_files(tmp_path):
     target = tmp_path / "mine"

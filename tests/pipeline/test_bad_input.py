@@ -15,6 +15,8 @@ from tests.pipeline.test_bad_recipe_corpus import (
 )
 from tests.project_fixtures import TINY_RECIPE, bundle_bytes, cli
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 TINY_DIR = Path(TINY_RECIPE).parent
 
 

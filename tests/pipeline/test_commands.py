@@ -2,7 +2,11 @@
 
 import sys
 
+import pytest
+
 from tests.project_fixtures import TINY_RECIPE, cli, doit, make_project, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 STAGES = ["resolve", "derive", "freeze", "emit", "diff", "verify", "install", "preflight"]
 

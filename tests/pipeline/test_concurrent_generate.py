@@ -20,12 +20,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hyper_parallel.codegen.check.preflight import preflight_integrity_check
 from hyper_parallel.codegen.hash import implementation_sha256
 from hyper_parallel.codegen.manager import load_spec
 from hyper_parallel.codegen.spec.project import signature_from_spec
 from tests.pipeline.pipeline_helpers import BUNDLE, ENV, generated_tiny_project
 from tests.project_fixtures import TINY_RECIPE, bundle_bytes, doit, make_project, run, tasks_ran
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 DOIT_GENERATE = [sys.executable, "-m", "doit", "generate", f"config={TINY_RECIPE}"]
 CLI_GENERATE = [sys.executable, "-m", "hyper_parallel.codegen", "generate", "--config", TINY_RECIPE,

@@ -4,12 +4,15 @@ torchrun, computes the single-process HF model's loss and gradients."""
 import json
 import math
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
 
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO, TINY_RECIPE, cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 

@@ -10,6 +10,8 @@ import yaml
 from hyper_parallel.codegen.source.resolver import transformers_root
 from tests.project_fixtures import TINY_RECIPE, bundle_bytes, doit, make_project, tasks_ran, tasks_skipped
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 ALL_STAGES = ["resolve", "derive", "freeze", "emit", "diff", "verify", "install", "preflight"]
 THROUGH_INSTALL = ALL_STAGES[:-1]
 BUNDLE = Path("recipes/tiny_cpu/generated")

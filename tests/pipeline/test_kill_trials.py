@@ -15,11 +15,14 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 
 from hyper_parallel.codegen.spec.types import STAGES
 from tests.pipeline.pipeline_helpers import BUNDLE, ENV, copy_project, generated_tiny_project
 from tests.project_fixtures import TINY_RECIPE, bundle_bytes, cli, orphaned_scratch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 TRIALS_PER_STAGE = 2  # 8 stages: 16 kills, and one more round in the stages that do the most:
 EXTRA_ROUND = ("resolve", "derive", "verify", "preflight")  # 20 kills (the suite's 20-minute budget)

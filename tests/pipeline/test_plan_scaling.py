@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
 import yaml
 
 from tests.project_fixtures import MAIN_RECIPE, doit
+
+pytestmark = pytest.mark.slow
 
 
 def _frozen(project, recipe: str) -> dict:

@@ -3,8 +3,12 @@ writes tp placements (of one rank), which the applier leaves out of each paramet
 the preflight read them against that mesh and failed every such recipe after verify had
 passed (the family sweep skips the preflight, so it never showed there)."""
 
+import pytest
+
 from tests.pipeline.pipeline_helpers import ENV
 from tests.project_fixtures import TINY_RECIPE, cli, make_project
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 def test_a_context_parallel_only_recipe_passes_the_preflight(tmp_path):

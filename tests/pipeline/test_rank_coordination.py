@@ -15,6 +15,8 @@ from hyper_parallel.codegen.manager import CodegenWaitError, ensure_codegen_arti
 from hyper_parallel.config import load_training_config
 from tests.project_fixtures import REPO, TINY_RECIPE, make_project
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 SLACK_S = 2.0  # scheduling slack on a busy 2-core machine
 # A recipe that fails in the derive stage: the override matches no module (never a silent no-op).
 BROKEN_OVERRIDE = """

@@ -10,6 +10,8 @@ from hyper_parallel.codegen.hash import sha256_bytes
 from tests.pipeline.pipeline_helpers import BUNDLE, ENV, MODELING_FILE, copy_project, generated_tiny_project
 from tests.project_fixtures import TINY_RECIPE, bundle_bytes, cli
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 WORKSPACE = "generated/recipes+tiny_cpu+qwen3_moe_tiny"
 
 

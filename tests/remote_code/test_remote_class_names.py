@@ -18,6 +18,8 @@ from tests.remote_code import remote_replacements
 from tests.remote_code.remote_project import BUNDLE, MODEL_DATA, RECIPE, make_remote_project
 from tests.remote_code.remote_tp_worker import build_remote_model
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 THROUGH_INSTALL = STAGES[:STAGES.index("install") + 1]
 REPLACE_ATTENTION = {"match": "*.self_attn", "module_type": "modeling_fused.FusedAttention",
                      "replace_module": {"_target_": "tests.remote_code.remote_replacements.marked_attention"}}

@@ -32,6 +32,8 @@ from tests.remote_code.remote_project import (
 )
 from tests.remote_code.remote_tp_worker import build_remote_model
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 THROUGH_INSTALL = ["resolve", "derive", "freeze", "emit", "diff", "verify", "install"]
 
 

@@ -3,7 +3,11 @@ line naming the recipe and the fix, exit status 2, no traceback."""
 
 import sys
 
+import pytest
+
 from tests.project_fixtures import REPO, TINY_RECIPE, run
+
+pytestmark = pytest.mark.slow
 
 
 def test_without_torchrun_it_says_how_to_launch():

@@ -22,6 +22,8 @@ from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import TINY_RECIPE
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 STEPS = 10
 
 

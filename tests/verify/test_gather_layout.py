@@ -8,8 +8,12 @@ puts each row, under torchrun at world 4."""
 
 import json
 
+import pytest
+
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 def test_each_rank_holds_the_rows_local_elements_names(tmp_path):

@@ -9,6 +9,8 @@ import yaml
 
 from tests.project_fixtures import REPO, TINY_RECIPE, cli
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 FAMILY_CONFIGS = REPO / "tests/data/families"
 QWEN3_MOE_LAYOUTS = {
     "qwen3_moe_tp2_sp_lp": {"tp_size": 2, "sequence_parallel": True, "loss_parallel": True},

@@ -10,6 +10,8 @@ import yaml
 from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
 from tests.project_fixtures import TINY_RECIPE, cli
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 LAYOUTS = {
     "tp2": {},
     "tp2_cp2_ep2_sp_lp": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,

@@ -8,6 +8,8 @@ import yaml
 
 from tests.project_fixtures import REPO, TINY_RECIPE, bundle_bytes, doit, make_project, tasks_ran
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 BUNDLE = "recipes/tiny_cpu/generated"
 CP2 = {"tp_size": 1, "cp_size": 2}
 

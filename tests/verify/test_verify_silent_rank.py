@@ -12,6 +12,8 @@ import yaml
 
 from tests.project_fixtures import REPO, TINY_RECIPE, bundle_bytes, cli, orphaned_scratch
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 TIMEOUT_S = 10
 PHASES = {"verify_worker": "building the probe model", "preflight_worker": "checking the bundle"}
 

@@ -5,7 +5,11 @@ parallel and loss parallel."""
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.launch import torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 REPO_ROOT = Path(__file__).resolve().parents[5]
 WORKER = Path(__file__).with_name("tp_custom_backend_worker.py")
