@@ -8,12 +8,18 @@ the caller's ``WORLD_SIZE``/``RANK``/``MASTER_*``, others went through
 Every launch now goes through ``tests.project_fixtures.run`` (``OMP_NUM_THREADS=1``, so
 ranks on a small machine do not oversubscribe it; inherited rendezvous variables
 dropped) with ``--standalone`` (a local rendezvous on a free port).
+
+A test worker module (``-m tests...``) runs under ``forked_torchrun``, as verify's ranks
+do: torchrun itself, its ranks forked from a launcher that imported the worker's modules
+once, instead of each rank importing torch and transformers again. The trainer and
+worker scripts are started as a user starts them: plain torchrun.
 """
 
 import subprocess
 import sys
 from pathlib import Path
 
+from hyper_parallel.codegen.check.forked_torchrun import torchrun_command
 from tests.project_fixtures import run
 
 
@@ -22,7 +28,11 @@ def torchrun(target: list[str], cwd: Path, *, nproc: int = 2, env: dict | None =
     """Run ``target`` (``["-m", "pkg.worker", *args]`` or ``[script, *args]``) on ``nproc``
     local ranks; ``env`` is added to the environment. Returns the finished process, its
     output captured as text; the caller checks it (``assert_ran`` or its own assertions)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
+    if target[0] == "-m" and target[1].startswith("tests."):
+        command = torchrun_command(nproc, target[1], target[2:], preload=["transformers", target[1]])
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   *target]
     return run(command, cwd, env=env, timeout=timeout)
 
 

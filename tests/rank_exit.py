@@ -1,7 +1,6 @@
 """How a test's torchrun worker leaves once it has written its result."""
 
-import os
-import sys
+from hyper_parallel.codegen.check.forked_torchrun import exit_rank
 
 
 def leave_after_barrier(dist, code: int = 0) -> None:
@@ -9,6 +8,4 @@ def leave_after_barrier(dist, code: int = 0) -> None:
     which now and then aborts a rank (SIGABRT, "terminate called without an active
     exception") after all the work is done, failing the launch (see preflight_worker)."""
     dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_rank(code)

@@ -5,7 +5,7 @@
 
 ``watch`` is started by ``scratch_dir`` with a pipe on stdin, in a session of its own (a
 signal to the run's process group does not reach it). While the pipe is open it records
-the parent's descendants every quarter second — torchrun's ranks sit in sessions of their
+the parent's descendants every second — torchrun's ranks sit in sessions of their
 own and would be re-parented to init once torchrun is gone. ``done`` on the pipe: the run
 cleaned up itself, leave. End of file without it: the parent died (a SIGKILL runs no
 ``finally``), so kill every recorded process and every process whose environment names
@@ -26,7 +26,9 @@ import shutil
 import signal
 import sys
 
-POLL_S = 0.25
+# Each poll walks /proc (about 1% of a core at this rate); what starts and loses its parents
+# between two polls is found at the end by its environment (HP_LAUNCH_OWNER).
+POLL_S = 1.0
 _PR_SET_PDEATHSIG = 1
 OWNER_ENV = "HP_LAUNCH_OWNER"  # the pid of the process whose launch started this one
 

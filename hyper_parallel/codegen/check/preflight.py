@@ -2,12 +2,12 @@
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.artifact import META_FILE
+from hyper_parallel.codegen.check.forked_torchrun import rank_preload, torchrun_command
 from hyper_parallel.codegen.check.launch import LaunchError, RankFiles, RankLaunch, scratch_dir, wait_for_ranks
 from hyper_parallel.codegen.check.drift import bundle_file_problems, fix_command
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
@@ -84,10 +84,9 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
     what = f"preflight on {world} ranks for {spec.artifact_dir}"
     with scratch_dir("preflight") as tmp:
         files = RankFiles(str(tmp / "preflight"))
-        # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "hyper_parallel.codegen.check.preflight_worker", "--config", str(spec.recipe_path),
-               "--reports", files.prefix, "--timeout-s", str(spec.check_timeout_s)]
+        cmd = torchrun_command(world, "hyper_parallel.codegen.check.preflight_worker",
+                               ["--config", str(spec.recipe_path), "--reports", files.prefix,
+                                "--timeout-s", str(spec.check_timeout_s)], rank_preload(spec.source))
         log(f"torchrun --nproc_per_node={world} preflight of {spec.artifact_dir}")
         env = {**os.environ, "HYPER_PARALLEL_WORKSPACE": str(spec.workspace.parent)}
         try:

@@ -10,6 +10,7 @@ import os
 import sys
 from datetime import timedelta
 
+from hyper_parallel.codegen.check.forked_torchrun import exit_rank
 from hyper_parallel.codegen.check.launch import RankFiles
 
 
@@ -40,12 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()  # nobody leaves while a peer may still be receiving from it
         except RuntimeError:
             pass
-    # Leave without tearing down the process group and the interpreter: that teardown
-    # now and then aborts a rank ("terminate called without an active exception", SIGABRT)
-    # after all checks passed, failing the launch.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if error else 0)
+    exit_rank(1 if error else 0)
 
 
 def _check_rank(config_path: str, rank: int, progress) -> dict:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.codegen.check.forked_torchrun import rank_preload, torchrun_command
 from hyper_parallel.codegen.check.launch import (
     LaunchError,
     RankFiles,
@@ -485,7 +486,7 @@ def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_c
            "dims": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "pp": p.pp},
            "diagnose": diagnose, "mode": verify_mode(p.world_size), "timeout_s": spec.check_timeout_s,
            "result": str(tmp / f"{tag}.pt"), "error": str(tmp / f"{tag}.error"), "path": str(tmp / f"{tag}.json"),
-           "rank_files": str(tmp / tag)}
+           "rank_files": str(tmp / tag), "preload": rank_preload(spec.source)}
     Path(job["path"]).write_text(json.dumps(job))
     return job
 
@@ -493,8 +494,7 @@ def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_c
 def _launch(job: dict, mode: str, world: int) -> RankLaunch:
     worker = ["-m", "hyper_parallel.codegen.check.verify_worker", "--job", job["path"], "--mode", mode]
     if mode == "torchrun":
-        # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *worker]
+        cmd = torchrun_command(world, worker[1], worker[2:], job["preload"])
     else:
         cmd = [sys.executable, *worker, "--world", str(world)]
     return RankLaunch(cmd, log=Path(job["path"]).with_suffix(".log"))

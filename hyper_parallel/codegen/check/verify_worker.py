@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.codegen.check.forked_torchrun import exit_rank
 from hyper_parallel.codegen.check.launch import RankFiles
 
 STEPS = 2
@@ -68,11 +69,7 @@ def run_torchrun(job: dict[str, Any]) -> int:
             dist.barrier()  # nobody leaves while a peer may still be receiving from it
         except RuntimeError:
             pass
-    # Leave without the interpreter's process-group teardown, which now and then aborts a
-    # rank after everything passed (see preflight_worker).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if error else 0)
+    exit_rank(1 if error else 0)
 
 
 def progress(job: dict[str, Any], phase: str) -> None:

@@ -1,0 +1,80 @@
+"""torchrun whose ranks are forked from a launcher that imported the heavy modules first.
+
+    python -m hyper_parallel.codegen.check.forked_torchrun --preload MOD[,MOD...] -- -m WORKER ARGS...
+
+Every rank of verify and preflight imports torch, transformers and the model's modeling
+module before it does a second of work: about 7 CPU-seconds per rank on a small machine,
+most of what a tiny check costs. Here the launcher imports them once and then runs
+torchrun itself (``torch.distributed.run.main``, the same agent, rendezvous and failure
+report) with ``--start-method fork --run-path``: each rank is a fork of the launcher and
+finds the modules already imported. A preload that fails to import is skipped; the rank
+then imports it itself and reports the error as it would have.
+
+A forked rank leaves with ``exit_rank``: ``sys.exit``, which hands torchrun the rank's
+result through its queue (the fork wrapper then ends the process without interpreter
+teardown); a rank started by plain torchrun ends with ``os._exit`` instead.
+"""
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+
+FORKED_ENV = "HYPER_PARALLEL_FORKED_RANK"  # set in the launcher; the forked ranks inherit it
+# What every verify and preflight rank imports, heaviest first.
+RANK_IMPORTS = ("transformers", "torch.distributed.tensor", "torch.distributed.fsdp", "hyper_parallel.codegen.loader",
+                "hyper_parallel.codegen.plan.derive", "hyper_parallel.distributed.applier",
+                "hyper_parallel.distributed.mesh", "hyper_parallel.codegen.check.preflight")
+
+
+def rank_preload(source) -> list[str]:
+    """The modules a rank of this model imports: the common ones and, for a model
+    transformers ships, its modeling module (a remote model's is loaded from its folder)."""
+    return [*RANK_IMPORTS, *([source.module] if source is not None and not source.is_remote else [])]
+
+
+def torchrun_command(world: int, worker_module: str, worker_args: list[str], preload: list[str]) -> list[str]:
+    """The command line that starts ``world`` forked ranks of ``worker_module``."""
+    return [sys.executable, "-m", __name__, "--preload", ",".join(preload), "--",
+            # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
+            "--standalone", f"--nproc_per_node={world}", "-m", worker_module, *worker_args]
+
+
+def exit_rank(code: int) -> None:
+    """End a rank without the interpreter's process-group teardown, which now and then
+    aborts a rank after everything passed ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.environ.get(FORKED_ENV):
+        sys.exit(code)
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preload", default="", help="comma-separated modules to import before forking")
+    parser.add_argument("torchrun_args", nargs=argparse.REMAINDER,
+                        help="torchrun's arguments, ending in -m WORKER ARGS...")
+    args = parser.parse_args(argv)
+    torchrun_args = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
+    if "-m" not in torchrun_args:
+        parser.error("expected torchrun arguments ending in -m WORKER ARGS...")
+    at = torchrun_args.index("-m")
+    worker = importlib.util.find_spec(torchrun_args[at + 1])
+    if worker is None or not worker.origin:
+        parser.error(f"no worker module {torchrun_args[at + 1]!r}")
+    for name in filter(None, args.preload.split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception:  # the rank imports it again and reports the error itself
+            pass
+    os.environ[FORKED_ENV] = "1"
+    from torch.distributed.run import main as torchrun
+
+    torchrun([*torchrun_args[:at], "--start-method=fork", "--run-path", worker.origin, *torchrun_args[at + 2:]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
