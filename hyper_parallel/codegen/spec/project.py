@@ -143,17 +143,6 @@ def _check_artifact_dir(artifact_dir: Path, *, yaml_dir: Path, model_dir: Path, 
                           f"overlap {clash}; expected a folder of its own (default: generated/ beside the recipe)")
 
 
-def check_launch_world_size(config: TrainerConfig) -> None:
-    """Under torchrun, WORLD_SIZE must be the recipe's world size."""
-    launched = os.environ.get("WORLD_SIZE")
-    expected = config.accelerator.world_size
-    if launched is not None and int(launched) != expected:
-        raise RecipeError(
-            f"{config._yaml_path}: accelerator: the recipe needs world size dp*cp*tp*pp = {expected}, "
-            f"but torchrun started WORLD_SIZE={launched}; launch with --nproc_per_node={expected} "
-            f"(times nnodes) or change the recipe")
-
-
 def _normalize_override(entry: PlanOverride, index: int, where: str) -> dict[str, Any]:
     key = f"plan_overrides[{index}]"
     try:
