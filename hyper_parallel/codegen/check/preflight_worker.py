@@ -54,8 +54,8 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     from hyper_parallel.config import load_training_config
     from hyper_parallel.config.launch import check_launch_world_size
     from hyper_parallel.distributed.applier import plan_entry_for
-    from hyper_parallel.distributed.placement_text import local_shard_shape
     from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+    from hyper_parallel.protocols.placement_text import local_shard_shape
 
     config = load_training_config(config_path)
     check_launch_world_size(config)

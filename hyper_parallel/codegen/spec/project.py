@@ -19,7 +19,7 @@ from hyper_parallel.codegen.spec.types import (
 )
 from hyper_parallel.config.loading import RecipeError
 from hyper_parallel.config.schema import PlanOverride, TrainerConfig
-from hyper_parallel.distributed.placement_text import (
+from hyper_parallel.protocols.placement_text import (
     PlacementTextError,
     normalize_io_placements,
     normalize_named_placement,
