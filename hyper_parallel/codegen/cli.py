@@ -9,8 +9,8 @@ import sys
 import traceback
 
 from hyper_parallel.codegen.manager import clean_recipe, ensure_codegen_artifact, load_spec, run_pipeline
-from hyper_parallel.codegen.spec.project import check_launch_world_size
 from hyper_parallel.codegen.spec.types import STAGES
+from hyper_parallel.config.launch import check_launch_world_size
 
 EPILOG = """examples:
   python -m hyper_parallel.codegen generate --config recipes/qwen3_moe.yaml

@@ -29,17 +29,6 @@ class ModelConfig:
     # Packages besides hyper_parallel whose code a replace_module._target_ may name.
     trusted_modules: list[str] = field(default_factory=list)
 
-    def build(self, *, codegen: bool, modeling_backend: str | None, codegen_config: "TrainerConfig",
-              mesh_context: Any = None):
-        """The trainer's model entry point (seed §10): HyperAutoModel with the backend the
-        caller passes, for the whole recipe ``codegen_config``."""
-        from dataclasses import replace
-
-        from hyper_parallel.models._transformers.auto_model import HyperAutoModel
-
-        config = replace(codegen_config, codegen=codegen, modeling_backend=modeling_backend)
-        return HyperAutoModel.from_pretrained(config, mesh_context=mesh_context)
-
 
 @dataclass
 class AcceleratorConfig:

@@ -53,9 +53,9 @@ from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
 from hyper_parallel.distributed.partial_grads import reduce_partial_grad
-from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa: F401  (re-exported)
-from hyper_parallel.distributed.placements import as_placement
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
+from hyper_parallel.protocols.placement_text import local_shard_shape  # noqa: F401  (re-exported)
+from hyper_parallel.protocols.placements import as_placement
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 _IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")

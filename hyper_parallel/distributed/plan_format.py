@@ -23,7 +23,7 @@ hold torch placements are converted through ``placements`` (imported only then).
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hyper_parallel.distributed.placement_text import (
+from hyper_parallel.protocols.placement_text import (
     PlacementTextError,
     normalize_named_placement,
     parse_placement_text,
@@ -53,7 +53,7 @@ class PlanDocument:
 def _text(placement) -> str:
     if isinstance(placement, str):
         return parse_placement_text(placement).text()
-    from hyper_parallel.distributed.placements import placement_to_text  # torch only when needed
+    from hyper_parallel.protocols.placements import placement_to_text  # torch only when needed
 
     return placement_to_text(placement)
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from torch import nn
 
 from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, expert_count, layer_views
-from hyper_parallel.distributed.placement_text import parse_placement_text
-from hyper_parallel.distributed.placements import placement_to_text
+from hyper_parallel.protocols.placement_text import parse_placement_text
+from hyper_parallel.protocols.placements import placement_to_text
 
 # config key -> what tp splits; each must be divisible by tp_size
 _TP_SPLIT_KEYS = (

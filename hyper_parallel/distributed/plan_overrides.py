@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping
 from torch import nn
 
 from hyper_parallel.class_paths import class_paths
-from hyper_parallel.distributed.placement_text import PlacementTextError
-from hyper_parallel.distributed.placements import named_placement_from_text
 from hyper_parallel.distributed.plan_lint import PlanError
+from hyper_parallel.protocols.placement_text import PlacementTextError
+from hyper_parallel.protocols.placements import named_placement_from_text
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 _IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")

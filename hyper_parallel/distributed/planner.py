@@ -46,7 +46,6 @@ from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError, heads_not_dividing, lint_config_divisibility, lint_plan
 from hyper_parallel.distributed.plan_overrides import merge_plan_overrides, overridden_modules
-from hyper_parallel.distributed.placements import placement_to_text
 from hyper_parallel.distributed.roles import (
     ANY,
     COLWISE_NAMES,
@@ -67,6 +66,7 @@ from hyper_parallel.distributed.roles import (
     style_meaning,
 )
 from hyper_parallel.distributed.sequence_layout import TracedFacts, apply_sequence_layout
+from hyper_parallel.protocols.placements import placement_to_text
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 __all__ = ["PlanError", "PlanResult", "ShardingPlanner", "merge_plan_overrides"]

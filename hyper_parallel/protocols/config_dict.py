@@ -3,16 +3,19 @@
 Every config becomes ``{"_target_": "module:Qualname.Config", field: value, ...}``;
 ``Function.Config`` stores its function as ``"module:qualname"``; a ``ShardingConfig``
 stores placements in the project's text grammar (``replicate | partial | shard(N) |
-packed_shard(N,K)``, see ``hyper_parallel.distributed.placement_text``).
+packed_shard(N,K)``, see ``hyper_parallel.protocols.placement_text``).
+
+Each config class writes and reads its own fields (``Configurable.Config._fields_to_data``
+and ``_from_data_fields``; ``Function.Config`` overrides both); this module holds the
+``_target_`` envelope, plain values and ``ShardingConfig``. It imports no config class
+but ``ShardingConfig``, so that ``Configurable`` (whose ``to_dict``/``from_dict`` call it)
+and ``Function`` sit above it without an import cycle.
 """
 
-import dataclasses
 import importlib
 from typing import Any
 
-from hyper_parallel.distributed.placements import placement_from_text, placement_to_text
-from hyper_parallel.protocols.configurable import Configurable
-from hyper_parallel.protocols.function import Function
+from hyper_parallel.protocols.placements import placement_from_text, placement_to_text
 from hyper_parallel.protocols.sharding import MeshAxisName, ShardingConfig
 
 TARGET = "_target_"
@@ -22,56 +25,61 @@ _IO_FIELDS = ("in_src", "in_dst", "out_src", "out_dst")
 def config_to_dict(config: Any) -> dict:
     if isinstance(config, ShardingConfig):
         return _sharding_to_dict(config)
-    if isinstance(config, Function.Config):
-        return {TARGET: _path_of(type(config)), "fn": _path_of(config.fn),
-                "kwargs": _value_to_data(config.kwargs, "Function.Config.kwargs")}
-    if not isinstance(config, Configurable.Config):
+    if not _is_config(config):
         raise TypeError(f"config_to_dict: expected a Config dataclass, got {type(config).__qualname__}")
-    out: dict = {TARGET: _path_of(type(config))}
-    for f in dataclasses.fields(config):
-        out[f.name] = _value_to_data(getattr(config, f.name), f"{type(config).__qualname__}.{f.name}")
-    return out
+    return {TARGET: path_of(type(config)), **config._fields_to_data()}
 
 
 def config_from_dict(data: dict) -> Any:
     if not isinstance(data, dict) or TARGET not in data:
         raise ValueError(f"config_from_dict: expected a dict with a {TARGET!r} key, got {data!r:.200}")
-    cls = _import_path(data[TARGET])
+    cls = import_path(data[TARGET])
     fields = {k: v for k, v in data.items() if k != TARGET}
     if cls is ShardingConfig:
         return _sharding_from_dict(fields)
-    if issubclass(cls, Function.Config):
-        return cls(fn=_import_path(fields["fn"]), kwargs=_value_from_data(fields.get("kwargs", {})))
-    return cls(**{k: _value_from_data(v) for k, v in fields.items()})
+    from_data_fields = getattr(cls, "_from_data_fields", None)
+    if from_data_fields is not None:
+        return from_data_fields(fields)
+    return cls(**{k: value_from_data(v) for k, v in fields.items()})
 
 
-def _value_to_data(value: Any, where: str) -> Any:
-    if isinstance(value, (Configurable.Config, ShardingConfig)):
+def _is_config(value: Any) -> bool:
+    """A ``Configurable.Config`` instance, recognized by the hook it defines rather than by
+    its class, which this module cannot import (``Configurable`` imports this module)."""
+    return not isinstance(value, type) and hasattr(type(value), "_fields_to_data")
+
+
+def value_to_data(value: Any, where: str) -> Any:
+    """A config field's value as plain data: nested configs as dicts, sequences as lists."""
+    if isinstance(value, ShardingConfig) or _is_config(value):
         return config_to_dict(value)
     if isinstance(value, (list, tuple)):
-        return [_value_to_data(v, where) for v in value]
+        return [value_to_data(v, where) for v in value]
     if isinstance(value, dict):
-        return {str(k): _value_to_data(v, where) for k, v in value.items()}
+        return {str(k): value_to_data(v, where) for k, v in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(f"{where}: cannot serialize a {type(value).__qualname__} ({value!r:.100})")
 
 
-def _value_from_data(value: Any) -> Any:
+def value_from_data(value: Any) -> Any:
+    """The inverse of ``value_to_data``: a dict with a ``_target_`` becomes its config."""
     if isinstance(value, dict):
         if TARGET in value:
             return config_from_dict(value)
-        return {k: _value_from_data(v) for k, v in value.items()}
+        return {k: value_from_data(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_value_from_data(v) for v in value]
+        return [value_from_data(v) for v in value]
     return value
 
 
-def _path_of(obj: Any) -> str:
+def path_of(obj: Any) -> str:
+    """``module:qualname``, the spelling ``import_path`` reads back."""
     return f"{obj.__module__}:{obj.__qualname__}"
 
 
-def _import_path(path: str) -> Any:
+def import_path(path: str) -> Any:
+    """The object a ``module:qualname`` path names."""
     module_name, _, qualname = path.partition(":")
     if not qualname:
         raise ValueError(f"expected 'module:qualname', got {path!r}")
@@ -84,7 +92,7 @@ def _import_path(path: str) -> Any:
 # --- ShardingConfig -------------------------------------------------------------------
 
 def _sharding_to_dict(config: ShardingConfig) -> dict:
-    out: dict = {TARGET: _path_of(ShardingConfig),
+    out: dict = {TARGET: path_of(ShardingConfig),
                  "state_shardings": {name: _named_to_text(named)
                                      for name, named in config.state_shardings.items()}}
     for name in _IO_FIELDS:

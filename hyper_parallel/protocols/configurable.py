@@ -9,8 +9,10 @@ Configs are ``kw_only`` + ``slots`` dataclasses so that a misspelled field is an
 at construction time rather than a silently ignored attribute.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+from hyper_parallel.protocols.config_dict import config_from_dict, config_to_dict, value_from_data, value_to_data
 
 
 class Configurable:
@@ -23,18 +25,28 @@ class Configurable:
             return owner(self, **kwargs)
 
         def to_dict(self) -> dict:
-            from hyper_parallel.protocols.config_dict import config_to_dict
             return config_to_dict(self)
 
         @classmethod
         def from_dict(cls, data: dict) -> "Configurable.Config":
-            from hyper_parallel.protocols.config_dict import config_from_dict
             config = config_from_dict(data)
             if not isinstance(config, cls):
                 raise TypeError(
                     f"{cls.__qualname__}.from_dict: the dict describes {type(config).__qualname__}, "
                     f"not a {cls.__qualname__}")
             return config
+
+        def _fields_to_data(self) -> dict:
+            """Every field as plain data: what ``config_to_dict`` writes after ``_target_``.
+            The config owns its encoding, so the serializer needs no config class; a
+            config holding something other than data overrides this (``Function.Config``)."""
+            return {f.name: value_to_data(getattr(self, f.name), f"{type(self).__qualname__}.{f.name}")
+                    for f in fields(self)}
+
+        @classmethod
+        def _from_data_fields(cls, data: dict) -> "Configurable.Config":
+            """The inverse of ``_fields_to_data``: ``data`` is the dict less its ``_target_``."""
+            return cls(**{name: value_from_data(value) for name, value in data.items()})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

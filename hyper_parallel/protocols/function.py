@@ -9,6 +9,7 @@ module-level function, not a lambda or a closure.
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from hyper_parallel.protocols.config_dict import import_path, path_of, value_from_data, value_to_data
 from hyper_parallel.protocols.configurable import Configurable
 
 
@@ -28,6 +29,15 @@ class Function(Configurable):
 
         def __call__(self, *args: Any) -> Any:
             return self.fn(*args, **self.kwargs)
+
+        def _fields_to_data(self) -> dict:
+            """The function as its import path (a function is not data), then its kwargs."""
+            return {"fn": path_of(self.fn), "kwargs": value_to_data(self.kwargs, "Function.Config.kwargs")}
+
+        @classmethod
+        def _from_data_fields(cls, data: dict) -> "Function.Config":
+            """The inverse of ``_fields_to_data``: the function is imported by its path."""
+            return cls(fn=import_path(data["fn"]), kwargs=value_from_data(data.get("kwargs", {})))
 
     def __call__(self, *args: Any) -> Any:
         return self.config(*args)

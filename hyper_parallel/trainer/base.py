@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.codegen.spec.project import check_launch_world_size
+from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+from hyper_parallel.models._transformers.auto_model import HyperAutoModel
 from hyper_parallel.models._transformers.model_builder import runtime_device_type
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens, seed_step
 
@@ -46,8 +47,10 @@ class BaseTrainer:
         self.optimizer = self._build_optimizer()
 
     def _build_model(self) -> torch.nn.Module:
-        return self.config.model.build(codegen=self.config.codegen, modeling_backend=self.config.modeling_backend,
-                                       codegen_config=self.config, mesh_context=self.mesh_context)
+        """The recipe's model through HyperAutoModel (seed §10's ``config.model.build(...)``,
+        which the recipe no longer carries: the recipe knows no models), with the backend
+        the recipe resolves to."""
+        return HyperAutoModel.from_pretrained(self.config, mesh_context=self.mesh_context)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         opt = self.config.optimizer

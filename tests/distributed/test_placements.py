@@ -4,8 +4,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.distributed.applier import local_piece
-from hyper_parallel.distributed.placement_text import PlacementTextError, local_shard_shape
-from hyper_parallel.distributed.placements import (
+from hyper_parallel.protocols.placement_text import PlacementTextError, local_shard_shape
+from hyper_parallel.protocols.placements import (
     named_from_placements,
     named_placement_from_text,
     named_placement_to_text,

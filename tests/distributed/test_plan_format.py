@@ -73,7 +73,8 @@ def test_plan_modules_to_json_is_torch_free_for_text_configs():
 
 def test_json_side_imports_no_torch():
     # the freeze stage and up-to-date checks read and write plans without paying for torch
-    code = ("import sys; from hyper_parallel.distributed import plan_format, placement_text, mesh; "
+    code = ("import sys; from hyper_parallel.distributed import plan_format, mesh; "
+            "from hyper_parallel.protocols import placement_text; "
             "plan_format.plan_modules_to_json(plan_format.plan_modules_from_json("
             "{'m': {'state_shardings': {'w': {'tp': 'shard(0)'}}}})); "
             "assert 'torch' not in sys.modules, 'torch was imported'")

@@ -24,10 +24,10 @@ from safetensors.torch import load_file
 from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.fsdp import fully_shard_over_dp
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
-from hyper_parallel.distributed.placement_text import local_shard_shape
-from hyper_parallel.distributed.placements import named_from_placements
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
 from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.protocols.placement_text import local_shard_shape
+from hyper_parallel.protocols.placements import named_from_placements
 from tests.rank_exit import leave_after_barrier
 
 

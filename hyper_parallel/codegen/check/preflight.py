@@ -131,7 +131,7 @@ def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[
     bundle digests are compared across ranks when training starts."""
     from hyper_parallel.distributed.applier import plan_entry_for
     from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims, expert_mesh_layout, mesh_layout
-    from hyper_parallel.distributed.placement_text import local_shard_shape
+    from hyper_parallel.protocols.placement_text import local_shard_shape
 
     fix = fix_command(spec)
     report, module, model = checked_meta_model(spec, fix)

@@ -12,7 +12,7 @@ import fnmatch
 import re
 from typing import Any
 
-from hyper_parallel.distributed.placement_text import (
+from hyper_parallel.protocols.placement_text import (
     PlacementTextError,
     normalize_io_placements,
     normalize_named_placement,

@@ -1,7 +1,6 @@
 """Recipe → codegen spec projection and signatures (torch-free)."""
 
 from hyper_parallel.codegen.spec.project import (
-    check_launch_world_size,
     model_token,
     modeling_file_name,
     project_codegen_spec,
@@ -10,5 +9,5 @@ from hyper_parallel.codegen.spec.project import (
 )
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
 
-__all__ = ["STAGES", "CodegenSpec", "check_launch_world_size", "model_token", "modeling_file_name",
+__all__ = ["STAGES", "CodegenSpec", "model_token", "modeling_file_name",
            "project_codegen_spec", "signature_from_spec", "stage_signature"]

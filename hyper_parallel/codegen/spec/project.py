@@ -19,7 +19,7 @@ from hyper_parallel.codegen.spec.types import (
 )
 from hyper_parallel.config.loading import RecipeError
 from hyper_parallel.config.schema import PlanOverride, TrainerConfig
-from hyper_parallel.distributed.placement_text import (
+from hyper_parallel.protocols.placement_text import (
     PlacementTextError,
     normalize_io_placements,
     normalize_named_placement,
@@ -141,17 +141,6 @@ def _check_artifact_dir(artifact_dir: Path, *, yaml_dir: Path, model_dir: Path, 
     if clash:
         raise RecipeError(f"{where}: model.codegen_artifact_dir: the bundle folder {artifact_dir} would contain or "
                           f"overlap {clash}; expected a folder of its own (default: generated/ beside the recipe)")
-
-
-def check_launch_world_size(config: TrainerConfig) -> None:
-    """Under torchrun, WORLD_SIZE must be the recipe's world size."""
-    launched = os.environ.get("WORLD_SIZE")
-    expected = config.accelerator.world_size
-    if launched is not None and int(launched) != expected:
-        raise RecipeError(
-            f"{config._yaml_path}: accelerator: the recipe needs world size dp*cp*tp*pp = {expected}, "
-            f"but torchrun started WORLD_SIZE={launched}; launch with --nproc_per_node={expected} "
-            f"(times nnodes) or change the recipe")
 
 
 def _normalize_override(entry: PlanOverride, index: int, where: str) -> dict[str, Any]:

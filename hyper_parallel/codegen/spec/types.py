@@ -14,7 +14,7 @@ STAGE_IMPLEMENTATION = {
     "resolve": ("codegen/source", "codegen/spec", "codegen/hash.py"),
     "derive": ("codegen/plan", "codegen/runtime.py", "codegen/check/probe.py", "class_paths.py", "distributed",
                "protocols", "models", "components"),  # probe.py: the dataflow trace's tiny copy
-    "freeze": ("codegen/plan/freeze.py", "distributed/placement_text.py"),
+    "freeze": ("codegen/plan/freeze.py", "protocols/placement_text.py"),
     "emit": ("codegen/emit", "codegen/astkit", "codegen/meta.py", "codegen/stages.py"),
     "diff": ("codegen/emit/diff.py",),
     "verify": ("codegen/check", "codegen/loader.py", "codegen/runtime.py", "codegen/plan/derive.py", "class_paths.py",

@@ -11,7 +11,9 @@ on the local tensor still yields matching pieces. It maps to DTensor's
 
 A *named placement* maps mesh axis names to such strings, e.g. ``{"tp": "shard(0)"}``;
 an axis that is not named is replicated. This module imports no torch so that the
-freeze stage and up-to-date checks stay cheap.
+freeze stage and up-to-date checks stay cheap. It is part of the protocol layer (the
+plan's wire format), so that codegen, the distributed layer and ``config_dict`` all
+read it from below.
 """
 
 import re

@@ -1,5 +1,9 @@
 """Placement text (``placement_text``) <-> ``torch.distributed.tensor`` placements.
 
+A protocol module, not a distributed one: ``ShardingConfig`` holds these placements and
+its dict form (``config_dict``) writes them as text, so both the protocols and the
+distributed layer need the conversion, and it must sit below both.
+
 ``packed_shard(N,K)`` maps to ``_StridedShard(N, split_factor=K)``: DTensor's own
 description of "K equal blocks along N, each chunked over the mesh axis".
 """
@@ -9,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from hyper_parallel.distributed.placement_text import (
+from hyper_parallel.protocols.placement_text import (
     PlacementTextError,
     normalize_named_placement,
     parse_placement_text,
