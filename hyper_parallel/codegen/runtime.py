@@ -74,16 +74,42 @@ def hyper_apply_replacements(root: nn.Module, replacements: Sequence[Mapping[str
 
 
 def hyper_parallelize(model: nn.Module, mesh_context: Any, plan: Mapping[str, Any]) -> nn.Module:
-    """Shard ``model`` in place on ``mesh_context`` with a frozen plan; return it."""
+    """Shard ``model`` in place on ``mesh_context`` with a frozen plan; return it. A mesh
+    of other sizes than the plan was made for is refused before anything is sharded."""
     from hyper_parallel.distributed.applier import apply_sharding_plan
-    from hyper_parallel.distributed.plan_format import sharding_config_from_json
+    from hyper_parallel.distributed.plan_format import plan_from_json
 
-    if plan.get("format") != 1:
-        raise ValueError(f"HYPER_PARALLEL_PLAN.format: expected 1, got {plan.get('format')!r}")
-    modules = {pattern: sharding_config_from_json(entry, where=f"HYPER_PARALLEL_PLAN.modules[{pattern!r}]")
-               for pattern, entry in plan["modules"].items()}
-    apply_sharding_plan(model, modules, mesh_context)
+    document = plan_from_json(plan, where="HYPER_PARALLEL_PLAN")
+    check_plan_mesh(document.mesh_axes, document.mesh_sizes, mesh_context)
+    apply_sharding_plan(model, document.modules, mesh_context)
     return model
+
+
+class PlanMeshError(ValueError):
+    """The plan was made for another mesh than the one it is applied on."""
+
+
+def check_plan_mesh(axes: Sequence[str], sizes: Sequence[int], mesh_context: Any) -> None:
+    """The mesh context's sizes (and its device mesh's, when it has one) must be the plan's:
+    a plan applied on another layout shards every tensor by the wrong factor, and the
+    first sign of it would be a wrong loss, not an error."""
+    from hyper_parallel.distributed.mesh import mesh_layout
+
+    planned = dict(zip(axes, sizes))
+    names, layout = mesh_layout(mesh_context.dims)
+    given = {"mesh context": dict(zip(names, layout))}
+    device_mesh = getattr(mesh_context, "device_mesh", None)
+    if device_mesh is not None and device_mesh.mesh_dim_names:
+        given["device mesh"] = dict(zip(device_mesh.mesh_dim_names, device_mesh.shape))
+    for what, mesh in given.items():
+        if mesh != planned:
+            raise PlanMeshError(f"HYPER_PARALLEL_PLAN was made for the mesh {_mesh_text(planned)}, but the {what} "
+                                f"is {_mesh_text(mesh)}; regenerate the bundle for this layout (doit generate "
+                                f"config=<the recipe>) or build the mesh from the recipe's accelerator section")
+
+
+def _mesh_text(mesh: Mapping[str, int]) -> str:
+    return " ".join(f"{axis}={size}" for axis, size in mesh.items())
 
 
 def _base_model_prefix(root: nn.Module) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from hyper_parallel.config.parallel_dims import ParallelDimsError
 from hyper_parallel.config.schema import (
     DATASET_KINDS,
     DEVICE_TYPES,
@@ -92,7 +93,11 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
     if acc.device_type not in DEVICE_TYPES:
         raise RecipeError(f"{where}: accelerator.device_type: expected one of "
                           f"{', '.join(DEVICE_TYPES)}, got {acc.device_type!r}")
-    for key in ("dp_size", "tp_size", "cp_size", "ep_size", "pp_size", "nproc_per_node", "nnodes", "check_timeout_s"):
+    try:
+        acc.parallel_dims
+    except ParallelDimsError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+    for key in ("nproc_per_node", "nnodes", "check_timeout_s"):
         if getattr(acc, key) < 1:
             raise RecipeError(f"{where}: accelerator.{key}: expected an integer >= 1, got {getattr(acc, key)}")
     for key, most in (("nproc_per_node", MAX_NPROC_PER_NODE), ("nnodes", MAX_NNODES), ("check_timeout_s", 3600)):
@@ -103,9 +108,6 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
         raise RecipeError(
             f"{where}: accelerator: dp_size*cp_size*tp_size*pp_size = {acc.world_size} must equal "
             f"nproc_per_node*nnodes = {launched}")
-    if (acc.dp_size * acc.cp_size) % acc.ep_size:
-        raise RecipeError(f"{where}: accelerator.ep_size: expected a divisor of dp_size*cp_size = "
-                          f"{acc.dp_size * acc.cp_size}, got {acc.ep_size}")
     if config.modeling_backend is not None and config.modeling_backend not in MODELING_BACKENDS:
         raise RecipeError(f"{where}: modeling_backend: expected one of {', '.join(MODELING_BACKENDS)}, "
                           f"got {config.modeling_backend!r}")

@@ -7,6 +7,8 @@ layout. Field defaults are the values a key takes when the recipe leaves it out.
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyper_parallel.config.parallel_dims import ParallelDims
+
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 MODELING_BACKENDS = ("hf", "custom", "gen")
 TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -47,8 +49,13 @@ class AcceleratorConfig:
     check_timeout_s: int = 120
 
     @property
+    def parallel_dims(self) -> ParallelDims:
+        """The parallel sizes, validated (``ParallelDimsError`` names the bad key)."""
+        return ParallelDims(dp=self.dp_size, cp=self.cp_size, tp=self.tp_size, ep=self.ep_size, pp=self.pp_size)
+
+    @property
     def world_size(self) -> int:
-        return self.dp_size * self.cp_size * self.tp_size * self.pp_size
+        return self.parallel_dims.world_size
 
 
 @dataclass

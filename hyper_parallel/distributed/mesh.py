@@ -4,13 +4,15 @@
 their sizes; the offline mesh (planning, codegen) and the real ``DeviceMesh``
 (training, preflight) are both built from it, so they cannot disagree.
 
-World size is ``pp * dp * cp * tp``. Expert parallelism does not get its own mesh
-axis: its ranks are borrowed from ``dp * cp``, so ``ep`` must divide ``dp * cp``.
+The sizes themselves (``ParallelDims``, validated where they are made) live with the
+recipe in ``config.parallel_dims``; expert parallelism borrows its ranks from ``dp * cp``.
 """
 
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from hyper_parallel.config.parallel_dims import ParallelDims
 
 # Mesh axis order, outermost first. TP is innermost so that its ranks are neighbours
 # (fastest links); PP is outermost because it communicates least.
@@ -20,41 +22,8 @@ MESH_AXIS_ORDER = ("pp", "dp", "cp", "tp")
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    dp: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    pp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
-
-    def validate(self) -> "ParallelDims":
-        for name in ("dp", "cp", "tp", "ep", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"parallel size {name}_size must be an integer >= 1, got {value!r}")
-        borrowed = self.dp * self.cp
-        if borrowed % self.ep != 0:
-            raise ValueError(
-                f"ep_size={self.ep} must divide dp_size*cp_size={self.dp}*{self.cp}={borrowed} "
-                "(expert parallel ranks are borrowed from the data and context parallel ranks)")
-        return self
-
-    def active_axes(self, *, sequence_parallel: bool = False) -> frozenset[str]:
-        """Names of the parallel forms in use, as ``when:`` in plan overrides spells them."""
-        active = {name for name in ("dp", "cp", "tp", "ep", "pp") if getattr(self, name) > 1}
-        if sequence_parallel:
-            active.add("sp")
-        return frozenset(active)
-
-
 def mesh_layout(dims: ParallelDims) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Mesh axis names and sizes, outermost first; every axis is present, even of size 1."""
-    dims.validate()
     return MESH_AXIS_ORDER, tuple(getattr(dims, axis) for axis in MESH_AXIS_ORDER)
 
 

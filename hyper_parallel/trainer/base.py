@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
 from hyper_parallel.models._transformers.auto_model import HyperAutoModel
 from hyper_parallel.models._transformers.model_builder import runtime_device_type
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens, seed_step
@@ -39,7 +39,7 @@ class BaseTrainer:
         self.log = log
         check_launch_world_size(config)
         acc = config.accelerator
-        self.dims = ParallelDims(dp=acc.dp_size, cp=acc.cp_size, tp=acc.tp_size, ep=acc.ep_size, pp=acc.pp_size)
+        self.dims = acc.parallel_dims
         self.mesh_context = MeshContext(build_device_mesh(self.dims, runtime_device_type(acc.device_type)), self.dims)
         self.rank = dist.get_rank()
         torch.manual_seed(config.training.seed)

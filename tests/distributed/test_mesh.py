@@ -1,5 +1,8 @@
+import re
+
 import pytest
 
+from hyper_parallel.config.parallel_dims import ParallelDimsError
 from hyper_parallel.distributed.mesh import (
     MeshContext,
     OfflineMesh,
@@ -10,19 +13,22 @@ from hyper_parallel.distributed.mesh import (
 )
 
 
-def test_world_size_excludes_ep_and_validate_accepts_borrowed_ep():
-    dims = ParallelDims(dp=1, cp=2, tp=2, ep=2).validate()
+def test_world_size_excludes_ep_and_accepts_borrowed_ep():
+    dims = ParallelDims(dp=1, cp=2, tp=2, ep=2)
     assert dims.world_size == 4
 
 
-@pytest.mark.parametrize("dims, message", [
-    (ParallelDims(dp=2, cp=1, ep=4), "ep_size=4 must divide dp_size*cp_size=2*1=2"),
-    (ParallelDims(tp=0), "tp_size must be an integer >= 1, got 0"),
-    (ParallelDims(pp=1.5), "pp_size must be an integer >= 1, got 1.5"),
+@pytest.mark.parametrize("sizes, message", [
+    ({"dp": 2, "cp": 1, "ep": 4}, "accelerator.ep_size: expected a divisor of dp_size*cp_size = 2, got 4"),
+    ({"tp": 0}, "accelerator.tp_size: expected an integer >= 1, got 0"),
+    ({"pp": 1.5}, "accelerator.pp_size: expected an integer >= 1, got 1.5"),
+    ({"dp": True}, "accelerator.dp_size: expected an integer >= 1, got True"),
 ])
-def test_validate_names_the_bad_size(dims, message):
-    with pytest.raises(ValueError, match=message.replace("*", r"\*").replace(".", r"\.")):
-        dims.validate()
+def test_parallel_dims_refuse_bad_sizes_when_made(sizes, message):
+    """Self-validating: an invalid ParallelDims never exists, so nothing downstream re-checks."""
+    with pytest.raises(ParallelDimsError, match=re.escape(message)) as caught:
+        ParallelDims(**sizes)
+    assert caught.value.key == message.split(":")[0]
 
 
 def test_mesh_layout_has_all_axes_in_fixed_order():

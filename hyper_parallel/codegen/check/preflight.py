@@ -130,13 +130,13 @@ def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[
     the plan (none may be empty). The plan itself ran at this world size in verify; the
     bundle digests are compared across ranks when training starts."""
     from hyper_parallel.distributed.applier import plan_entry_for
-    from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims, expert_mesh_layout, mesh_layout
+    from hyper_parallel.distributed.mesh import OfflineMesh, expert_mesh_layout, mesh_layout
     from hyper_parallel.protocols.placement_text import local_shard_shape
 
     fix = fix_command(spec)
     report, module, model = checked_meta_model(spec, fix)
     p = spec.parallel
-    dims = ParallelDims(dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, pp=p.pp)
+    dims = p.dims
     layouts = {"main": mesh_layout(dims), "expert": expert_mesh_layout(dims)}
     checked = 0
     for name, param in model.named_parameters():

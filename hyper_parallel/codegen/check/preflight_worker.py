@@ -50,7 +50,7 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     from hyper_parallel.config import load_training_config
     from hyper_parallel.config.launch import check_launch_world_size
     from hyper_parallel.distributed.applier import plan_entry_for
-    from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+    from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
     from hyper_parallel.protocols.placement_text import local_shard_shape
 
     config = load_training_config(config_path)
@@ -60,7 +60,7 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     progress("checking the bundle")
     report, module, model = checked_meta_model(spec, fix)
     p = spec.parallel
-    dims = ParallelDims(dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, pp=p.pp)
+    dims = p.dims
     mesh = build_device_mesh(dims, "cpu")  # preflight checks layout, not kernels: gloo everywhere
     global_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     progress("applying hyper_parallelize")

@@ -483,7 +483,7 @@ def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_c
     job = {"bundle_dir": str(bundle_dir), "bundle_key": bundle_key, "files": files, "modeling_file": spec.modeling_file,
            "model_class": model_class, "probe_dir": str(tmp / "probe"),
            "attn_implementation": spec.attn_implementation,
-           "dims": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "pp": p.pp},
+           "dims": p.dims.as_dict(),
            "diagnose": diagnose, "mode": verify_mode(p.world_size), "timeout_s": spec.check_timeout_s,
            "result": str(tmp / f"{tag}.pt"), "error": str(tmp / f"{tag}.error"), "path": str(tmp / f"{tag}.json"),
            "rank_files": str(tmp / tag), "preload": rank_preload(spec.source)}

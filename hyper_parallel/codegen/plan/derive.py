@@ -130,11 +130,11 @@ def plan_model(model, spec: CodegenSpec):
     """The planner's result for ``model`` (replacements already applied) under the
     recipe's parallel dims and overrides, and the offline mesh it planned on. The derive
     stage and the hf backend's run-time planning both call this."""
-    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+    from hyper_parallel.distributed.mesh import build_offline_mesh
     from hyper_parallel.distributed.planner import ShardingPlanner
 
     p = spec.parallel
-    dims = ParallelDims(dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, pp=p.pp)
+    dims = p.dims
     mesh = build_offline_mesh(dims)
     # The planner reads the HF config's base_model_tp_plan itself, as role hints, merges
     # the recipe's overrides (which may specify modules it cannot classify), then lints.

@@ -68,9 +68,8 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     model_dir = (yaml_dir / config.model.pretrained_model_name_or_path).resolve()
     model_config = read_model_config(model_dir, recipe=where, key="model.pretrained_model_name_or_path")
     acc = config.accelerator
-    parallel = ParallelSpec(dp=acc.dp_size, cp=acc.cp_size, tp=acc.tp_size, ep=acc.ep_size, pp=acc.pp_size,
-                            sequence_parallel=acc.sequence_parallel, loss_parallel=acc.loss_parallel,
-                            device_type=acc.device_type)
+    parallel = ParallelSpec(dims=acc.parallel_dims, sequence_parallel=acc.sequence_parallel,
+                            loss_parallel=acc.loss_parallel, device_type=acc.device_type)
     artifact_link = Path(os.path.abspath(yaml_dir / (config.model.codegen_artifact_dir or "generated")))
     _refuse_symlink(artifact_link, where, "model.codegen_artifact_dir", "the bundle folder")
     artifact_dir = artifact_link.resolve()

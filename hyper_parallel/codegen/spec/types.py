@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.source.resolver import ModelSource
+from hyper_parallel.config.parallel_dims import ParallelDims
 
 STAGES = ("resolve", "derive", "freeze", "emit", "diff", "verify", "install", "preflight")
 
@@ -27,18 +28,22 @@ BUNDLE_IMPLEMENTATION = tuple(sorted({p for parts in STAGE_IMPLEMENTATION.values
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    dp: int
-    cp: int
-    tp: int
-    ep: int
-    pp: int
+    """The recipe's layout: its one ``ParallelDims`` and the options that go with it."""
+
+    dims: ParallelDims
     sequence_parallel: bool
     loss_parallel: bool
     device_type: str
 
+    dp = property(lambda self: self.dims.dp)
+    cp = property(lambda self: self.dims.cp)
+    tp = property(lambda self: self.dims.tp)
+    ep = property(lambda self: self.dims.ep)
+    pp = property(lambda self: self.dims.pp)
+
     @property
     def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
+        return self.dims.world_size
 
     def as_dict(self) -> dict[str, Any]:
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "pp": self.pp,

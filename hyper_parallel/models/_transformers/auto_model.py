@@ -78,12 +78,11 @@ def resolve_backend_for(config: TrainerConfig, hf_config: Any) -> ModelingBacken
 
 def check_mesh_matches_recipe(config: TrainerConfig, mesh_context: MeshContext) -> None:
     """A plan made for the recipe's sizes only fits a mesh of those sizes."""
-    acc, dims = config.accelerator, mesh_context.dims
-    recipe = {"dp": acc.dp_size, "cp": acc.cp_size, "tp": acc.tp_size, "ep": acc.ep_size, "pp": acc.pp_size}
-    mesh = {name: getattr(dims, name) for name in recipe}
+    recipe, mesh = config.accelerator.parallel_dims, mesh_context.dims
     if recipe != mesh:
-        raise mb.ModelBuildError(f"{config._yaml_path or '<recipe>'}: accelerator sizes {recipe} differ from the "
-                                 f"mesh context's {mesh}; build the mesh from the recipe's accelerator section")
+        raise mb.ModelBuildError(f"{config._yaml_path or '<recipe>'}: accelerator sizes ({recipe.describe()}) differ "
+                                 f"from the mesh context's ({mesh.describe()}); build the mesh from the recipe's "
+                                 f"accelerator section")
 
 
 def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretrained: bool, rank: int | None,
