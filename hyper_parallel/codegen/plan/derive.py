@@ -187,7 +187,7 @@ def trace_dataflow(spec: CodegenSpec):
 
 
 def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
-    from hyper_parallel.distributed.plan_format import plan_modules_to_json
+    from hyper_parallel.distributed.plan_format import plan_to_json
 
     try:
         model, _ = build_meta_model(spec)
@@ -206,13 +206,8 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
         "dataflow_error": result.dataflow_error,
         "notes": list(result.notes),
         "module_names": [name for name, _ in model.named_modules()],
-        "plan": {
-            "format": 1,
-            "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes)},
-            "applied_axes": list(result.applied_axes),
-            "recorded_axes": dict(result.recorded_axes),
-            "modules": plan_modules_to_json(result.modules, result.roles),
-        },
+        "plan": plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
+                             recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles),
     }
 
 

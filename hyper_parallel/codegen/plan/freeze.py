@@ -12,13 +12,13 @@ import fnmatch
 import re
 from typing import Any
 
+from hyper_parallel.distributed.plan_format import PLAN_FORMAT_VERSION
 from hyper_parallel.protocols.placement_text import (
     PlacementTextError,
     normalize_io_placements,
     normalize_named_placement,
 )
 
-FROZEN_FORMAT = 1
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 _IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
 
@@ -33,7 +33,7 @@ def freeze_plan(plan: dict[str, Any], module_names: list[str]) -> dict[str, Any]
     if not modules:
         raise FreezeError("the derived plan has no module entries; nothing would be parallelized")
     return {
-        "format": FROZEN_FORMAT,
+        "format": PLAN_FORMAT_VERSION,
         "mesh": plan["mesh"],
         "applied_axes": list(plan["applied_axes"]),
         "recorded_axes": dict(sorted(plan["recorded_axes"].items())),
