@@ -79,13 +79,16 @@ def _rid(path: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def _spec(path: str, mtime_ns: int):
+def _spec(path: str, cwd: str, mtime_ns: int):
+    """The recipe parsed and projected once per doit process (every stage's up-to-date
+    check and action asks for it), again only when the file changes."""
     from hyper_parallel.codegen.manager import load_spec
-    return load_spec(path, Path.cwd() / WORKSPACE)
+    return load_spec(path, Path(cwd) / WORKSPACE)
 
 
 def spec_for(path: str):
-    return _spec(path, os.stat(path).st_mtime_ns)
+    """The spec of the recipe at ``path`` (relative to the folder doit runs in)."""
+    return _spec(path, os.getcwd(), os.stat(path).st_mtime_ns)
 
 
 def stage_uptodate(stage: str, path: str) -> bool:

@@ -63,5 +63,7 @@ def part_modules(rel: str) -> list[Path]:
 
 def _is_module(rel: Path) -> bool:
     """Whether Python would import this file as a module of its folder part: every
-    folder on the way and the file's stem are identifiers."""
-    return all(part.isidentifier() for part in (*rel.parent.parts, rel.stem)) and rel.suffix == ".py"
+    folder on the way and the file's stem are identifiers, and no folder is a bytecode
+    cache (``__pycache__`` is an identifier too)."""
+    names = (*rel.parent.parts, rel.stem)
+    return rel.suffix == ".py" and "__pycache__" not in rel.parent.parts and all(n.isidentifier() for n in names)

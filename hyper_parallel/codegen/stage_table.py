@@ -103,12 +103,14 @@ def is_read_by_a_later_stage(name: str) -> bool:
     return any(name in other.reads for other in STAGE_TABLE)
 
 
-def _check_table() -> None:
-    """Each stage reads only earlier stages: the order is the table's order."""
-    for index, row in enumerate(STAGE_TABLE):
-        unknown = [r for r in row.reads if r not in STAGES[:index]]
+def check_table(table: tuple[Stage, ...]) -> None:
+    """Each stage reads only earlier stages, so the table's order is a run order; checked
+    at import, so a wrong edit of the table fails at once, naming the row."""
+    names = [row.name for row in table]
+    for index, row in enumerate(table):
+        unknown = [r for r in row.reads if r not in names[:index]]
         if unknown:
             raise ValueError(f"stage table: {row.name} reads {unknown}, not an earlier stage")
 
 
-_check_table()
+check_table(STAGE_TABLE)
