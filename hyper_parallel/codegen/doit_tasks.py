@@ -1,7 +1,7 @@
 """doit task definitions (dodo.py takes them from ``task_creators``). Import-light: no torch here.
 
-Each stage of the stage table (``stage_table``) is one task per recipe. A task is up to date when its recorded signature
-equals the one computed now (``stage_is_current``); ``file_dep`` on the previous
+Each row of the stage table (``stage_table``) is one task per recipe. A task is up to
+date when its recorded signature equals the one computed now (``stage_is_current``); ``file_dep`` on the previous
 stage's output gives early cutoff, ``task_dep`` gives order (and lets ``doit clean``
 walk the chain). Recipes come from ``config=PATH`` or, without it, every YAML under
 ``recipes/``.
@@ -22,7 +22,6 @@ from hyper_parallel.codegen.spec.project import recipe_id
 from hyper_parallel.codegen.stage_table import STAGE_TABLE, STAGES, WORKSPACE_DIR, is_read_by_a_later_stage, stage_row
 
 RECIPES_DIR = "recipes"
-WORKSPACE = WORKSPACE_DIR  # relative to the folder doit runs in (where dodo.py is)
 
 MIN_FREE_MB_ENV = "HYPER_PARALLEL_MIN_FREE_MB"
 MIN_FREE_MB = 64  # doit's sqlite state and one recipe's stage outputs, with room to spare
@@ -53,12 +52,12 @@ def _exit_bad_input(message: str) -> None:
     raise SystemExit(2)
 
 
-_workspace_ready(WORKSPACE)
+_workspace_ready(WORKSPACE_DIR)  # relative to the folder doit runs in (where dodo.py is)
 
 DOIT_CONFIG = {
     "default_tasks": ["generate"],
     "backend": "sqlite3",
-    "dep_file": os.path.join(WORKSPACE, ".doit-db.sqlite"),
+    "dep_file": os.path.join(WORKSPACE_DIR, ".doit-db.sqlite"),
     "verbosity": 2,
     "action_string_formatting": "new",
 }
@@ -83,7 +82,7 @@ def _spec(path: str, cwd: str, mtime_ns: int):
     """The recipe parsed and projected once per doit process (every stage's up-to-date
     check and action asks for it), again only when the file changes."""
     from hyper_parallel.codegen.manager import load_spec
-    return load_spec(path, Path(cwd) / WORKSPACE)
+    return load_spec(path, Path(cwd) / WORKSPACE_DIR)
 
 
 def spec_for(path: str):
@@ -137,7 +136,7 @@ def _failure(exc: Exception, path: str) -> TaskFailed:
 
 
 def _workspace_file(path: str, name: str) -> str:
-    return os.path.join(WORKSPACE, _rid(path), name)
+    return os.path.join(WORKSPACE_DIR, _rid(path), name)
 
 
 def _workspace_outputs(path: str, names) -> list[str]:
@@ -163,9 +162,9 @@ def stage_tasks(stage: str):
             "task_dep": [f"{previous}:{rid}"] if previous else [],
             "targets": _workspace_outputs(path, [stage]) if is_read_by_a_later_stage(stage) else [],
         }
-        if stage == "resolve":
+        if stage == STAGES[0]:  # the first stage's clean removes the whole workspace
             task["clean"] = [(clean_action, [path, "workspace"])]
-        if stage == "install":
+        if row.in_bundle:  # the stage that writes the installed bundle removes it
             task["clean"] = [(clean_action, [path, "bundle"])]
         yield task
 

@@ -97,7 +97,8 @@ def run_derive(spec: CodegenSpec, log: Log) -> None:
 
     derived = derive_plan(spec)
     plan = derived["plan"]
-    write_stage_record(StageFiles(spec).output("derive"), {"signature": expected_signature(spec, "derive"), **derived})
+    write_stage_record(StageFiles(spec).output("derive"),
+                       {"signature": expected_signature(spec, "derive"), **derived})
     log(f"{len(plan['modules'])} module entries on mesh {dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))}; "
         f"applied axes {plan['applied_axes'] or 'none'}")
     for axis, why in plan.get("recorded_axes", {}).items():
@@ -116,7 +117,7 @@ def run_freeze(spec: CodegenSpec, log: Log) -> None:
     derived = read_upstream(StageFiles(spec).output("derive"))
     frozen = freeze_plan(derived["plan"], derived["module_names"])
     write_stage_record(StageFiles(spec).output("freeze"), {"signature": expected_signature(spec, "freeze"),
-                                         "model_class": derived["model_class"], "frozen": frozen})
+                                                           "model_class": derived["model_class"], "frozen": frozen})
     log(f"{len(frozen['modules'])} frozen entries (from {len(derived['plan']['modules'])})")
 
 
@@ -163,8 +164,8 @@ def run_verify(spec: CodegenSpec, log: Log) -> None:
     staged_bytes(spec, emitted, "verify")
     model_class = read_upstream(files.output("freeze"))["model_class"]
     report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], emitted, model_class, log)
-    write_stage_record(files.output("verify"), {"signature": expected_signature(spec, "verify"), "outputs": emitted,
-                                    "report": report})
+    write_stage_record(files.output("verify"), {"signature": expected_signature(spec, "verify"),
+                                                "outputs": emitted, "report": report})
 
 
 def staged_bytes(spec: CodegenSpec, expected: dict[str, str], stage: str) -> dict[str, bytes]:
