@@ -73,7 +73,7 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     artifact_dir = artifact_link.resolve()
     root = Path(workspace_root).resolve() if workspace_root else default_workspace_root()
     rid = recipe_id(recipe_path, root.parent)
-    _refuse_symlink(root / rid, where, "$HYPER_PARALLEL_WORKSPACE", "the recipe's workspace")
+    _refuse_symlink(root / rid, where, f"${WORKSPACE_ENV}", "the recipe's workspace")
     _check_artifact_dir(artifact_dir, yaml_dir=yaml_dir, model_dir=model_dir, workspace=root / rid, where=where)
     location = locate_source(model_dir, model_config)
     if location.is_remote and not config.model.trust_remote_code:
