@@ -8,9 +8,13 @@ import os
 import sys
 import traceback
 
-from hyper_parallel.codegen.manager import clean_recipe, ensure_codegen_artifact, load_spec, run_pipeline
-from hyper_parallel.codegen.spec.types import STAGES
+from hyper_parallel.codegen.manager import clean_recipe, ensure_bundle, run_pipeline
+from hyper_parallel.codegen.spec.project import project_codegen_spec
+from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.codegen.stage_table import STAGES, WORKSPACE_DIR
+from hyper_parallel.config import load_training_config
 from hyper_parallel.config.launch import check_launch_world_size
+from hyper_parallel.config.schema import TrainerConfig
 
 EPILOG = """examples:
   python -m hyper_parallel.codegen generate --config recipes/qwen3_moe.yaml
@@ -22,8 +26,8 @@ preflight) and installs the bundle into <recipe folder>/generated/ only after ve
 it at the recipe's world size and matched one process (loss and every gradient). check
 compares the installed bundle with the recipe, verifies it again and runs the torchrun
 preflight. clean removes the bundle and
-the recipe's workspace under ./generated/. Under torchrun, rank 0 generates and the
-other ranks wait for it; every rank then runs the integrity preflight."""
+the recipe's workspace under ./{workspace}/. Under torchrun, rank 0 generates and the
+other ranks wait for it; every rank then runs the integrity preflight.""".format(workspace=WORKSPACE_DIR)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("--config", required=True, help="the training recipe (YAML)")
         cmd.add_argument("--workspace", default=None,
-                         help="pipeline workspace root (default: ./generated)")
+                         help=f"pipeline workspace root (default: ./{WORKSPACE_DIR})")
         if name == "generate":
             cmd.add_argument("--force", action="store_true", help="rerun every stage")
             cmd.add_argument("--skip-preflight", action="store_true", help="stop after install")
@@ -77,12 +81,13 @@ def _naming_recipe(message: str, config: str) -> str:
 
 
 def _dispatch(args: argparse.Namespace, log) -> int:
-    spec = load_spec(args.config, args.workspace)
+    config = load_training_config(args.config)  # the recipe's one parse in this process
+    spec = project_codegen_spec(config, workspace_root=args.workspace)  # and its one projection
     if args.command == "clean":
         clean_recipe(spec, log=print)
         return 0
     if "WORLD_SIZE" in os.environ:
-        return _under_torchrun(args, log)
+        return _under_torchrun(args, config, spec, log)
     if args.command == "generate":
         stages = STAGES[:-1] if args.skip_preflight else STAGES
         ran = run_pipeline(spec, stages, force=args.force, log=log)
@@ -100,15 +105,15 @@ def _dispatch(args: argparse.Namespace, log) -> int:
     return 0
 
 
-def _under_torchrun(args: argparse.Namespace, log) -> int:
+def _under_torchrun(args: argparse.Namespace, config: TrainerConfig, spec: CodegenSpec, log) -> int:
+    """One rank: rank 0 generates (or reuses) the bundle, the others wait for it; then
+    every rank checks the installed bundle's integrity."""
     from hyper_parallel.codegen.check.preflight import preflight_integrity_check
     from hyper_parallel.codegen.spec.project import signature_from_spec
-    from hyper_parallel.config import load_training_config
 
-    config = load_training_config(args.config)
     check_launch_world_size(config)
-    spec = ensure_codegen_artifact(config, workspace_root=args.workspace, log=log) \
-        if args.command == "generate" else load_spec(args.config, args.workspace)
+    if args.command == "generate":
+        ensure_bundle(spec, log=log)
     report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
                                        fix=f"doit generate config={args.config}")
     print(f"rank {os.environ.get('RANK', '0')}: {spec.artifact_dir} ok (digest {report['digest'][:12]})")

@@ -1,7 +1,7 @@
-"""doit task definitions (dodo.py re-exports them). Import-light: no torch here.
+"""doit task definitions (dodo.py takes them from ``task_creators``). Import-light: no torch here.
 
-Each stage is one task per recipe. A task is up to date when its recorded signature
-equals the one computed now (``stage_is_current``); ``file_dep`` on the previous
+Each row of the stage table (``stage_table``) is one task per recipe. A task is up to
+date when its recorded signature equals the one computed now (``stage_is_current``); ``file_dep`` on the previous
 stage's output gives early cutoff, ``task_dep`` gives order (and lets ``doit clean``
 walk the chain). Recipes come from ``config=PATH`` or, without it, every YAML under
 ``recipes/``.
@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import traceback
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,10 +19,9 @@ from doit import get_var
 from doit.exceptions import TaskFailed
 
 from hyper_parallel.codegen.spec.project import recipe_id
-from hyper_parallel.codegen.spec.types import STAGES
+from hyper_parallel.codegen.stage_table import STAGE_TABLE, STAGES, WORKSPACE_DIR, is_read_by_a_later_stage, stage_row
 
 RECIPES_DIR = "recipes"
-WORKSPACE = "generated"  # relative to the folder doit runs in (where dodo.py is)
 
 MIN_FREE_MB_ENV = "HYPER_PARALLEL_MIN_FREE_MB"
 MIN_FREE_MB = 64  # doit's sqlite state and one recipe's stage outputs, with room to spare
@@ -52,28 +52,15 @@ def _exit_bad_input(message: str) -> None:
     raise SystemExit(2)
 
 
-_workspace_ready(WORKSPACE)
+_workspace_ready(WORKSPACE_DIR)  # relative to the folder doit runs in (where dodo.py is)
 
 DOIT_CONFIG = {
     "default_tasks": ["generate"],
     "backend": "sqlite3",
-    "dep_file": os.path.join(WORKSPACE, ".doit-db.sqlite"),
+    "dep_file": os.path.join(WORKSPACE_DIR, ".doit-db.sqlite"),
     "verbosity": 2,
     "action_string_formatting": "new",
 }
-
-_DOC = {
-    "resolve": "find the HF modeling source, its sha256 and the transformers version",
-    "derive": "plan every module on a meta-device model over an offline mesh",
-    "freeze": "validate, normalize and pattern-compress the plan",
-    "emit": "write the generated modeling file and __init__.py (staged)",
-    "diff": "diff the generated file against the HF source (staged)",
-    "verify": "run the staged bundle at the recipe's world size on a shrunk probe; compare loss and gradients "
-              "with one process",
-    "install": "swap the verified staged bundle into <recipe dir>/generated/ atomically",
-    "preflight": "torchrun across the recipe's world size: apply the plan, check shards and digests",
-}
-
 
 def selected_recipes() -> list[str]:
     config = get_var("config")
@@ -91,13 +78,16 @@ def _rid(path: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def _spec(path: str, mtime_ns: int):
+def _spec(path: str, cwd: str, mtime_ns: int):
+    """The recipe parsed and projected once per doit process (every stage's up-to-date
+    check and action asks for it), again only when the file changes."""
     from hyper_parallel.codegen.manager import load_spec
-    return load_spec(path, Path.cwd() / WORKSPACE)
+    return load_spec(path, Path(cwd) / WORKSPACE_DIR)
 
 
 def spec_for(path: str):
-    return _spec(path, os.stat(path).st_mtime_ns)
+    """The spec of the recipe at ``path`` (relative to the folder doit runs in)."""
+    return _spec(path, os.getcwd(), os.stat(path).st_mtime_ns)
 
 
 def stage_uptodate(stage: str, path: str) -> bool:
@@ -146,44 +136,66 @@ def _failure(exc: Exception, path: str) -> TaskFailed:
 
 
 def _workspace_file(path: str, name: str) -> str:
-    return os.path.join(WORKSPACE, _rid(path), name)
+    return os.path.join(WORKSPACE_DIR, _rid(path), name)
 
 
-_OUTPUTS = {"resolve": "source.json", "derive": "plan.json", "freeze": "frozen.json",
-            "emit": "emit.json", "diff": "diff.json", "verify": "verify.json"}
-_FILE_DEP = {"derive": ["resolve"], "freeze": ["derive"], "emit": ["freeze", "resolve"],
-             "diff": ["emit", "resolve"], "verify": ["emit"],
-             "install": ["emit", "diff", "verify"]}
+def _workspace_outputs(path: str, names) -> list[str]:
+    """The workspace records of stages ``names`` (an output in the bundle is no file doit
+    tracks: install is judged by its own up-to-date check)."""
+    return [_workspace_file(path, row.output_name) for row in map(stage_row, names) if not row.in_bundle]
 
 
 def stage_tasks(stage: str):
-    """One doit subtask of ``stage`` per selected recipe."""
+    """One doit subtask of ``stage`` per selected recipe: ``file_dep`` on the records of
+    the stages it reads (early cutoff), ``task_dep`` on the one before it (order), its own
+    record a target when a later stage reads it."""
+    row = stage_row(stage)
     previous = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
     for path in selected_recipes():
         rid = _rid(path)
         task = {
             "name": rid,
-            "doc": _DOC[stage],
+            "doc": row.doc,
             "actions": [(run_stage_action, [stage, path])],
             "uptodate": [(stage_uptodate, [stage, path])],
-            "file_dep": [_workspace_file(path, _OUTPUTS[s]) for s in _FILE_DEP.get(stage, [])],
+            "file_dep": _workspace_outputs(path, row.reads),
             "task_dep": [f"{previous}:{rid}"] if previous else [],
-            "targets": [_workspace_file(path, _OUTPUTS[stage])] if stage in _OUTPUTS else [],
+            "targets": _workspace_outputs(path, [stage]) if is_read_by_a_later_stage(stage) else [],
         }
-        if stage == "resolve":
+        if stage == STAGES[0]:  # the first stage's clean removes the whole workspace
             task["clean"] = [(clean_action, [path, "workspace"])]
-        if stage == "install":
+        if row.in_bundle:  # the stage that writes the installed bundle removes it
             task["clean"] = [(clean_action, [path, "bundle"])]
         yield task
 
 
 def generate_tasks():
+    """build every stale stage of the recipe(s) through the torchrun preflight"""
     for path in selected_recipes():
         yield {"name": _rid(path), "doc": "build the bundle through the torchrun preflight",
-               "actions": None, "task_dep": [f"preflight:{_rid(path)}"]}
+               "actions": None, "task_dep": [f"{STAGES[-1]}:{_rid(path)}"]}
 
 
 def check_tasks():
+    """installed bundle matches the recipe; verify it against one process; torchrun preflight"""
     for path in selected_recipes():
         yield {"name": _rid(path), "doc": "installed bundle matches the recipe; verify; torchrun preflight",
                "actions": [(check_action, [path])], "uptodate": [False], "verbosity": 2}
+
+
+def task_creators() -> dict[str, Callable[[], Iterator[dict]]]:
+    """dodo.py's ``task_*`` functions: one per row of the stage table, in its order, each
+    documented by the row's ``doc`` (what ``doit list`` shows), then generate and check."""
+    creators = {f"task_{row.name}": _stage_creator(row.name, row.doc) for row in STAGE_TABLE}
+    creators.update(task_generate=generate_tasks, task_check=check_tasks)
+    return creators
+
+
+def _stage_creator(stage: str, doc: str) -> Callable[[], Iterator[dict]]:
+    """A doit task creator for one stage (doit takes a creator's docstring as the task's doc)."""
+    def creator():
+        yield from stage_tasks(stage)
+
+    creator.__name__ = creator.__qualname__ = f"task_{stage}"
+    creator.__doc__ = doc
+    return creator

@@ -34,6 +34,7 @@ class CodegenWaitError(TimeoutError):
 
 
 def load_spec(config_path: str | Path, workspace_root: str | Path | None = None) -> CodegenSpec:
+    """The recipe at ``config_path`` parsed and projected (doit's tasks, tests)."""
     return project_codegen_spec(load_training_config(config_path), workspace_root=workspace_root)
 
 
@@ -99,10 +100,17 @@ def ensure_codegen_artifact(config: TrainerConfig, *, rank: int | None = None,
     Other ranks wait, at most ``timeout_s`` seconds, for a meta whose signature equals
     theirs, or for rank 0's failure record of this launch. Then, when a process group is
     up, every rank meets at a barrier, so nobody reads the bundle while rank 0 writes it."""
+    spec = project_codegen_spec(config, workspace_root=workspace_root)
+    ensure_bundle(spec, rank=rank, timeout_s=timeout_s, poll_s=poll_s, log=log)
+    return spec
+
+
+def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+                  poll_s: float = 0.2, log: Log = print) -> None:
+    """``ensure_codegen_artifact`` for a recipe already projected (the CLI projects it once)."""
     from hyper_parallel.codegen.check.drift import installed_bundle_problems
 
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    spec = project_codegen_spec(config, workspace_root=workspace_root)
     signature = signature_from_spec(spec)
     if rank == 0:
         marker = _failure_marker(spec)
@@ -119,7 +127,6 @@ def ensure_codegen_artifact(config: TrainerConfig, *, rank: int | None = None,
     else:
         _wait_for_bundle(spec, signature, timeout_s, poll_s)
     _barrier_if_distributed()
-    return spec
 
 
 def _barrier_if_distributed() -> None:

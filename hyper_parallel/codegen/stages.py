@@ -15,44 +15,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.artifact import META_FILE, ArtifactError, pid_alive, write_bundle_atomic
+from hyper_parallel.codegen.artifact import ArtifactError, pid_alive, write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
-from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
+from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.codegen.stage_table import STAGE_TABLE, STAGED_DIR, STAGES, WORKSPACE_ENTRIES, stage_row
 
 Log = Callable[[str], None]
 
 
-# Every entry a recipe's workspace may hold: the stage records and the staged bundle.
-WORKSPACE_ENTRIES = {"source": "source.json", "plan": "plan.json", "frozen": "frozen.json", "staged": "staged",
-                     "emit_stamp": "emit.json", "diff_stamp": "diff.json", "verify_stamp": "verify.json",
-                     "preflight_stamp": "preflight.json"}
 _TEMP_FILE = re.compile(r"^\..+\.(\d+)\.tmp$")  # write_if_changed's temp files, named after their writer
 
 
 @dataclass(frozen=True)
 class StageFiles:
-    """Where a recipe's stage outputs live in its workspace."""
+    """Where a recipe's stage outputs live, as the stage table places them."""
 
     spec: CodegenSpec
 
-    def __getattr__(self, name: str) -> Path:
-        if name not in WORKSPACE_ENTRIES:
-            raise AttributeError(name)
-        return self.spec.workspace / WORKSPACE_ENTRIES[name]
+    @property
+    def staged(self) -> Path:
+        """The staged bundle (emit's and diff's files), inside the recipe's workspace."""
+        return self.spec.workspace / STAGED_DIR
 
-    def output(self, stage: str) -> Path:
-        return {"resolve": self.source, "derive": self.plan, "freeze": self.frozen,
-                "emit": self.emit_stamp, "diff": self.diff_stamp, "verify": self.verify_stamp,
-                "install": self.spec.artifact_dir / META_FILE,
-                "preflight": self.preflight_stamp}[stage]
+    def output(self, name: str) -> Path:
+        """The record stage ``name`` writes: in the workspace, or the installed bundle's meta."""
+        row = stage_row(name)
+        return (self.spec.artifact_dir if row.in_bundle else self.spec.workspace) / row.output_name
 
-    def upstream(self, stage: str) -> list[Path]:
-        return {"resolve": [], "derive": [self.source], "freeze": [self.plan],
-                "emit": [self.frozen, self.source], "diff": [self.emit_stamp, self.source],
-                "verify": [self.emit_stamp],
-                "install": [self.emit_stamp, self.diff_stamp, self.verify_stamp],
-                "preflight": [self.spec.artifact_dir / META_FILE]}[stage]
+    def upstream(self, name: str) -> list[Path]:
+        """The outputs of the earlier stages that stage ``name`` reads."""
+        return [self.output(earlier) for earlier in stage_row(name).reads]
 
 
 def expected_signature(spec: CodegenSpec, stage: str) -> str | None:
@@ -86,7 +79,7 @@ def stage_is_current(spec: CodegenSpec, stage: str) -> bool:
 
 def run_resolve(spec: CodegenSpec, log: Log) -> None:
     architectures = spec.model_config.get("architectures") or [None]
-    write_stage_record(StageFiles(spec).source, {
+    write_stage_record(StageFiles(spec).output("resolve"), {
         "signature": expected_signature(spec, "resolve"),
         "source": spec.source.identity(),
         "model_config_sha256": spec.model_config_sha256,
@@ -104,7 +97,8 @@ def run_derive(spec: CodegenSpec, log: Log) -> None:
 
     derived = derive_plan(spec)
     plan = derived["plan"]
-    write_stage_record(StageFiles(spec).plan, {"signature": expected_signature(spec, "derive"), **derived})
+    write_stage_record(StageFiles(spec).output("derive"),
+                       {"signature": expected_signature(spec, "derive"), **derived})
     log(f"{len(plan['modules'])} module entries on mesh {dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))}; "
         f"applied axes {plan['applied_axes'] or 'none'}")
     for axis, why in plan.get("recorded_axes", {}).items():
@@ -120,10 +114,10 @@ def run_derive(spec: CodegenSpec, log: Log) -> None:
 def run_freeze(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.plan.freeze import freeze_plan
 
-    derived = read_upstream(StageFiles(spec).plan)
+    derived = read_upstream(StageFiles(spec).output("derive"))
     frozen = freeze_plan(derived["plan"], derived["module_names"])
-    write_stage_record(StageFiles(spec).frozen, {"signature": expected_signature(spec, "freeze"),
-                                         "model_class": derived["model_class"], "frozen": frozen})
+    write_stage_record(StageFiles(spec).output("freeze"), {"signature": expected_signature(spec, "freeze"),
+                                                           "model_class": derived["model_class"], "frozen": frozen})
     log(f"{len(frozen['modules'])} frozen entries (from {len(derived['plan']['modules'])})")
 
 
@@ -134,7 +128,7 @@ def run_emit(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.source.resolver import sibling_files, source_text
 
     files = StageFiles(spec)
-    frozen = read_upstream(files.frozen)
+    frozen = read_upstream(files.output("freeze"))
     source = spec.source
     remote = RemoteCode(source.model_type, source.sibling_modules) if source.is_remote else None
     text = emit_modeling_source(
@@ -166,12 +160,12 @@ def run_verify(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.check.verify import verify_bundle
 
     files = StageFiles(spec)
-    emitted = read_upstream(files.emit_stamp)["outputs"]
+    emitted = read_upstream(files.output("emit"))["outputs"]
     staged_bytes(spec, emitted, "verify")
-    model_class = read_upstream(files.frozen)["model_class"]
+    model_class = read_upstream(files.output("freeze"))["model_class"]
     report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], emitted, model_class, log)
-    write_stage_record(files.verify_stamp, {"signature": expected_signature(spec, "verify"), "outputs": emitted,
-                                    "report": report})
+    write_stage_record(files.output("verify"), {"signature": expected_signature(spec, "verify"),
+                                                "outputs": emitted, "report": report})
 
 
 def staged_bytes(spec: CodegenSpec, expected: dict[str, str], stage: str) -> dict[str, bytes]:
@@ -225,13 +219,14 @@ def run_install(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.meta import build_codegen_meta
 
     files = StageFiles(spec)
-    emitted = read_upstream(files.emit_stamp)["outputs"]
-    verified = read_upstream(files.verify_stamp)
+    emit_record, verify_record = files.output("emit"), files.output("verify")
+    emitted = read_upstream(emit_record)["outputs"]
+    verified = read_upstream(verify_record)
     if verified.get("outputs") != emitted:
-        raise RuntimeError(f"{files.verify_stamp}: verified other staged bytes than {files.emit_stamp} lists; "
+        raise RuntimeError(f"{verify_record}: verified other staged bytes than {emit_record} lists; "
                            f"run `doit generate config={spec.recipe_path}`")
-    payload = staged_bytes(spec, {**emitted, **read_upstream(files.diff_stamp)["outputs"]}, "install")
-    frozen = read_upstream(files.frozen)
+    payload = staged_bytes(spec, {**emitted, **read_upstream(files.output("diff"))["outputs"]}, "install")
+    frozen = read_upstream(files.output("freeze"))
     meta = build_codegen_meta(spec, signature=signature_from_spec(spec), files=payload,
                               frozen=frozen["frozen"], model_class=frozen["model_class"],
                               verified=verified_record(verified["report"]))
@@ -257,15 +252,13 @@ def run_preflight(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.check.preflight import run_torchrun_preflight
 
     report = run_torchrun_preflight(spec, log)
-    write_stage_record(StageFiles(spec).preflight_stamp,
+    write_stage_record(StageFiles(spec).output("preflight"),
                {"signature": expected_signature(spec, "preflight"), "report": report})
 
 
-STAGE_RUNNERS: dict[str, Callable[[CodegenSpec, Log], None]] = {
-    "resolve": run_resolve, "derive": run_derive, "freeze": run_freeze, "emit": run_emit,
-    "diff": run_diff, "verify": run_verify, "install": run_install, "preflight": run_preflight,
-}
-assert tuple(STAGE_RUNNERS) == STAGES
+# Each stage of the table runs the function named after it, ``run_<stage>``.
+STAGE_RUNNERS: dict[str, Callable[[CodegenSpec, Log], None]] = {row.name: globals()[f"run_{row.name}"]
+                                                                 for row in STAGE_TABLE}
 
 
 def run_stage(spec: CodegenSpec, stage: str, log: Log = print) -> float:
@@ -327,7 +320,7 @@ def installed_differs_from_staged(spec: CodegenSpec) -> list[str]:
     the workspace holds them): judged on bytes, whatever codegen_meta.json claims."""
     files = StageFiles(spec)
     staged: dict[str, str] = {}
-    for stamp in (files.emit_stamp, files.diff_stamp):
+    for stamp in (files.output("emit"), files.output("diff")):
         record = read_stage_record(stamp)
         if record is None:
             return []  # no workspace (a fresh clone): the meta's own hashes decide
@@ -359,7 +352,7 @@ def _write_staged(spec: CodegenSpec, stage: str, outputs: dict[str, bytes]) -> N
     files = StageFiles(spec)
     for name, data in outputs.items():
         write_if_changed(files.staged / name, data)
-    stamp = files.emit_stamp if stage == "emit" else files.diff_stamp
+    stamp = files.output(stage)
     write_stage_record(stamp, {"signature": expected_signature(spec, stage),
                        "outputs": {name: sha256_bytes(data) for name, data in outputs.items()}})
 
@@ -369,7 +362,7 @@ def check_workspace_owned(workspace: Path) -> None:
     if workspace.is_symlink():
         raise ArtifactError(f"cannot remove the workspace {workspace}: it is a symbolic link (to "
                             f"{os.readlink(workspace)}); nothing was changed")
-    known = set(WORKSPACE_ENTRIES.values())
+    known = WORKSPACE_ENTRIES
     foreign = sorted(e.name for e in workspace.iterdir()
                      if e.is_symlink() or (e.name not in known and not _TEMP_FILE.match(e.name)))
     if foreign:
@@ -380,7 +373,7 @@ def check_workspace_owned(workspace: Path) -> None:
 def remove_orphaned_temp_files(workspace: Path) -> list[Path]:
     """Temp files a killed run left in the workspace (their writer is gone)."""
     removed = []
-    for folder in (workspace, workspace / WORKSPACE_ENTRIES["staged"]):
+    for folder in (workspace, workspace / STAGED_DIR):
         if not folder.is_dir() or folder.is_symlink():
             continue
         for entry in folder.iterdir():

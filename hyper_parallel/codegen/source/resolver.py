@@ -27,7 +27,7 @@ import itertools
 import json
 import re
 from collections.abc import Collection, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
@@ -156,13 +156,63 @@ def _no_causal_lm_class(model_type: str) -> str:
             f"the class AutoModelForCausalLM builds, so the model must be a causal LM")
 
 
+@dataclass(frozen=True)
+class SourceLocation:
+    """Where a model's source is, found without reading its bytes: what the recipe's
+    projection knows. Hashing it into a ``ModelSource`` is the resolve stage's work."""
+
+    model_type: str
+    module: str  # as ModelSource.module
+    file: str  # as ModelSource.file
+    path: Path = field(compare=False)  # absolute, for reading only (never in a signature)
+    origin: str = ORIGIN_TRANSFORMERS
+    sibling_paths: tuple[Path, ...] = field(default=(), compare=False)  # remote: beside the source, sorted
+
+    @property
+    def is_remote(self) -> bool:
+        return self.origin == ORIGIN_REMOTE
+
+    @property
+    def sibling_names(self) -> tuple[str, ...]:
+        """The file names of the siblings the bundle carries copies of."""
+        return tuple(path.name for path in self.sibling_paths)
+
+
 def resolve_source(model_dir: Path, model_config: dict[str, Any]) -> ModelSource:
-    """The model's source: its own remote code when config.json maps
+    """The model's source, found and hashed (``hash_source(locate_source(...))``)."""
+    return hash_source(locate_source(model_dir, model_config))
+
+
+def locate_source(model_dir: Path, model_config: dict[str, Any]) -> SourceLocation:
+    """Where the model's source is: its own remote code when config.json maps
     ``AutoModelForCausalLM`` in ``auto_map``, else transformers' file for its model_type."""
     module = remote_modeling_module(model_config, model_dir / "config.json")
     if module is None:
-        return resolve_model_source(model_config["model_type"])
-    return resolve_remote_source(model_dir, model_config["model_type"], module)
+        return locate_model_source(model_config["model_type"])
+    return locate_remote_source(model_dir, model_config["model_type"], module)
+
+
+def hash_source(location: SourceLocation) -> ModelSource:
+    """The located source with the sha256 of its bytes (and its siblings') and the
+    transformers version: the resolve stage's result, what every signature names."""
+    siblings = tuple((path.name, sha256_bytes(_read_located(path, location))) for path in location.sibling_paths)
+    return ModelSource(
+        model_type=location.model_type,
+        module=location.module,
+        file=location.file,
+        sha256=sha256_bytes(_read_located(location.path, location)),
+        transformers_version=transformers_version(),
+        origin=location.origin,
+        siblings=siblings,
+    )
+
+
+def _read_located(path: Path, location: SourceLocation) -> bytes:
+    """A located file's bytes; one removed since it was located is named."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise SourceError(f"{path}: missing (located for {location.module}); rerun `doit generate`") from None
 
 
 def remote_modeling_module(model_config: dict[str, Any], config_path: Path) -> str | None:
@@ -188,36 +238,28 @@ def remote_modeling_module(model_config: dict[str, Any], config_path: Path) -> s
     return module
 
 
-def resolve_remote_source(model_dir: Path, model_type: str, module: str) -> ModelSource:
+def locate_remote_source(model_dir: Path, model_type: str, module: str) -> SourceLocation:
     path = model_dir / f"{module}.py"
     if not path.is_file():
         raise SourceError(f"{model_dir / 'config.json'}: auto_map.{REMOTE_AUTO_CLASS} names module "
                           f"{module!r}, but {path} does not exist")
     siblings = tuple(
-        (sibling.name, sha256_bytes(sibling.read_bytes()))
-        for sibling in sorted(model_dir.glob("*.py"))
+        sibling for sibling in sorted(model_dir.glob("*.py"))
         if sibling.name != path.name and sibling.name not in NOT_SIBLINGS and sibling.is_file())
-    return ModelSource(
-        model_type=model_type,
-        module=module,
-        file=path.name,
-        sha256=sha256_bytes(path.read_bytes()),
-        transformers_version=transformers_version(),
-        origin=ORIGIN_REMOTE,
-        siblings=siblings,
-    )
+    return SourceLocation(model_type=model_type, module=module, file=path.name, path=path, origin=ORIGIN_REMOTE,
+                          sibling_paths=siblings)
+
+
+def locate_model_source(model_type: str) -> SourceLocation:
+    """The transformers modeling file of ``model_type``."""
+    module, path = modeling_path(model_type)
+    return SourceLocation(model_type=model_type, module=module,
+                          file=path.relative_to(transformers_root()).as_posix(), path=path)
 
 
 def resolve_model_source(model_type: str) -> ModelSource:
-    """The transformers modeling file of ``model_type``."""
-    module, path = modeling_path(model_type)
-    return ModelSource(
-        model_type=model_type,
-        module=module,
-        file=path.relative_to(transformers_root()).as_posix(),
-        sha256=sha256_bytes(path.read_bytes()),
-        transformers_version=transformers_version(),
-    )
+    """The transformers modeling file of ``model_type``, hashed."""
+    return hash_source(locate_model_source(model_type))
 
 
 def source_text(source: ModelSource, model_dir: Path | None = None) -> str:

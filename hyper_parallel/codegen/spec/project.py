@@ -6,17 +6,14 @@ Nothing here imports torch or transformers: every doit up-to-date check runs it.
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.hash import implementation_sha256, sha256_file, sha256_json
-from hyper_parallel.codegen.source.resolver import ModelSource, SourceError, read_model_config, resolve_source
-from hyper_parallel.codegen.spec.types import (
-    BUNDLE_IMPLEMENTATION,
-    STAGE_IMPLEMENTATION,
-    CodegenSpec,
-    ParallelSpec,
-)
+from hyper_parallel.codegen.source.resolver import SourceError, SourceLocation, locate_source, read_model_config
+from hyper_parallel.codegen.spec.types import CodegenSpec, ParallelSpec
+from hyper_parallel.codegen.stage_table import BUNDLE_IMPLEMENTATION, WORKSPACE_DIR, WORKSPACE_ENV, stage_row
 from hyper_parallel.config.loading import RecipeError
 from hyper_parallel.config.schema import PlanOverride, TrainerConfig
 from hyper_parallel.protocols.placement_text import (
@@ -26,7 +23,6 @@ from hyper_parallel.protocols.placement_text import (
 )
 
 SPEC_SCHEMA = 1
-DEFAULT_WORKSPACE = "generated"
 
 
 def model_token(model_type: str) -> str:
@@ -59,7 +55,8 @@ def _escape_id_part(part: str) -> str:
 
 
 def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | None = None) -> CodegenSpec:
-    """Project the recipe onto what codegen consumes. Reads config.json; writes nothing."""
+    """Project the recipe onto what codegen consumes. Reads config.json and locates the
+    model source (the resolve stage hashes it); writes nothing."""
     if not config._yaml_path:
         raise RecipeError("project_codegen_spec needs a config read by load_training_config (no _yaml_path)")
     recipe_path = Path(config._yaml_path)
@@ -75,15 +72,15 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     artifact_dir = artifact_link.resolve()
     root = Path(workspace_root).resolve() if workspace_root else default_workspace_root()
     rid = recipe_id(recipe_path, root.parent)
-    _refuse_symlink(root / rid, where, "$HYPER_PARALLEL_WORKSPACE", "the recipe's workspace")
+    _refuse_symlink(root / rid, where, f"${WORKSPACE_ENV}", "the recipe's workspace")
     _check_artifact_dir(artifact_dir, yaml_dir=yaml_dir, model_dir=model_dir, workspace=root / rid, where=where)
-    source = resolve_source(model_dir, model_config)
-    if source.is_remote and not config.model.trust_remote_code:
+    location = locate_source(model_dir, model_config)
+    if location.is_remote and not config.model.trust_remote_code:
         raise SourceError(f"{where}: model.trust_remote_code: the model folder {model_dir} brings its own code "
-                          f"({source.file}, named by auto_map in config.json); codegen imports and runs it only "
+                          f"({location.file}, named by auto_map in config.json); codegen imports and runs it only "
                           f"with model.trust_remote_code: true")
     modeling_file = modeling_file_name(model_config["model_type"], acc.device_type)
-    _check_sibling_names(source, modeling_file, model_dir)
+    _check_sibling_names(location, modeling_file, model_dir)
     return CodegenSpec(
         recipe_path=recipe_path,
         recipe_rel=os.path.relpath(recipe_path, artifact_dir).replace(os.sep, "/"),
@@ -94,7 +91,7 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
         config_overrides=dict(sorted(config.model.config_overrides.items())),
         torch_dtype=config.model.torch_dtype,
         attn_implementation=config.model.attn_implementation,
-        source=source,
+        location=location,
         parallel=parallel,
         plan_overrides=tuple(_normalize_override(o, i, where) for i, o in enumerate(config.plan_overrides)),
         artifact_dir=artifact_dir,
@@ -106,9 +103,9 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     )
 
 
-def _check_sibling_names(source: ModelSource, modeling_file: str, model_dir: Path) -> None:
+def _check_sibling_names(location: SourceLocation, modeling_file: str, model_dir: Path) -> None:
     """Siblings are copied into the bundle next to the generated file: names must not clash."""
-    for name, _ in source.siblings:
+    for name in location.sibling_names:
         if name == modeling_file:
             raise SourceError(f"{model_dir / name}: a remote-code sibling has the generated modeling file's "
                               f"name {modeling_file!r}; rename it (the bundle holds both)")
@@ -116,8 +113,8 @@ def _check_sibling_names(source: ModelSource, modeling_file: str, model_dir: Pat
 
 def default_workspace_root() -> Path:
     """``$HYPER_PARALLEL_WORKSPACE``, else ``./generated`` (doit runs in the project root)."""
-    env = os.environ.get("HYPER_PARALLEL_WORKSPACE")
-    return Path(env).resolve() if env else Path.cwd().resolve() / DEFAULT_WORKSPACE
+    env = os.environ.get(WORKSPACE_ENV)
+    return Path(env).resolve() if env else Path.cwd().resolve() / WORKSPACE_DIR
 
 
 def _refuse_symlink(path: Path, where: str, key: str, what: str) -> None:
@@ -187,20 +184,25 @@ def signature_from_spec(spec: CodegenSpec) -> str:
     return sha256_json(bundle_signature_inputs(spec))
 
 
-def stage_signature(spec: CodegenSpec, stage: str, upstream: dict[str, str]) -> str:
-    """Signature of one stage: its own recipe inputs, the sha256 of the upstream files
-    it reads (``upstream``: name → sha256) and the code it runs."""
-    own: dict[str, Any] = {
-        "resolve": lambda: {"source": spec.source.identity(), "model_dir": spec.model_dir_rel,
-                            "config_sha256": spec.model_config_sha256},
-        "derive": lambda: {"parallel": spec.parallel.as_dict(), "plan_overrides": list(spec.plan_overrides),
-                           "config_overrides": spec.config_overrides},
-        "freeze": lambda: {},
-        "emit": lambda: {"bundle_signature": signature_from_spec(spec), "modeling_file": spec.modeling_file},
-        "diff": lambda: {"modeling_file": spec.modeling_file},
-        "verify": lambda: {"parallel": spec.parallel.as_dict(), "attn_implementation": spec.attn_implementation},
-        "preflight": lambda: {"world_size": spec.parallel.world_size},
-    }[stage]()
-    return sha256_json({"stage": stage, "inputs": own, "upstream": upstream,
-                        "implementation_sha256": implementation_sha256(STAGE_IMPLEMENTATION[stage])})
+# The recipe facts a stage's output can depend on, by the names the stage table uses.
+SPEC_FACTS: dict[str, Callable[[CodegenSpec], Any]] = {
+    "source": lambda spec: spec.source.identity(),
+    "model_dir": lambda spec: spec.model_dir_rel,
+    "config_sha256": lambda spec: spec.model_config_sha256,
+    "parallel": lambda spec: spec.parallel.as_dict(),
+    "plan_overrides": lambda spec: list(spec.plan_overrides),
+    "config_overrides": lambda spec: spec.config_overrides,
+    "bundle_signature": signature_from_spec,
+    "modeling_file": lambda spec: spec.modeling_file,
+    "attn_implementation": lambda spec: spec.attn_implementation,
+    "world_size": lambda spec: spec.parallel.world_size,
+}
 
+
+def stage_signature(spec: CodegenSpec, name: str, upstream: dict[str, str]) -> str:
+    """Signature of one stage: its own recipe facts (the stage table's ``facts``), the
+    sha256 of the upstream files it reads (``upstream``: name → sha256) and the code it runs."""
+    row = stage_row(name)
+    own = {fact: SPEC_FACTS[fact](spec) for fact in row.facts}
+    return sha256_json({"stage": name, "inputs": own, "upstream": upstream,
+                        "implementation_sha256": implementation_sha256(row.implementation)})

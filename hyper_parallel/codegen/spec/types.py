@@ -1,29 +1,15 @@
 """CodegenSpec: the part of a recipe that can change a generated bundle."""
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.source.resolver import ModelSource
+from hyper_parallel.codegen.source.resolver import ModelSource, SourceLocation, hash_source
+from hyper_parallel.codegen.stage_table import STAGES
 from hyper_parallel.config.parallel_dims import ParallelDims
 
-STAGES = ("resolve", "derive", "freeze", "emit", "diff", "verify", "install", "preflight")
-
-# Which parts of the package each stage's output depends on (relative to hyper_parallel/).
-# A change to one of these files reruns that stage; nothing else does.
-STAGE_IMPLEMENTATION = {
-    "resolve": ("codegen/source", "codegen/spec", "codegen/hash.py"),
-    "derive": ("codegen/plan", "codegen/runtime.py", "codegen/check/probe.py", "class_paths.py", "distributed",
-               "protocols", "models", "components"),  # probe.py: the dataflow trace's tiny copy
-    "freeze": ("codegen/plan/freeze.py", "protocols/placement_text.py"),
-    "emit": ("codegen/emit", "codegen/astkit", "codegen/meta.py", "codegen/stages.py"),
-    "diff": ("codegen/emit/diff.py",),
-    "verify": ("codegen/check", "codegen/loader.py", "codegen/runtime.py", "codegen/plan/derive.py", "class_paths.py",
-               "distributed", "protocols", "models", "components"),
-    "install": ("codegen/artifact.py", "codegen/meta.py"),
-    "preflight": ("codegen/check", "codegen/loader.py", "codegen/runtime.py", "class_paths.py", "distributed"),
-}
-BUNDLE_IMPLEMENTATION = tuple(sorted({p for parts in STAGE_IMPLEMENTATION.values() for p in parts}))
+__all__ = ["STAGES", "CodegenSpec", "ParallelSpec"]  # STAGES: the stage table's, re-exported
 
 
 @dataclass(frozen=True)
@@ -65,7 +51,7 @@ class CodegenSpec:
     config_overrides: dict[str, Any] = field(default_factory=dict, hash=False)
     torch_dtype: str = "float32"
     attn_implementation: str = "eager"
-    source: ModelSource | None = None
+    location: SourceLocation | None = None  # where the model source is; ``source`` is it resolved
     parallel: ParallelSpec | None = None
     plan_overrides: tuple[dict[str, Any], ...] = ()
     artifact_dir: Path = Path()
@@ -74,6 +60,13 @@ class CodegenSpec:
     workspace: Path = Path()
     recipe_id: str = ""
     check_timeout_s: int = 120  # collectives of verify and preflight (not a codegen input)
+
+    @cached_property
+    def source(self) -> ModelSource:
+        """The model source resolved: its bytes hashed on first use, which is the resolve
+        stage's (its up-to-date check or its run), never the projection's; then fixed for
+        this spec's life, so one run judges and builds every stage from one source."""
+        return hash_source(self.location)
 
     @property
     def replacements(self) -> list[dict[str, Any]]:
@@ -92,4 +85,4 @@ class CodegenSpec:
     @property
     def bundle_file_names(self) -> tuple[str, ...]:
         """Every file an install of this recipe writes besides codegen_meta.json."""
-        return (self.modeling_file, "__init__.py", self.diff_file, *(name for name, _ in self.source.siblings))
+        return (self.modeling_file, "__init__.py", self.diff_file, *self.location.sibling_names)
