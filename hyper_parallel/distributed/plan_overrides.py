@@ -3,7 +3,11 @@
 An entry ``{match, module_type?, exact_type?, when?, replace_module?, params?, in_src?,
 in_dst?, out_src?, out_dst?, local_map?}`` with placements as text:
 
-- ``match`` is an exact module FQN or an fnmatch glob; it must hit some module;
+- ``match`` is an exact module FQN or an fnmatch glob, matched by ``name_match``; it
+  must hit some module;
+- where entries overlap, the applier's precedence holds (``name_match``): an entry whose
+  ``match`` names the module exactly wins over glob entries, wherever it stands in the
+  list; among glob entries the later one wins (per key: each sets only what it gives);
 - ``module_type`` (dotted class path, subclasses included) / ``exact_type`` narrow the hits;
 - ``when: cp|ep|tp|sp`` skips the entry unless that parallel form is active;
 - for a hit that has a derived entry, the keys given replace the derived ones
@@ -13,12 +17,12 @@ in_dst?, out_src?, out_dst?, local_map?}`` with placements as text:
 """
 
 import copy
-import fnmatch
 from collections.abc import Iterable, Mapping
 
 from torch import nn
 
 from hyper_parallel.class_paths import class_paths
+from hyper_parallel.distributed.name_match import in_precedence_order, names_matching
 from hyper_parallel.distributed.placement_text import PlacementTextError
 from hyper_parallel.distributed.placements import named_placement_from_text
 from hyper_parallel.distributed.plan_lint import PlanError
@@ -35,7 +39,11 @@ def merge_plan_overrides(modules: Mapping[str, ShardingConfig], overrides: Itera
     """Return a new plan; ``active_axes`` (e.g. ``dims.active_axes(sequence_parallel=...)``)
     is needed only when some entry has ``when``."""
     merged = {fqn: copy.deepcopy(config) for fqn, config in modules.items()}
-    for entry, where, hits in _placing_entries(overrides, model, active_axes):
+    placing = list(_placing_entries(overrides, model, active_axes))
+    matches = [entry["match"] for entry, _, _ in placing]
+    names = [name for name, _ in model.named_modules()]
+    for index in in_precedence_order(matches, names):  # what wins is merged last
+        entry, where, hits = placing[index]
         for fqn in hits:
             module = model.get_submodule(fqn)
             if fqn in merged:
@@ -88,7 +96,7 @@ def _is_active(entry, active, where: str) -> bool:
 def _matching_modules(model: nn.Module, entry, where: str) -> list[str]:
     pattern = entry["match"]
     names = [name for name, _ in model.named_modules()]
-    hits = [pattern] if pattern in names else [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    hits = names_matching(pattern, names)
     if not hits:
         raise PlanError(f"{where}: match {pattern!r} hits no module of {type(model).__name__}")
     for key, test in (("module_type", _is_subclass_of), ("exact_type", _is_exactly)):

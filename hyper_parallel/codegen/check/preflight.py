@@ -59,7 +59,7 @@ def bundle_digest(artifact_dir: Path, meta: dict[str, Any]) -> str:
 
 
 def uncovered_parameters(model: Any, modules: dict[str, Any]) -> list[str]:
-    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.name_match import plan_entry_for
 
     missing = []
     for name, param in model.named_parameters():
@@ -130,7 +130,7 @@ def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[
     the full-size meta-device model, and each rank's shard of every parameter computed from
     the plan (none may be empty). The plan itself ran at this world size in verify; the
     bundle digests are compared across ranks when training starts."""
-    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.name_match import plan_entry_for
     from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims, expert_mesh_layout, mesh_layout
     from hyper_parallel.distributed.placement_text import local_shard_shape
 

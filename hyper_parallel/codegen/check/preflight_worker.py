@@ -52,7 +52,7 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     from hyper_parallel.codegen.check.preflight import PreflightError, checked_meta_model
     from hyper_parallel.codegen.spec.project import check_launch_world_size, project_codegen_spec
     from hyper_parallel.config import load_training_config
-    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.name_match import plan_entry_for
     from hyper_parallel.distributed.placement_text import local_shard_shape
     from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 

@@ -372,7 +372,7 @@ def _fmt(value) -> str:
 
 def _plan_entry(job: dict, param_name: str) -> tuple[str | None, Any]:
     from hyper_parallel.codegen.loader import load_bundle_module
-    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.name_match import plan_entry_for
 
     module = load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"], job["files"])
     owner, _, leaf = param_name.rpartition(".")

@@ -3,15 +3,16 @@
 ``model.layers.0.self_attn.q_proj`` … ``model.layers.47.self_attn.q_proj`` with equal
 entries become one ``model.layers.*.self_attn.q_proj`` entry, so the frozen plan has
 as many entries for 94 layers as for 48. A pattern is only used when, matched the way
-the applier matches (fnmatch over every module name of the model), it selects exactly
-the modules it replaces; entries that differ between layers (dense vs MoE layers, an
+the applier matches (``name_match`` over every module name of the model), it selects
+exactly the modules it replaces, so no two frozen keys hit one module and no precedence
+is left to decide; entries that differ between layers (dense vs MoE layers, an
 entry for layer 0 only) keep their exact names.
 """
 
-import fnmatch
 import re
 from typing import Any
 
+from hyper_parallel.distributed.name_match import names_matching
 from hyper_parallel.distributed.placement_text import (
     PlacementTextError,
     normalize_io_placements,
@@ -77,7 +78,7 @@ def _compress_group(modules, members: list[str], pattern: str, module_names: lis
 
 
 def _selects_exactly(pattern: str, members: list[str], module_names: list[str]) -> bool:
-    return set(fnmatch.filter(module_names, pattern)) == set(members)
+    return set(names_matching(pattern, module_names)) == set(members)
 
 
 def _normalize_entry(fqn: str, entry: dict[str, Any]) -> dict[str, Any]:
