@@ -11,6 +11,7 @@ import traceback
 from hyper_parallel.codegen.manager import clean_recipe, ensure_codegen_artifact, load_spec, run_pipeline
 from hyper_parallel.codegen.spec.project import check_launch_world_size
 from hyper_parallel.codegen.spec.types import STAGES
+from hyper_parallel.errors import HyperParallelError
 
 EPILOG = """examples:
   python -m hyper_parallel.codegen generate --config recipes/qwen3_moe.yaml
@@ -66,8 +67,7 @@ def is_bad_input(exc: BaseException) -> bool:
     project's ValueError kinds (RecipeError, SourceError, DeriveError, ...) and ArtifactError."""
     from hyper_parallel.codegen.artifact import ArtifactError
 
-    ours = type(exc).__module__.startswith("hyper_parallel.")
-    return ours and isinstance(exc, (ValueError, ArtifactError))
+    return isinstance(exc, HyperParallelError) and isinstance(exc, (ValueError, ArtifactError))
 
 
 def _naming_recipe(message: str, config: str) -> str:

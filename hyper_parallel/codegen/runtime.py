@@ -6,9 +6,9 @@
   applier (``hyper_parallel.distributed.applier``).
 
 Generated files import this module at import time, so it imports nothing beyond the
-standard library, torch and the package's torch-free leaf modules (``class_paths``, and
-``name_match``, so a ``replace_module`` glob hits what a plan key would); the applier is
-imported when it is first needed.
+standard library, torch and the package's torch-free leaf modules (``class_paths``,
+``errors``, and ``name_match``, so a ``replace_module`` glob hits what a plan key
+would); the applier is imported when it is first needed.
 """
 
 import importlib
@@ -21,6 +21,7 @@ from torch import nn
 
 from hyper_parallel.class_paths import class_paths
 from hyper_parallel.distributed.name_match import name_matches
+from hyper_parallel.errors import HyperParallelError
 
 # Set on every module a replacement produced: the keys of the entries applied to it.
 # A later call (the head model's __init__ after the base model's) skips those modules.
@@ -29,7 +30,7 @@ REPLACED_MARK = "_hyper_replaced_by"
 REPLACED_RECORD = "_hyper_replaced"
 
 
-class ReplacementError(ValueError):
+class ReplacementError(ValueError, HyperParallelError):
     """A replace_module entry that cannot be applied; names the entry and the module."""
 
 

@@ -56,13 +56,14 @@ from hyper_parallel.distributed.partial_grads import reduce_partial_grad
 from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa: F401  (re-exported)
 from hyper_parallel.distributed.placements import as_placement
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
+from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 _IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
 EP_AXIS = "ep"
 
 
-class PlanApplyError(ValueError):
+class PlanApplyError(ValueError, HyperParallelError):
     """A plan that does not fit the model or the mesh it is applied to."""
 
 

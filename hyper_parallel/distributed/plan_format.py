@@ -28,6 +28,7 @@ from hyper_parallel.distributed.placement_text import (
     normalize_named_placement,
     parse_placement_text,
 )
+from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 PLAN_FORMAT_VERSION = 1
@@ -36,7 +37,7 @@ _ENTRY_KEYS = ("role", "state_shardings", *_IO_KEYS, "local_map")
 _DOC_KEYS = ("format", "mesh", "applied_axes", "recorded_axes", "modules")
 
 
-class PlanFormatError(ValueError):
+class PlanFormatError(ValueError, HyperParallelError):
     """A plan document or entry that does not have the expected shape."""
 
 

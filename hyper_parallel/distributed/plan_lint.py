@@ -9,6 +9,7 @@ from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, expert_cou
 from hyper_parallel.distributed.name_match import match_plan_keys
 from hyper_parallel.distributed.placement_text import parse_placement_text
 from hyper_parallel.distributed.placements import placement_to_text
+from hyper_parallel.errors import HyperParallelError
 
 # config key -> what tp splits; each must be divisible by tp_size
 _TP_SPLIT_KEYS = (
@@ -20,7 +21,7 @@ _TP_SPLIT_KEYS = (
 )
 
 
-class PlanError(ValueError):
+class PlanError(ValueError, HyperParallelError):
     """A plan (derived or overridden) that cannot be applied as written."""
 
 

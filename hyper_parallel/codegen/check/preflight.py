@@ -13,12 +13,13 @@ from hyper_parallel.codegen.check.drift import bundle_file_problems, fix_command
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
 from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.errors import HyperParallelError
 
 
 PREFLIGHT_TIMEOUT_S = 900
 
 
-class PreflightError(RuntimeError):
+class PreflightError(RuntimeError, HyperParallelError):
     """The bundle is not fit to train with; the message says what and how to fix it."""
 
 

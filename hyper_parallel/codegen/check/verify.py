@@ -41,6 +41,7 @@ from hyper_parallel.codegen.check.launch import (
 )
 from hyper_parallel.codegen.check.verify_worker import LR, STEPS, brief_entry, seed_step
 from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.errors import HyperParallelError
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -56,7 +57,7 @@ MAX_PROCS_ENV = "HYPER_PARALLEL_VERIFY_MAX_PROCS"
 Log = Callable[[str], None]
 
 
-class VerifyError(RuntimeError):
+class VerifyError(RuntimeError, HyperParallelError):
     """The generated model does not train like one device; the message says where."""
 
 

@@ -18,13 +18,14 @@ from hyper_parallel.distributed.placement_text import (
     normalize_io_placements,
     normalize_named_placement,
 )
+from hyper_parallel.errors import HyperParallelError
 
 FROZEN_FORMAT = 1
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 _IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
 
 
-class FreezeError(ValueError):
+class FreezeError(ValueError, HyperParallelError):
     """A derived plan that cannot be frozen; names the module and field."""
 
 
