@@ -57,9 +57,8 @@ from hyper_parallel.distributed.placement_text import local_shard_shape  # noqa:
 from hyper_parallel.distributed.placements import as_placement
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
 from hyper_parallel.errors import HyperParallelError
-from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
 EP_AXIS = "ep"
 
 
@@ -165,7 +164,7 @@ def _as_config(config, key: str) -> ShardingConfig:
 
 def _named_entries(config: ShardingConfig):
     yield from config.state_shardings.values()
-    for key in _IO_KEYS:
+    for key in IO_PLACEMENT_FIELDS:
         for named in _io_list(getattr(config, key)):
             if named is not None:
                 yield named
@@ -222,7 +221,7 @@ def _places_nothing(config: ShardingConfig, axes) -> bool:
     whole inputs, so its gradients are whole on every rank and its parameters can stay
     plain tensors (model code may read them outside the module's forward, where a DTensor
     would meet plain tensors: DBRX's experts slice their GLU's matrices)."""
-    if any(getattr(config, key) is not None for key in _IO_KEYS):
+    if any(getattr(config, key) is not None for key in IO_PLACEMENT_FIELDS):
         return False
     return all(isinstance(placement, Replicate)
                for named in config.state_shardings.values() for placement in _placements(named, axes))

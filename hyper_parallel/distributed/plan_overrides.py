@@ -26,10 +26,9 @@ from hyper_parallel.distributed.name_match import in_precedence_order, names_mat
 from hyper_parallel.distributed.placement_text import PlacementTextError
 from hyper_parallel.distributed.placements import named_placement_from_text
 from hyper_parallel.distributed.plan_lint import PlanError
-from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
-_PLACEMENT_KEYS = ("params", *_IO_KEYS, "local_map")
+_PLACEMENT_KEYS = ("params", *IO_PLACEMENT_FIELDS, "local_map")
 _SELECT_KEYS = ("match", "module_type", "exact_type", "when", "replace_module")
 _WHEN_VALUES = ("cp", "ep", "tp", "sp")
 
@@ -125,7 +124,7 @@ def _is_exactly(module: nn.Module, dotted: str) -> bool:
 def _merge_into(config: ShardingConfig, entry, module: nn.Module, where: str, fqn: str) -> None:
     for name, named in _params(entry, module, where, fqn).items():
         config.state_shardings[name] = named
-    for key in _IO_KEYS:
+    for key in IO_PLACEMENT_FIELDS:
         if key in entry:
             setattr(config, key, _io(entry[key], f"{where}.{key}"))
     if "local_map" in entry:
@@ -139,7 +138,7 @@ def _fully_specified(entry, module: nn.Module, where: str, fqn: str) -> Sharding
         raise PlanError(f"{where}: module {fqn!r} has no derived plan entry, so the override must be fully "
                         f"specified; 'params' lacks {missing}")
     config = ShardingConfig(state_shardings=params)
-    for key in _IO_KEYS:
+    for key in IO_PLACEMENT_FIELDS:
         setattr(config, key, _io(entry.get(key), f"{where}.{key}"))
     config.local_map = _local_map(entry, where) if "local_map" in entry else False
     return config

@@ -67,7 +67,7 @@ from hyper_parallel.distributed.roles import (
     style_meaning,
 )
 from hyper_parallel.distributed.sequence_layout import TracedFacts, apply_sequence_layout
-from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
 __all__ = ["PlanError", "PlanResult", "ShardingPlanner", "merge_plan_overrides"]
 
@@ -787,7 +787,7 @@ def override_entry_text(fqn: str, config: ShardingConfig) -> str:
     parts = [f"match: {_layer_glob(fqn)}",
              "params: {" + ", ".join(f"{name}: {_named_text(named)}"
                                      for name, named in config.state_shardings.items()) + "}"]
-    for key in ("in_src", "in_dst", "out_src", "out_dst"):
+    for key in IO_PLACEMENT_FIELDS:
         value = getattr(config, key)
         if value is not None:
             items = (value,) if isinstance(value, Mapping) else value
@@ -805,7 +805,7 @@ def _axes_placed(modules: dict[str, ShardingConfig]) -> set[str]:
     placed = set()
     for config in modules.values():
         named = list(config.state_shardings.values())
-        for io in (config.in_src, config.in_dst, config.out_src, config.out_dst):
+        for io in (getattr(config, key) for key in IO_PLACEMENT_FIELDS):
             items = [io] if isinstance(io, dict) else list(io or ())
             named.extend(entry for entry in items if isinstance(entry, dict))
         for entry in named:

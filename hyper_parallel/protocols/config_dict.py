@@ -13,10 +13,9 @@ from typing import Any
 from hyper_parallel.distributed.placements import placement_from_text, placement_to_text
 from hyper_parallel.protocols.configurable import Configurable
 from hyper_parallel.protocols.function import Function
-from hyper_parallel.protocols.sharding import MeshAxisName, ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, MeshAxisName, ShardingConfig
 
 TARGET = "_target_"
-_IO_FIELDS = ("in_src", "in_dst", "out_src", "out_dst")
 
 
 def config_to_dict(config: Any) -> dict:
@@ -87,7 +86,7 @@ def _sharding_to_dict(config: ShardingConfig) -> dict:
     out: dict = {TARGET: _path_of(ShardingConfig),
                  "state_shardings": {name: _named_to_text(named)
                                      for name, named in config.state_shardings.items()}}
-    for name in _IO_FIELDS:
+    for name in IO_PLACEMENT_FIELDS:
         out[name] = _io_to_text(getattr(config, name))
     out["local_map"] = config.local_map
     return out
@@ -97,7 +96,7 @@ def _sharding_from_dict(fields: dict) -> ShardingConfig:
     return ShardingConfig(
         state_shardings={name: _named_from_text(named)
                          for name, named in fields.get("state_shardings", {}).items()},
-        **{name: _io_from_text(fields.get(name)) for name in _IO_FIELDS},
+        **{name: _io_from_text(fields.get(name)) for name in IO_PLACEMENT_FIELDS},
         local_map=bool(fields.get("local_map", False)),
     )
 

@@ -19,10 +19,10 @@ from hyper_parallel.distributed.placement_text import (
     normalize_named_placement,
 )
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS
 
 FROZEN_FORMAT = 1
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
-_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
 
 
 class FreezeError(ValueError, HyperParallelError):
@@ -90,7 +90,7 @@ def _normalize_entry(fqn: str, entry: dict[str, Any]) -> dict[str, Any]:
                 name: normalize_named_placement(named, where=f"{fqn}.{name}")
                 for name, named in sorted(entry.get("state_shardings", {}).items())},
         }
-        for key in _IO_KEYS:
+        for key in IO_PLACEMENT_FIELDS:
             out[key] = normalize_io_placements(entry.get(key), where=f"{fqn}: {key}")
     except PlacementTextError as exc:
         raise FreezeError(str(exc)) from None
