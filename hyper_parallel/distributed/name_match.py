@@ -101,7 +101,10 @@ def match_plan_keys(names: Iterable[str], keys: Iterable[str]) -> PlanKeyMatches
 def plan_entry_for(name: str, plan: Mapping[str, Entry]) -> tuple[str, Entry] | None:
     """``(key, entry)`` that applies to module ``name`` in ``plan``: its exact key, else the
     last glob that matches it; None when no key matches. Checks and reports use this, so
-    they name the entry the applier applies."""
+    they name the entry the applier applies. Without the model's names it reads a key
+    holding a glob character as a glob even where that key is another module's own name
+    (``experts[0]``), which ``match_plan_keys`` keeps to that module; module names with
+    glob characters are the one case where the two could differ."""
     if name in plan:
         return name, plan[name]
     found = None
