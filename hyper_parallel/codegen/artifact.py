@@ -20,12 +20,14 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from hyper_parallel.errors import HyperParallelError
+
 META_FILE = "codegen_meta.json"
 _TEMP_PREFIX = ".hp-bundle-"  # only dirs named <prefix><bundle>-<dead pid>-* are ever removed
 _RENAME_EXCHANGE = 2
 
 
-class ArtifactError(OSError):
+class ArtifactError(OSError, HyperParallelError):
     """The bundle directory cannot be written."""
 
     def __str__(self) -> str:
@@ -154,7 +156,7 @@ def _swap_in(staging: Path, target: Path, installing: Iterable[str]) -> None:
         _replace_by_two_renames(staging, target)
 
 
-class ExchangeUnsupported(OSError):
+class ExchangeUnsupported(OSError, HyperParallelError):
     """This file system or OS cannot exchange two paths in one call."""
 
 

@@ -15,6 +15,7 @@ from hyper_parallel.codegen.stage_table import STAGES, WORKSPACE_DIR
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.errors import HyperParallelError
 
 EPILOG = """examples:
   python -m hyper_parallel.codegen generate --config recipes/qwen3_moe.yaml
@@ -70,8 +71,7 @@ def is_bad_input(exc: BaseException) -> bool:
     project's ValueError kinds (RecipeError, SourceError, DeriveError, ...) and ArtifactError."""
     from hyper_parallel.codegen.artifact import ArtifactError
 
-    ours = type(exc).__module__.startswith("hyper_parallel.")
-    return ours and isinstance(exc, (ValueError, ArtifactError))
+    return isinstance(exc, HyperParallelError) and isinstance(exc, (ValueError, ArtifactError))
 
 
 def _naming_recipe(message: str, config: str) -> str:

@@ -21,11 +21,12 @@ from types import ModuleType
 
 from hyper_parallel.codegen.hash import sha256_bytes
 from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
+from hyper_parallel.errors import HyperParallelError
 
 PACKAGE_PREFIX = "hyper_parallel_generated"
 
 
-class BundleImportError(ImportError):
+class BundleImportError(ImportError, HyperParallelError):
     """The generated modeling file could not be imported."""
 
 

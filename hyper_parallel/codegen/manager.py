@@ -24,12 +24,13 @@ from hyper_parallel.codegen.stages import (
 )
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.errors import HyperParallelError
 
 Log = Callable[[str], None]
 DEFAULT_WAIT_TIMEOUT_S = 600.0
 
 
-class CodegenWaitError(TimeoutError):
+class CodegenWaitError(TimeoutError, HyperParallelError):
     """A non-zero rank gave up waiting for rank 0's bundle."""
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from hyper_parallel.codegen.artifact import META_FILE
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_json
 from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.errors import HyperParallelError
 
 META_SCHEMA_VERSION = 1
 REQUIRED_META_FIELDS = ("schema_version", "signature", "recipe", "source", "model", "parallel",
@@ -19,7 +20,7 @@ NOT_COVERED = (
 )
 
 
-class MetaError(ValueError):
+class MetaError(ValueError, HyperParallelError):
     """A codegen_meta.json that is missing, unreadable or incomplete."""
 
 

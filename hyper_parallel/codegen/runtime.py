@@ -6,12 +6,13 @@
   applier (``hyper_parallel.distributed.applier``).
 
 Generated files import this module at import time, so it imports nothing beyond the
-standard library and torch; the applier is imported when it is first needed.
+standard library, torch and the package's torch-free leaf modules (``class_paths``,
+``errors``, and ``name_match``, so a ``replace_module`` glob hits what a plan key
+would); the applier is imported when it is first needed.
 """
 
-import fnmatch
-import inspect
 import importlib
+import inspect
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from torch import nn
 
 from hyper_parallel.class_paths import class_paths
+from hyper_parallel.distributed.name_match import name_matches
+from hyper_parallel.errors import HyperParallelError
 
 # Set on every module a replacement produced: the keys of the entries applied to it.
 # A later call (the head model's __init__ after the base model's) skips those modules.
@@ -27,7 +30,7 @@ REPLACED_MARK = "_hyper_replaced_by"
 REPLACED_RECORD = "_hyper_replaced"
 
 
-class ReplacementError(ValueError):
+class ReplacementError(ValueError, HyperParallelError):
     """A replace_module entry that cannot be applied; names the entry and the module."""
 
 
@@ -126,7 +129,7 @@ def _matches(root: nn.Module, pattern: str, prefix: str) -> Iterator[tuple[str, 
         if not fqn:
             continue
         qualified = f"{prefix}.{fqn}" if prefix else fqn
-        if fnmatch.fnmatchcase(qualified, pattern) or (prefix and fnmatch.fnmatchcase(fqn, pattern)):
+        if name_matches(qualified, pattern) or (prefix and name_matches(fqn, pattern)):
             yield fqn, qualified, module
 
 

@@ -22,9 +22,10 @@ from hyper_parallel.config.schema import (
     ReplaceModuleConfig,
     TrainerConfig,
 )
+from hyper_parallel.errors import HyperParallelError
 
 
-class RecipeError(ValueError):
+class RecipeError(ValueError, HyperParallelError):
     """A recipe that cannot be used; the message names the file and the key."""
 
 

@@ -33,7 +33,6 @@ For each planned module:
   (``sharded_loss``), so HF's ``forward(labels=...)`` returns the exact loss.
 """
 
-import fnmatch
 from collections.abc import Mapping
 
 import torch
@@ -52,17 +51,18 @@ from hyper_parallel.distributed.boundary_collectives import (
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
+from hyper_parallel.distributed.name_match import match_plan_keys
 from hyper_parallel.distributed.partial_grads import reduce_partial_grad
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
+from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.placement_text import local_shard_shape  # noqa: F401  (re-exported)
 from hyper_parallel.protocols.placements import as_placement
-from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
 EP_AXIS = "ep"
 
 
-class PlanApplyError(ValueError):
+class PlanApplyError(ValueError, HyperParallelError):
     """A plan that does not fit the model or the mesh it is applied to."""
 
 
@@ -141,40 +141,15 @@ def _expert_mesh(mesh, fqn: str):
 
 
 def _resolve_targets(model: nn.Module, modules: Mapping) -> dict[str, ShardingConfig]:
-    """Expand globs to exact FQNs; a later exact key wins over a glob for the same module."""
-    names = [name for name, _ in model.named_modules()]
-    known = set(names)
-    resolved: dict[str, ShardingConfig] = {}
-    exact: dict[str, ShardingConfig] = {}
+    """Expand globs to exact FQNs by the one precedence rule (``name_match``): an exact key
+    beats a glob for the same module; among globs the last one wins."""
+    matches = match_plan_keys((name for name, _ in model.named_modules()), modules)
+    configs: dict[str, ShardingConfig] = {}
     for key, config in modules.items():
-        config = _as_config(config, key)
-        if key in known:
-            exact[key] = config
-            continue
-        hits = [name for name in names if fnmatch.fnmatchcase(name, key)] if _is_glob(key) else []
-        if not hits:
+        configs[key] = _as_config(config, key)
+        if not matches.hits[key]:
             raise PlanApplyError(f"plan key {key!r} matches no module of {type(model).__name__}")
-        for name in hits:
-            resolved[name] = config
-    resolved.update(exact)
-    return resolved
-
-
-def plan_entry_for(fqn: str, modules: Mapping) -> tuple[str, object] | None:
-    """``(key, entry)`` the applier uses for module ``fqn``: its exact key, else the last
-    glob that matches it (``_resolve_targets``' precedence); None when nothing matches.
-    Checks and reports use this, so they name the entry that was applied."""
-    if fqn in modules:
-        return fqn, modules[fqn]
-    found = None
-    for key, entry in modules.items():
-        if _is_glob(key) and fnmatch.fnmatchcase(fqn, key):
-            found = (key, entry)
-    return found
-
-
-def _is_glob(key: str) -> bool:
-    return any(ch in key for ch in "*?[")
+    return {name: configs[key] for name, key in matches.applied.items()}
 
 
 def _as_config(config, key: str) -> ShardingConfig:
@@ -189,7 +164,7 @@ def _as_config(config, key: str) -> ShardingConfig:
 
 def _named_entries(config: ShardingConfig):
     yield from config.state_shardings.values()
-    for key in _IO_KEYS:
+    for key in IO_PLACEMENT_FIELDS:
         for named in _io_list(getattr(config, key)):
             if named is not None:
                 yield named
@@ -246,7 +221,7 @@ def _places_nothing(config: ShardingConfig, axes) -> bool:
     whole inputs, so its gradients are whole on every rank and its parameters can stay
     plain tensors (model code may read them outside the module's forward, where a DTensor
     would meet plain tensors: DBRX's experts slice their GLU's matrices)."""
-    if any(getattr(config, key) is not None for key in _IO_KEYS):
+    if any(getattr(config, key) is not None for key in IO_PLACEMENT_FIELDS):
         return False
     return all(isinstance(placement, Replicate)
                for named in config.state_shardings.values() for placement in _placements(named, axes))

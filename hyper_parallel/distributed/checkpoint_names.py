@@ -35,10 +35,12 @@ from typing import Any, Callable
 
 import torch
 
+from hyper_parallel.errors import HyperParallelError
+
 Segments = list[tuple[int, int]]  # half-open index ranges along one dimension
 
 
-class Unsliceable(TypeError):
+class Unsliceable(TypeError, HyperParallelError):
     """A conversion operation a :class:`LazyTensor` cannot record; its converter falls back."""
 
 

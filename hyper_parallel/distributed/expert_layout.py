@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 
 from hyper_parallel.distributed.model_parts import positional_names
 from hyper_parallel.distributed.plan_lint import PlanError
-from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
 EP = "ep"
 DISPATCH_INPUTS = 3  # the dispatch takes (hidden_states, top_k_index, top_k_weights), as HF's experts do
@@ -56,7 +56,7 @@ def _check_dispatchable(fqn: str, experts: nn.Module, ep: int) -> None:
 
 def _expert_parallel(config: ShardingConfig) -> None:
     config.state_shardings = {name: {**named, EP: Shard(0)} for name, named in config.state_shardings.items()}
-    for key in ("in_src", "in_dst", "out_src", "out_dst"):
+    for key in IO_PLACEMENT_FIELDS:
         value = getattr(config, key)
         if value is not None:
             setattr(config, key, tuple(None if named is None else _tokens_on_ep(named) for named in value))

@@ -28,15 +28,15 @@ from hyper_parallel.protocols.placement_text import (
     normalize_named_placement,
     parse_placement_text,
 )
-from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
 PLAN_FORMAT_VERSION = 1
-_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
-_ENTRY_KEYS = ("role", "state_shardings", *_IO_KEYS, "local_map")
+_ENTRY_KEYS = ("role", "state_shardings", *IO_PLACEMENT_FIELDS, "local_map")
 _DOC_KEYS = ("format", "mesh", "applied_axes", "recorded_axes", "modules")
 
 
-class PlanFormatError(ValueError):
+class PlanFormatError(ValueError, HyperParallelError):
     """A plan document or entry that does not have the expected shape."""
 
 
@@ -82,7 +82,7 @@ def sharding_config_to_json(config: ShardingConfig, role: str = "custom", *, whe
     states = {name: _named_to_json(named, f"{where}.state_shardings.{name}")
               for name, named in sorted(config.state_shardings.items())}
     entry = {"role": role, "state_shardings": states}
-    for key in _IO_KEYS:
+    for key in IO_PLACEMENT_FIELDS:
         entry[key] = _io_to_json(getattr(config, key), f"{where}.{key}")
     entry["local_map"] = bool(config.local_map)
     return entry
@@ -103,7 +103,7 @@ def sharding_config_from_json(entry: Mapping, *, where: str = "entry") -> Shardi
                          for name, named in states.items()},
         local_map=_bool(entry.get("local_map", False), f"{where}.local_map"),
     )
-    for key in _IO_KEYS:
+    for key in IO_PLACEMENT_FIELDS:
         io = _io_to_json(entry.get(key), f"{where}.{key}")
         setattr(config, key, None if io is None else tuple(io))
     return config

@@ -1,12 +1,13 @@
 """Checks a plan must pass before it is frozen. Every message names the module or
 parameter (or config key), the dimension and the sizes involved."""
 
-import fnmatch
 from collections.abc import Mapping
 
 from torch import nn
 
 from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, expert_count, layer_views
+from hyper_parallel.distributed.name_match import match_plan_keys
+from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.placement_text import parse_placement_text
 from hyper_parallel.protocols.placements import placement_to_text
 
@@ -20,7 +21,7 @@ _TP_SPLIT_KEYS = (
 )
 
 
-class PlanError(ValueError):
+class PlanError(ValueError, HyperParallelError):
     """A plan (derived or overridden) that cannot be applied as written."""
 
 
@@ -71,13 +72,13 @@ def _divisibility_problems(config, dims, skip: tuple[str, ...] = ()) -> list[str
 
 
 def expand_plan_keys(model: nn.Module, modules: Mapping) -> dict[str, str]:
-    """Module FQN -> the plan key that targets it; a key matching nothing, or a module
-    targeted by two keys, is an error."""
-    names = [name for name, _ in model.named_modules()]
-    known = set(names)
+    """Module FQN -> the plan key that targets it (matched by ``name_match``, as the
+    applier matches); a key matching nothing, or a module targeted by two keys, is an
+    error: a plan to be frozen names each module once, so no precedence is left to apply."""
+    matches = match_plan_keys((name for name, _ in model.named_modules()), modules)
     owner: dict[str, str] = {}
     for key in modules:
-        hits = [key] if key in known else [n for n in names if fnmatch.fnmatchcase(n, key)]
+        hits = matches.hits[key]
         if not hits:
             raise PlanError(f"plan key {key!r} matches no module of {type(model).__name__}")
         for name in hits:

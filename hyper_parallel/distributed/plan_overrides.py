@@ -3,7 +3,11 @@
 An entry ``{match, module_type?, exact_type?, when?, replace_module?, params?, in_src?,
 in_dst?, out_src?, out_dst?, local_map?}`` with placements as text:
 
-- ``match`` is an exact module FQN or an fnmatch glob; it must hit some module;
+- ``match`` is an exact module FQN or an fnmatch glob, matched by ``name_match``; it
+  must hit some module;
+- where entries overlap, the applier's precedence holds (``name_match``): an entry whose
+  ``match`` names the module exactly wins over glob entries, wherever it stands in the
+  list; among glob entries the later one wins (per key: each sets only what it gives);
 - ``module_type`` (dotted class path, subclasses included) / ``exact_type`` narrow the hits;
 - ``when: cp|ep|tp|sp`` skips the entry unless that parallel form is active;
 - for a hit that has a derived entry, the keys given replace the derived ones
@@ -13,19 +17,18 @@ in_dst?, out_src?, out_dst?, local_map?}`` with placements as text:
 """
 
 import copy
-import fnmatch
 from collections.abc import Iterable, Mapping
 
 from torch import nn
 
 from hyper_parallel.class_paths import class_paths
+from hyper_parallel.distributed.name_match import in_precedence_order, names_matching
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.protocols.placement_text import PlacementTextError
 from hyper_parallel.protocols.placements import named_placement_from_text
-from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
-_PLACEMENT_KEYS = ("params", *_IO_KEYS, "local_map")
+_PLACEMENT_KEYS = ("params", *IO_PLACEMENT_FIELDS, "local_map")
 _SELECT_KEYS = ("match", "module_type", "exact_type", "when", "replace_module")
 _WHEN_VALUES = ("cp", "ep", "tp", "sp")
 
@@ -35,7 +38,11 @@ def merge_plan_overrides(modules: Mapping[str, ShardingConfig], overrides: Itera
     """Return a new plan; ``active_axes`` (e.g. ``dims.active_axes(sequence_parallel=...)``)
     is needed only when some entry has ``when``."""
     merged = {fqn: copy.deepcopy(config) for fqn, config in modules.items()}
-    for entry, where, hits in _placing_entries(overrides, model, active_axes):
+    placing = list(_placing_entries(overrides, model, active_axes))
+    matches = [entry["match"] for entry, _, _ in placing]
+    names = [name for name, _ in model.named_modules()]
+    for index in in_precedence_order(matches, names):  # what wins is merged last
+        entry, where, hits = placing[index]
         for fqn in hits:
             module = model.get_submodule(fqn)
             if fqn in merged:
@@ -88,7 +95,7 @@ def _is_active(entry, active, where: str) -> bool:
 def _matching_modules(model: nn.Module, entry, where: str) -> list[str]:
     pattern = entry["match"]
     names = [name for name, _ in model.named_modules()]
-    hits = [pattern] if pattern in names else [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    hits = names_matching(pattern, names)
     if not hits:
         raise PlanError(f"{where}: match {pattern!r} hits no module of {type(model).__name__}")
     for key, test in (("module_type", _is_subclass_of), ("exact_type", _is_exactly)):
@@ -117,7 +124,7 @@ def _is_exactly(module: nn.Module, dotted: str) -> bool:
 def _merge_into(config: ShardingConfig, entry, module: nn.Module, where: str, fqn: str) -> None:
     for name, named in _params(entry, module, where, fqn).items():
         config.state_shardings[name] = named
-    for key in _IO_KEYS:
+    for key in IO_PLACEMENT_FIELDS:
         if key in entry:
             setattr(config, key, _io(entry[key], f"{where}.{key}"))
     if "local_map" in entry:
@@ -131,7 +138,7 @@ def _fully_specified(entry, module: nn.Module, where: str, fqn: str) -> Sharding
         raise PlanError(f"{where}: module {fqn!r} has no derived plan entry, so the override must be fully "
                         f"specified; 'params' lacks {missing}")
     config = ShardingConfig(state_shardings=params)
-    for key in _IO_KEYS:
+    for key in IO_PLACEMENT_FIELDS:
         setattr(config, key, _io(entry.get(key), f"{where}.{key}"))
     config.local_map = _local_map(entry, where) if "local_map" in entry else False
     return config

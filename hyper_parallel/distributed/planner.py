@@ -31,7 +31,6 @@ before the lints, so the lints see the plan as applied; a module it cannot class
 is then no error if an override places it (the override is its whole entry).
 """
 
-import fnmatch
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, StandIns, 
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
+from hyper_parallel.distributed.name_match import plan_entry_for
 from hyper_parallel.distributed.plan_lint import PlanError, heads_not_dividing, lint_config_divisibility, lint_plan
 from hyper_parallel.distributed.plan_overrides import merge_plan_overrides, overridden_modules
 from hyper_parallel.distributed.roles import (
@@ -67,7 +67,7 @@ from hyper_parallel.distributed.roles import (
 )
 from hyper_parallel.distributed.sequence_layout import TracedFacts, apply_sequence_layout
 from hyper_parallel.protocols.placements import placement_to_text
-from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
 __all__ = ["PlanError", "PlanResult", "ShardingPlanner", "merge_plan_overrides"]
 
@@ -787,7 +787,7 @@ def override_entry_text(fqn: str, config: ShardingConfig) -> str:
     parts = [f"match: {_layer_glob(fqn)}",
              "params: {" + ", ".join(f"{name}: {_named_text(named)}"
                                      for name, named in config.state_shardings.items()) + "}"]
-    for key in ("in_src", "in_dst", "out_src", "out_dst"):
+    for key in IO_PLACEMENT_FIELDS:
         value = getattr(config, key)
         if value is not None:
             items = (value,) if isinstance(value, Mapping) else value
@@ -805,7 +805,7 @@ def _axes_placed(modules: dict[str, ShardingConfig]) -> set[str]:
     placed = set()
     for config in modules.values():
         named = list(config.state_shardings.values())
-        for io in (config.in_src, config.in_dst, config.out_src, config.out_dst):
+        for io in (getattr(config, key) for key in IO_PLACEMENT_FIELDS):
             items = [io] if isinstance(io, dict) else list(io or ())
             named.extend(entry for entry in items if isinstance(entry, dict))
         for entry in named:
@@ -829,12 +829,11 @@ def _unclassified_message(fqn: str, module: nn.Module) -> str:
 
 
 def _lookup(hints: dict[str, str], name: str) -> str | None:
-    if name in hints:
-        return hints[name]
-    for glob, style in hints.items():
-        if fnmatch.fnmatchcase(name, glob):
-            return style
-    return None
+    """The style the model's TP plan gives ``name``, by the plan precedence (``name_match``:
+    its exact key, else the last glob that hits it). No transformers model's TP plan has
+    two globs hitting one module with different styles, so the order never decides one."""
+    found = plan_entry_for(name, hints)
+    return None if found is None else found[1]
 
 
 def _model_tp_hints(model: nn.Module) -> dict[str, str]:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.distributed.model_parts import decoder_layers, locate_input, output_embeddings, positional_names
+from hyper_parallel.errors import HyperParallelError
 
 PIECES = 2  # a token shift shows at the boundary of two pieces; a full-length reshape on any
 # Attention blocks by the names of their modules or by the roles of their members.
@@ -62,11 +63,11 @@ class _Points:
     sliced: dict[str, tuple[int, ...]] = field(default_factory=dict)  # module -> stream outputs cut to the piece
 
 
-class _Unusable(Exception):
+class _Unusable(HyperParallelError):
     """The unsplit copy does not run, or computes non-finite values, so nothing compares."""
 
 
-class _Divergence(Exception):
+class _Divergence(HyperParallelError):
     def __init__(self, text: str, after_layers: bool):
         super().__init__(text)
         self.text, self.after_layers = text, after_layers

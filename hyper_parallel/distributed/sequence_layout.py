@@ -56,7 +56,7 @@ from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddi
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.distributed.roles import replicate
 from hyper_parallel.distributed.sequence_dry_run import is_attention, whole_over_cp
-from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
 CP, TP = "cp", "tp"
 _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_experts", "local_params_summed"})
@@ -151,7 +151,7 @@ def _embedding_on_cp(model: nn.Module, modules: dict[str, ShardingConfig]) -> No
     if config is None:
         return
     full_over_cp = {CP: Replicate()}
-    for key in ("in_src", "in_dst", "out_src", "out_dst"):
+    for key in IO_PLACEMENT_FIELDS:
         value = getattr(config, key)
         if value is not None:
             setattr(config, key, tuple(None if named is None else {**full_over_cp, **named} for named in value))
@@ -445,7 +445,7 @@ def _add_token_split(config: ShardingConfig, placement) -> None:
     if config.in_src is None and config.in_dst is None:
         config.in_src = config.in_dst = ({CP: placement},)
         return
-    for key in ("in_src", "in_dst", "out_src", "out_dst"):
+    for key in IO_PLACEMENT_FIELDS:
         value = getattr(config, key)
         if value is not None:
             setattr(config, key, tuple(None if named is None else {CP: placement, **named} for named in value))

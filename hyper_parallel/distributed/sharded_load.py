@@ -22,9 +22,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.distributed.checkpoint_names import LazyTensor, Segments, StoredTensor, checkpoint_sources
+from hyper_parallel.errors import HyperParallelError
 
 
-class ShardedLoadError(ValueError):
+class ShardedLoadError(ValueError, HyperParallelError):
     """A checkpoint that does not fit the model; names the file and the tensor."""
 
 

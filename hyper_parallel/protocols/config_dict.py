@@ -16,10 +16,9 @@ import importlib
 from typing import Any
 
 from hyper_parallel.protocols.placements import placement_from_text, placement_to_text
-from hyper_parallel.protocols.sharding import MeshAxisName, ShardingConfig
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, MeshAxisName, ShardingConfig
 
 TARGET = "_target_"
-_IO_FIELDS = ("in_src", "in_dst", "out_src", "out_dst")
 
 
 def config_to_dict(config: Any) -> dict:
@@ -95,7 +94,7 @@ def _sharding_to_dict(config: ShardingConfig) -> dict:
     out: dict = {TARGET: path_of(ShardingConfig),
                  "state_shardings": {name: _named_to_text(named)
                                      for name, named in config.state_shardings.items()}}
-    for name in _IO_FIELDS:
+    for name in IO_PLACEMENT_FIELDS:
         out[name] = _io_to_text(getattr(config, name))
     out["local_map"] = config.local_map
     return out
@@ -105,7 +104,7 @@ def _sharding_from_dict(fields: dict) -> ShardingConfig:
     return ShardingConfig(
         state_shardings={name: _named_from_text(named)
                          for name, named in fields.get("state_shardings", {}).items()},
-        **{name: _io_from_text(fields.get(name)) for name in _IO_FIELDS},
+        **{name: _io_from_text(fields.get(name)) for name in IO_PLACEMENT_FIELDS},
         local_map=bool(fields.get("local_map", False)),
     )
 

@@ -19,13 +19,15 @@ read it from below.
 import re
 from dataclasses import dataclass
 
+from hyper_parallel.errors import HyperParallelError
+
 _SHARD = re.compile(r"^shard\(\s*(-?\d+)\s*\)$")
 _PACKED = re.compile(r"^packed_shard\(\s*(-?\d+)\s*,\s*(\d+)\s*\)$")
 
 MESH_AXES = ("pp", "dp", "cp", "tp", "ep")
 
 
-class PlacementTextError(ValueError):
+class PlacementTextError(ValueError, HyperParallelError):
     """A placement string or named placement that does not parse."""
 
 

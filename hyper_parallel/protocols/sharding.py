@@ -40,6 +40,11 @@ class MeshAxisName(str, Enum):
 NamedPlacement = dict[Union[MeshAxisName, str], Any]
 IOPlacement = Union[NamedPlacement, tuple[Union[NamedPlacement, None], ...], None]
 
+# The ShardingConfig fields that place a module's inputs and outputs, in the order the
+# plan format writes them (plan.json, frozen.json, the generated literal) and recipes'
+# plan_overrides spell them: every site that walks them reads this one tuple.
+IO_PLACEMENT_FIELDS = ("in_src", "in_dst", "out_src", "out_dst")
+
 
 @dataclass(kw_only=True, slots=True)
 class ShardingConfig:

@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
+from hyper_parallel.errors import HyperParallelError
 
 
-class DataError(ValueError):
+class DataError(ValueError, HyperParallelError):
     """A dataset the trainer cannot read; names the recipe key."""
 
 

@@ -7,8 +7,10 @@ the review diff small.
 
 from dataclasses import dataclass
 
+from hyper_parallel.errors import HyperParallelError
 
-class EditConflictError(ValueError):
+
+class EditConflictError(ValueError, HyperParallelError):
     """Two edits touch the same span, or an edit lies outside the text."""
 
 

@@ -25,13 +25,14 @@ from pathlib import Path
 
 from hyper_parallel.codegen.artifact import pid_alive
 from hyper_parallel.codegen.check.launch_guard import OWNER_ENV
+from hyper_parallel.errors import HyperParallelError
 
 GUARD = "hyper_parallel.codegen.check.launch_guard"
 SCRATCH_PREFIX = "hp-"  # scratch folders are named hp-<kind>-<pid of their owner>-<random>
 LAUNCH_ENV_DROPPED = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(RuntimeError, HyperParallelError):
     """The ranks failed, went silent or ran out of time; the message names the ranks."""
 
 

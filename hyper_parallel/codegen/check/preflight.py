@@ -13,12 +13,13 @@ from hyper_parallel.codegen.check.drift import bundle_file_problems, fix_command
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
 from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.errors import HyperParallelError
 
 
 PREFLIGHT_TIMEOUT_S = 900
 
 
-class PreflightError(RuntimeError):
+class PreflightError(RuntimeError, HyperParallelError):
     """The bundle is not fit to train with; the message says what and how to fix it."""
 
 
@@ -59,7 +60,7 @@ def bundle_digest(artifact_dir: Path, meta: dict[str, Any]) -> str:
 
 
 def uncovered_parameters(model: Any, modules: dict[str, Any]) -> list[str]:
-    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.name_match import plan_entry_for
 
     missing = []
     for name, param in model.named_parameters():
@@ -129,8 +130,8 @@ def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[
     the full-size meta-device model, and each rank's shard of every parameter computed from
     the plan (none may be empty). The plan itself ran at this world size in verify; the
     bundle digests are compared across ranks when training starts."""
-    from hyper_parallel.distributed.applier import plan_entry_for
     from hyper_parallel.distributed.mesh import OfflineMesh, expert_mesh_layout, mesh_layout
+    from hyper_parallel.distributed.name_match import plan_entry_for
     from hyper_parallel.protocols.placement_text import local_shard_shape
 
     fix = fix_command(spec)

@@ -49,8 +49,8 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     from hyper_parallel.codegen.spec.project import project_codegen_spec
     from hyper_parallel.config import load_training_config
     from hyper_parallel.config.launch import check_launch_world_size
-    from hyper_parallel.distributed.applier import plan_entry_for
     from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
+    from hyper_parallel.distributed.name_match import plan_entry_for
     from hyper_parallel.protocols.placement_text import local_shard_shape
 
     config = load_training_config(config_path)

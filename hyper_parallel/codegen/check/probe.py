@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS, layer_overrides
+from hyper_parallel.errors import HyperParallelError
 
 HIDDEN = 64
 INTERMEDIATE = 32
@@ -48,7 +49,7 @@ KIND_ATTRIBUTES = ("sliding_window", "is_sliding", "attention_type", "use_slidin
 DROPOUT_KEY = re.compile(r"dropout|pdrop$|layerdrop$|drop_(path_)?rate$")
 
 
-class ProbeError(ValueError):
+class ProbeError(ValueError, HyperParallelError):
     """The model config cannot be shrunk faithfully; names the config key."""
 
 

@@ -42,6 +42,7 @@ from hyper_parallel.codegen.check.launch import (
 )
 from hyper_parallel.codegen.check.verify_worker import LR, STEPS, brief_entry, seed_step
 from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.errors import HyperParallelError
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -57,7 +58,7 @@ MAX_PROCS_ENV = "HYPER_PARALLEL_VERIFY_MAX_PROCS"
 Log = Callable[[str], None]
 
 
-class VerifyError(RuntimeError):
+class VerifyError(RuntimeError, HyperParallelError):
     """The generated model does not train like one device; the message says where."""
 
 
@@ -373,7 +374,7 @@ def _fmt(value) -> str:
 
 def _plan_entry(job: dict, param_name: str) -> tuple[str | None, Any]:
     from hyper_parallel.codegen.loader import load_bundle_module
-    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.name_match import plan_entry_for
 
     module = load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"], job["files"])
     owner, _, leaf = param_name.rpartition(".")

@@ -148,7 +148,7 @@ def _guarded_rank(job: dict[str, Any]) -> str | None:
 
 def _plan_key_of(job: dict[str, Any], fqn: str) -> str:
     """The plan entry that was applied to ``fqn``, or to its nearest planned parent."""
-    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.name_match import plan_entry_for
 
     plan = _load_bundle_module(job).HYPER_PARALLEL_PLAN["modules"]
     name = fqn
@@ -168,7 +168,7 @@ def brief_entry(entry: dict[str, Any]) -> dict[str, Any]:
 def _track_running(model, plan: dict[str, Any], running: list[str], finished: list[str]) -> None:
     """Keep the innermost module whose forward is running and the last module with a plan
     entry of its own to finish, so a crash names both."""
-    from hyper_parallel.distributed.applier import plan_entry_for
+    from hyper_parallel.distributed.name_match import plan_entry_for
 
     def enter(name):
         def hook(module, args):

@@ -8,9 +8,10 @@ from typing import Any
 
 from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS, layer_views
+from hyper_parallel.errors import HyperParallelError
 
 
-class DeriveError(ValueError):
+class DeriveError(ValueError, HyperParallelError):
     """The model cannot be built or planned; names the recipe key or module."""
 
 

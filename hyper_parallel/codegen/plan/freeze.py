@@ -3,27 +3,29 @@
 ``model.layers.0.self_attn.q_proj`` … ``model.layers.47.self_attn.q_proj`` with equal
 entries become one ``model.layers.*.self_attn.q_proj`` entry, so the frozen plan has
 as many entries for 94 layers as for 48. A pattern is only used when, matched the way
-the applier matches (fnmatch over every module name of the model), it selects exactly
-the modules it replaces; entries that differ between layers (dense vs MoE layers, an
+the applier matches (``name_match`` over every module name of the model), it selects
+exactly the modules it replaces, so no two frozen keys hit one module and no precedence
+is left to decide; entries that differ between layers (dense vs MoE layers, an
 entry for layer 0 only) keep their exact names.
 """
 
-import fnmatch
 import re
 from typing import Any
 
+from hyper_parallel.distributed.name_match import names_matching
 from hyper_parallel.distributed.plan_format import PLAN_FORMAT_VERSION
 from hyper_parallel.protocols.placement_text import (
     PlacementTextError,
     normalize_io_placements,
     normalize_named_placement,
 )
+from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS
 
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
-_IO_KEYS = ("in_src", "in_dst", "out_src", "out_dst")
 
 
-class FreezeError(ValueError):
+class FreezeError(ValueError, HyperParallelError):
     """A derived plan that cannot be frozen; names the module and field."""
 
 
@@ -77,7 +79,7 @@ def _compress_group(modules, members: list[str], pattern: str, module_names: lis
 
 
 def _selects_exactly(pattern: str, members: list[str], module_names: list[str]) -> bool:
-    return set(fnmatch.filter(module_names, pattern)) == set(members)
+    return set(names_matching(pattern, module_names)) == set(members)
 
 
 def _normalize_entry(fqn: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +90,7 @@ def _normalize_entry(fqn: str, entry: dict[str, Any]) -> dict[str, Any]:
                 name: normalize_named_placement(named, where=f"{fqn}.{name}")
                 for name, named in sorted(entry.get("state_shardings", {}).items())},
         }
-        for key in _IO_KEYS:
+        for key in IO_PLACEMENT_FIELDS:
             out[key] = normalize_io_placements(entry.get(key), where=f"{fqn}: {key}")
     except PlacementTextError as exc:
         raise FreezeError(str(exc)) from None

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.hash import sha256_bytes
+from hyper_parallel.errors import HyperParallelError
 
 
-class SourceError(ValueError):
+class SourceError(ValueError, HyperParallelError):
     """The model's config or modeling source cannot be found or read."""
 
 

@@ -21,6 +21,7 @@ from hyper_parallel.protocols.placement_text import (
     normalize_io_placements,
     normalize_named_placement,
 )
+from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS
 
 SPEC_SCHEMA = 1
 
@@ -154,7 +155,7 @@ def _normalize_override(entry: PlanOverride, index: int, where: str) -> dict[str
                 name: normalize_named_placement(p, where=f"{key}.params.{name}")
                 for name, p in sorted(entry.params.items())},
         }
-        for io in ("in_src", "in_dst", "out_src", "out_dst"):
+        for io in IO_PLACEMENT_FIELDS:
             out[io] = normalize_io_placements(getattr(entry, io), where=f"{key}.{io}")
         out["local_map"] = entry.local_map
     except PlacementTextError as exc:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from enum import Enum
 from types import ModuleType
 
+from hyper_parallel.errors import HyperParallelError
+
 
 class ModelingBackend(str, Enum):
     HF = "hf"
@@ -23,7 +25,7 @@ class ModelingBackend(str, Enum):
     GEN = "gen"
 
 
-class BackendError(ValueError):
+class BackendError(ValueError, HyperParallelError):
     """A modeling backend that cannot be used the way it was asked for."""
 
 

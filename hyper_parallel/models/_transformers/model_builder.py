@@ -17,9 +17,10 @@ from torch import nn
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
+from hyper_parallel.errors import HyperParallelError
 
 
-class ModelBuildError(ValueError):
+class ModelBuildError(ValueError, HyperParallelError):
     """The recipe's model cannot be built; names the recipe key, file or class."""
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.models.common import (
     BaseAttention,
     Decoder,
@@ -27,7 +28,7 @@ from hyper_parallel.protocols import collect_sharding_plan
 MODEL_TYPE = "qwen3_moe"
 
 
-class UnsupportedHFConfigError(ValueError):
+class UnsupportedHFConfigError(ValueError, HyperParallelError):
     """An HF config option the custom backend does not implement."""
 
 

@@ -13,6 +13,8 @@ import re
 
 import torch
 
+from hyper_parallel.errors import HyperParallelError
+
 _LAYER = r"model\.layers\.(\d+)\."
 
 # (HF pattern, custom template); the layer index is group 1 where there is one
@@ -34,7 +36,7 @@ _COMPILED = tuple((re.compile(pattern + r"$"), template) for pattern, template i
 _PER_EXPERT = re.compile(_LAYER + r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class HFStateDictError(KeyError):
+class HFStateDictError(KeyError, HyperParallelError):
     """An HF key or tensor the mapping cannot place."""
 
     def __str__(self) -> str:  # KeyError would repr() the message
