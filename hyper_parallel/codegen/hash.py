@@ -6,6 +6,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.errors import HyperParallelError
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../hyper_parallel
 
 
@@ -26,7 +28,7 @@ def sha256_json(value: Any) -> str:
     return sha256_bytes(canonical_json(value).encode())
 
 
-class ImplementationPartMissing(FileNotFoundError):
+class ImplementationPartMissing(FileNotFoundError, HyperParallelError):
     """A stage's implementation part names a path the package does not have (a module
     was moved or renamed and the stage table was not): hashing it would silently miss
     the code that stage runs."""

@@ -88,7 +88,7 @@ def hyper_parallelize(model: nn.Module, mesh_context: Any, plan: Mapping[str, An
     return model
 
 
-class PlanMeshError(ValueError):
+class PlanMeshError(ValueError, HyperParallelError):
     """The plan was made for another mesh than the one it is applied on."""
 
 

@@ -12,10 +12,12 @@ ranks are borrowed from ``dp * cp``, so ``ep`` must divide ``dp * cp``.
 
 from dataclasses import dataclass
 
+from hyper_parallel.errors import HyperParallelError
+
 SIZES = ("dp", "cp", "tp", "ep", "pp")
 
 
-class ParallelDimsError(ValueError):
+class ParallelDimsError(ValueError, HyperParallelError):
     """A parallel size that cannot be: names the recipe key, what was expected, what it got."""
 
     def __init__(self, size: str, expected: str, got) -> None:
