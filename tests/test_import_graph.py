@@ -6,7 +6,7 @@ dependency: hiding one inside a function moves the cycle to run time, it does no
 Importing ``a.b.c`` also counts as importing the package ``a.b``, whose ``__init__`` runs
 first. The graph is read from the source with ``ast``; nothing is imported. Not seen:
 imports of computed names (``protocols``' lazy exports, the custom-backend registry in
-``models/_transformers/backend.py``), which today stay inside one layer.
+``models/hf/backend.py``), which today stay inside one layer.
 """
 
 import ast
@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed",),                       # mesh, planner, applier
     ("models.common", "components"),        # building blocks and their declarative sharding
     ("codegen",),                           # the pipeline and the generated bundle's runtime
-    ("models._transformers", "models.qwen3_moe", "models"),  # model builders: hf / custom / gen backends
+    ("models.hf", "models.qwen3_moe", "models"),  # model builders: hf / custom / gen backends
     ("trainer",),                           # training on a built model
     ("families",),                          # model families under test: build, generate, train them
 )

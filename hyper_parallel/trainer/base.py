@@ -19,8 +19,8 @@ from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
-from hyper_parallel.models._transformers.auto_model import HyperAutoModel
-from hyper_parallel.models._transformers.model_builder import runtime_device_type
+from hyper_parallel.models.hf.auto_model import HyperAutoModel
+from hyper_parallel.models.hf.model_builder import runtime_device_type
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens, seed_step
 
 

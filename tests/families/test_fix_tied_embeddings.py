@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
 from hyper_parallel.config import load_training_config
-from hyper_parallel.models._transformers.model_builder import build_generated_model_sharded
+from hyper_parallel.models.hf.model_builder import build_generated_model_sharded
 from hyper_parallel.trainer.reference import reference_training
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO

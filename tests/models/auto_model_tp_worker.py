@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.config import load_training_config
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
-from hyper_parallel.models._transformers import HyperAutoModel
+from hyper_parallel.models.hf import HyperAutoModel
 from tests.rank_exit import leave_after_barrier
 
 

@@ -7,7 +7,7 @@ import yaml
 
 from hyper_parallel.components.modules.grouped_experts import GroupedExperts
 from hyper_parallel.config import load_training_config
-from hyper_parallel.models._transformers.auto_model import HyperAutoModel
+from hyper_parallel.models.hf.auto_model import HyperAutoModel
 from tests.models import counting_replacements
 from tests.models.model_helpers import save_random_hf_weights, tiny_project_recipe, token_batch
 

@@ -10,7 +10,7 @@ import transformers
 
 from hyper_parallel.components.modules.grouped_experts import GroupedExperts
 from hyper_parallel.config import load_training_config
-from hyper_parallel.models._transformers import HyperAutoModel
+from hyper_parallel.models.hf import HyperAutoModel
 from tests.models.model_helpers import GROUPED_EXPERTS_FACTORY, save_random_hf_weights, tiny_project_recipe, token_batch
 from tests.project_fixtures import REPO
 

@@ -10,14 +10,14 @@ import torch
 
 from hyper_parallel.config import load_training_config
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims
-from hyper_parallel.models._transformers import (
+from hyper_parallel.models.hf import (
     BackendError,
     HyperAutoModel,
     ModelingBackend,
     custom_model_builder,
     resolve_modeling_backend,
 )
-from hyper_parallel.models._transformers.model_builder import ModelBuildError
+from hyper_parallel.models.hf.model_builder import ModelBuildError
 from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model
 from tests.models.model_helpers import tiny_project_recipe
 

@@ -28,8 +28,8 @@ from torch import nn
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
-from hyper_parallel.models._transformers import model_builder as mb
-from hyper_parallel.models._transformers.backend import (
+from hyper_parallel.models.hf import model_builder as mb
+from hyper_parallel.models.hf.backend import (
     BackendError,
     ModelingBackend,
     custom_model_module,

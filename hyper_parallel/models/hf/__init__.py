@@ -1,7 +1,7 @@
 """Model entry points for the training path: HyperAutoModel and backend resolution."""
 
-from hyper_parallel.models._transformers.auto_model import HyperAutoModel, apply_model_infrastructure
-from hyper_parallel.models._transformers.backend import (
+from hyper_parallel.models.hf.auto_model import HyperAutoModel, apply_model_infrastructure
+from hyper_parallel.models.hf.backend import (
     BackendError,
     ModelingBackend,
     custom_model_builder,
