@@ -9,12 +9,15 @@ Every launch now goes through ``tests.project_fixtures.run`` (``OMP_NUM_THREADS=
 ranks on a small machine do not oversubscribe it; inherited rendezvous variables
 dropped) with ``--standalone`` (a local rendezvous on a free port).
 
-A test worker module (``-m tests...``) runs under ``forked_torchrun``, as verify's ranks
-do: torchrun itself, its ranks forked from a launcher that imported the worker's modules
-once, instead of each rank importing torch and transformers again. The trainer and
-worker scripts are started as a user starts them: plain torchrun.
+A module target (``-m tests...``, ``-m hyper_parallel.trainer``) runs under
+``forked_torchrun``, as verify's ranks do: torchrun itself, its ranks forked from a
+launcher that imported the target's modules (and ``preload``) once, instead of each rank
+importing torch and transformers again. ``plain=True`` and script targets start plain
+torchrun, each rank a fresh interpreter, as a user's launch does
+(tests/families/test_fix_tied_embeddings.py trains that way).
 """
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -23,17 +26,23 @@ from hyper_parallel.codegen.check.forked_torchrun import torchrun_command
 from tests.project_fixtures import run
 
 
-def torchrun(target: list[str], cwd: Path, *, nproc: int = 2, env: dict | None = None,
-             timeout: float = 600) -> subprocess.CompletedProcess:
+def torchrun(target: list[str], cwd: Path, *, nproc: int = 2, env: dict | None = None, timeout: float = 600,
+             preload: tuple[str, ...] = (), plain: bool = False) -> subprocess.CompletedProcess:
     """Run ``target`` (``["-m", "pkg.worker", *args]`` or ``[script, *args]``) on ``nproc``
     local ranks; ``env`` is added to the environment. Returns the finished process, its
     output captured as text; the caller checks it (``assert_ran`` or its own assertions)."""
-    if target[0] == "-m" and target[1].startswith("tests."):
-        command = torchrun_command(nproc, target[1], target[2:], preload=["transformers", target[1]])
+    if target[0] == "-m" and not plain:
+        command = torchrun_command(nproc, target[1], target[2:], preload=["transformers", *_entry(target[1]), *preload])
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    *target]
     return run(command, cwd, env=env, timeout=timeout)
+
+
+def _entry(module: str) -> list[str]:
+    """What ``-m module`` imports first: the module, or a package's ``__main__``."""
+    spec = importlib.util.find_spec(module)
+    return [f"{module}.__main__" if spec is not None and spec.submodule_search_locations is not None else module]
 
 
 def assert_ran(proc: subprocess.CompletedProcess, tail: int = 4000) -> None:

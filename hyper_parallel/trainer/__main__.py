@@ -7,6 +7,7 @@ import sys
 import torch.distributed as dist
 
 from hyper_parallel.config import RecipeError, load_training_config
+from hyper_parallel.distributed.rank_exit import exit_rank
 from hyper_parallel.trainer.base import BaseTrainer, write_metrics
 from hyper_parallel.trainer.data import DataError, text_dataset_file
 
@@ -62,18 +63,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def leave(code: int) -> None:
-    """Exit without the interpreter's teardown. A gloo worker thread releases a finished
-    collective's work, and the tensors in it, after the caller's ``wait()`` has returned
-    (the last one is the barrier above). When that release comes while the interpreter is
-    finalizing, the thread's GIL acquire ends it with ``pthread_exit``, whose unwinding
-    through the work's destructor calls ``std::terminate``: the rank dies with SIGABRT
-    ("terminate called without an active exception") after training finished and the
-    metrics were written, and torchrun fails the launch (about 1 launch in 30 on CPU)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    leave(main())
+    exit_rank(main())  # without the interpreter's teardown (see rank_exit)

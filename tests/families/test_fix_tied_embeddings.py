@@ -93,7 +93,8 @@ def test_tied_family_trains_like_one_process(tied_recipe, tmp_path, layout):
     metrics = tmp_path / "metrics.json"
     world = LAYOUTS[layout]["nproc_per_node"]
     proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(tied_recipe), "--metrics", str(metrics)],
-                    cwd=tied_recipe.parents[2], nproc=world, env={MAX_PROCS_ENV: "1"})
+                    cwd=tied_recipe.parents[2], nproc=world, env={MAX_PROCS_ENV: "1"},
+                    plain=True)  # as a user launches it: each rank a fresh interpreter
     assert_ran(proc)
     got, want = json.loads(metrics.read_text()), reference_training(tied_recipe)
     assert len(got) == len(want) == STEPS

@@ -61,6 +61,7 @@ def _reference_run(recipe_path) -> tuple[list[float], list[float]]:
     return losses, grad_norms
 
 
+QWEN3_MOE_MODELING = "transformers.models.qwen3_moe.modeling_qwen3_moe"  # imported once, before the ranks fork
 # Both Qwen3-MoE replacements, lowered into the generated model.
 REPLACEMENTS = [
     {"match": "*.self_attn", "replace_module": {
@@ -103,7 +104,7 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
 
     metrics = tmp_path / "metrics.json"
     proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics", str(metrics)], project,
-                    nproc=world, env={MAX_PROCS_ENV: "1"})
+                    nproc=world, env={MAX_PROCS_ENV: "1"}, preload=(QWEN3_MOE_MODELING,))
     assert_ran(proc)
     assert f"step {STEPS}/{STEPS}" in proc.stdout
     if "plan_overrides" in data:  # the generated model applies the replacements

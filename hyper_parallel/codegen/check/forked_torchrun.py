@@ -10,9 +10,8 @@ report) with ``--start-method fork --run-path``: each rank is a fork of the laun
 finds the modules already imported. A preload that fails to import is skipped; the rank
 then imports it itself and reports the error as it would have.
 
-A forked rank leaves with ``exit_rank``: ``sys.exit``, which hands torchrun the rank's
-result through its queue (the fork wrapper then ends the process without interpreter
-teardown); a rank started by plain torchrun ends with ``os._exit`` instead.
+A rank, forked or not, leaves with ``distributed.rank_exit.exit_rank``, which knows the
+difference (this launcher sets ``FORKED_ENV``).
 """
 
 import argparse
@@ -21,7 +20,8 @@ import importlib.util
 import os
 import sys
 
-FORKED_ENV = "HYPER_PARALLEL_FORKED_RANK"  # set in the launcher; the forked ranks inherit it
+from hyper_parallel.distributed.rank_exit import FORKED_ENV
+
 # What every verify and preflight rank imports, heaviest first.
 RANK_IMPORTS = ("transformers", "torch.distributed.tensor", "torch.distributed.fsdp", "hyper_parallel.codegen.loader",
                 "hyper_parallel.codegen.plan.derive", "hyper_parallel.distributed.applier",
@@ -41,16 +41,6 @@ def torchrun_command(world: int, worker_module: str, worker_args: list[str], pre
             "--standalone", f"--nproc_per_node={world}", "-m", worker_module, *worker_args]
 
 
-def exit_rank(code: int) -> None:
-    """End a rank without the interpreter's process-group teardown, which now and then
-    aborts a rank after everything passed ("terminate called without an active exception")."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if os.environ.get(FORKED_ENV):
-        sys.exit(code)
-    os._exit(code)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preload", default="", help="comma-separated modules to import before forking")
@@ -61,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if "-m" not in torchrun_args:
         parser.error("expected torchrun arguments ending in -m WORKER ARGS...")
     at = torchrun_args.index("-m")
-    worker = importlib.util.find_spec(torchrun_args[at + 1])
-    if worker is None or not worker.origin:
+    worker = _script_of(torchrun_args[at + 1])
+    if worker is None:
         parser.error(f"no worker module {torchrun_args[at + 1]!r}")
     for name in filter(None, args.preload.split(",")):
         try:
@@ -72,8 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[FORKED_ENV] = "1"
     from torch.distributed.run import main as torchrun
 
-    torchrun([*torchrun_args[:at], "--start-method=fork", "--run-path", worker.origin, *torchrun_args[at + 2:]])
+    torchrun([*torchrun_args[:at], "--start-method=fork", "--run-path", worker, *torchrun_args[at + 2:]])
     return 0
+
+
+def _script_of(module: str) -> str | None:
+    """The file ``python -m module`` runs: the module's own, or a package's ``__main__``."""
+    spec = importlib.util.find_spec(module)
+    if spec is not None and spec.submodule_search_locations is not None:
+        spec = importlib.util.find_spec(f"{module}.__main__")
+    return spec.origin if spec is not None and spec.origin else None
 
 
 if __name__ == "__main__":

@@ -25,11 +25,14 @@ from pathlib import Path
 
 from hyper_parallel.codegen.artifact import pid_alive
 from hyper_parallel.codegen.check.launch_guard import OWNER_ENV
+from hyper_parallel.distributed.rank_exit import FORKED_ENV
 from hyper_parallel.errors import HyperParallelError
 
 GUARD = "hyper_parallel.codegen.check.launch_guard"
 SCRATCH_PREFIX = "hp-"  # scratch folders are named hp-<kind>-<pid of their owner>-<random>
-LAUNCH_ENV_DROPPED = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# A launch from inside a rank (the trainer's rank 0 generating) starts ranks of its own:
+# none of the outer launch's rendezvous, nor its "forked" mark, may reach them.
+LAUNCH_ENV_DROPPED = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", FORKED_ENV)
 
 
 class LaunchError(RuntimeError, HyperParallelError):

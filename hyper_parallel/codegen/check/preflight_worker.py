@@ -10,8 +10,8 @@ import os
 import sys
 from datetime import timedelta
 
-from hyper_parallel.codegen.check.forked_torchrun import exit_rank
 from hyper_parallel.codegen.check.launch import RankFiles
+from hyper_parallel.distributed.rank_exit import exit_rank
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.check.forked_torchrun import exit_rank
 from hyper_parallel.codegen.check.launch import RankFiles
+from hyper_parallel.distributed.rank_exit import exit_rank
 
 STEPS = 2
 LR = 1e-3
