@@ -1,5 +1,10 @@
-"""The existing equivalence matrix passes verify: the Qwen3-MoE layouts and every HF family
-the suite covers, each generated through the verify stage at its world size."""
+"""The existing equivalence matrix passes verify: the Qwen3-MoE layouts, and the HF families
+at tp2 with sequence parallel, each generated through the verify stage at its world size.
+
+Families whose full pipeline (generate through verify) the family subset already runs at
+tp2 and cp2, and whose tp2-sp equivalence tests/families/test_families_tp.py checks on
+the planner's own plan (llama, qwen3, mixtral, qwen2_moe), are not generated here again;
+qwen2 is in neither, so it is."""
 
 import json
 import shutil
@@ -18,7 +23,7 @@ QWEN3_MOE_LAYOUTS = {
     "qwen3_moe_cp2_ep2": {"tp_size": 1, "cp_size": 2, "ep_size": 2},
     "qwen3_moe_dp2_fsdp2": {"tp_size": 1, "dp_size": 2},
 }
-FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe")
+FAMILIES = ("qwen2",)
 CASES = sorted([*QWEN3_MOE_LAYOUTS, *(f"{family}_tp2_sp" for family in FAMILIES)])
 
 
