@@ -42,15 +42,16 @@ def torchrun_command(world: int, worker_module: str, worker_args: list[str], pre
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.codegen.check.forked_torchrun",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--preload", default="", help="comma-separated modules to import before forking")
     parser.add_argument("torchrun_args", nargs=argparse.REMAINDER,
                         help="torchrun's arguments, ending in -m WORKER ARGS...")
     args = parser.parse_args(argv)
     torchrun_args = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
-    if "-m" not in torchrun_args:
+    at = torchrun_args.index("-m") if "-m" in torchrun_args else len(torchrun_args)
+    if at + 1 >= len(torchrun_args):
         parser.error("expected torchrun arguments ending in -m WORKER ARGS...")
-    at = torchrun_args.index("-m")
     worker = _script_of(torchrun_args[at + 1])
     if worker is None:
         parser.error(f"no worker module {torchrun_args[at + 1]!r}")
@@ -68,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _script_of(module: str) -> str | None:
     """The file ``python -m module`` runs: the module's own, or a package's ``__main__``."""
-    spec = importlib.util.find_spec(module)
-    if spec is not None and spec.submodule_search_locations is not None:
-        spec = importlib.util.find_spec(f"{module}.__main__")
+    try:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{module}.__main__")
+    except (ImportError, ValueError):  # a missing parent package, an empty name
+        return None
     return spec.origin if spec is not None and spec.origin else None
 
 
