@@ -182,11 +182,12 @@ def _import_class(dotted: str) -> type | None:
 def _origin(entry: Mapping[str, Any], index: int) -> str:
     if entry.get("origin"):
         return str(entry["origin"])
-    return f"plan_overrides entry with match {entry.get('match')!r} (replacement {index}): replace_module._target_"
+    return (f"plan_overrides entry with match {entry.get('match')!r} (HYPER_REPLACEMENTS[{index}] in the generated "
+            f"file): replace_module._target_")
 
 
 def _entry_key(entry: Mapping[str, Any]) -> str:
-    fields = {k: entry.get(k) for k in ("match", "module_type", "target", "kwargs")}
+    fields = {k: entry.get(k) for k in ("match", "module_type", "target")} | {"kwargs": entry.get("kwargs") or {}}
     return json.dumps(fields, sort_keys=True, default=repr)
 
 

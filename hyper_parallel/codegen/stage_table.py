@@ -17,6 +17,7 @@ from hyper_parallel.codegen.artifact import META_FILE
 WORKSPACE_DIR = "generated"
 WORKSPACE_ENV = "HYPER_PARALLEL_WORKSPACE"
 STAGED_DIR = "staged"  # the staged bundle, inside a recipe's workspace
+SIGNATURES_FILE = "signatures.json"  # stage -> the signature its record was built from
 IN_BUNDLE = "<bundle>"  # an output written into the installed bundle, not into the workspace
 
 
@@ -83,11 +84,9 @@ STAGE_TABLE: tuple[Stage, ...] = (
 
 STAGES: tuple[str, ...] = tuple(stage.name for stage in STAGE_TABLE)
 STAGE_BY_NAME: dict[str, Stage] = {stage.name: stage for stage in STAGE_TABLE}
-# Every part of the package some stage runs: the bundle signature's implementation hash.
-BUNDLE_IMPLEMENTATION: tuple[str, ...] = tuple(sorted({p for s in STAGE_TABLE for p in s.implementation}))
-# Every entry a recipe's workspace may hold: the stage records and the staged bundle.
+# Every entry a recipe's workspace may hold: the stage records, their signatures and the staged bundle.
 WORKSPACE_ENTRIES: frozenset[str] = frozenset(
-    {stage.output_name for stage in STAGE_TABLE if not stage.in_bundle} | {STAGED_DIR})
+    {stage.output_name for stage in STAGE_TABLE if not stage.in_bundle} | {STAGED_DIR, SIGNATURES_FILE})
 
 
 def stage_row(name: str) -> Stage:

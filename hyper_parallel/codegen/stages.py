@@ -1,8 +1,8 @@
 """The pipeline stages as library functions (DESIGN §4).
 
-Each stage reads its inputs from the recipe's workspace, writes its output there with
-the signature it was built from, and is current when that recorded signature equals
-the one computed now. doit, the CLI and the training path all call these functions.
+Each stage reads its inputs from the recipe's workspace, writes its output there (and
+the signature it was built from into the workspace's ``signatures.json``), and is
+current when that recorded signature equals the one computed now. doit, the CLI and the training path all call these functions.
 Only ``derive`` and ``preflight`` import torch, and only when they actually run.
 """
 
@@ -15,11 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.artifact import ArtifactError, pid_alive, write_bundle_atomic
+from hyper_parallel.codegen.artifact import META_FILE, ArtifactError, pid_alive, write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
 from hyper_parallel.codegen.spec.types import CodegenSpec
-from hyper_parallel.codegen.stage_table import STAGE_TABLE, STAGED_DIR, STAGES, WORKSPACE_ENTRIES, stage_row
+from hyper_parallel.codegen.stage_table import (
+    SIGNATURES_FILE,
+    STAGE_TABLE,
+    STAGED_DIR,
+    STAGES,
+    WORKSPACE_ENTRIES,
+    stage_row,
+)
 
 Log = Callable[[str], None]
 
@@ -65,10 +72,9 @@ def stage_is_current(spec: CodegenSpec, stage: str) -> bool:
     if expected is None:
         return False
     if stage == "install":
-        from hyper_parallel.codegen.check.drift import installed_bundle_problems
-        return not installed_bundle_problems(spec) and not installed_differs_from_staged(spec)
+        return install_is_current(spec)
     record = read_stage_record(StageFiles(spec).output(stage))
-    if record is None or record.get("signature") != expected:
+    if record is None or recorded_signatures(spec).get(stage) != expected:
         return False
     outputs = record.get("outputs", {})
     staged = StageFiles(spec).staged
@@ -79,8 +85,7 @@ def stage_is_current(spec: CodegenSpec, stage: str) -> bool:
 
 def run_resolve(spec: CodegenSpec, log: Log) -> None:
     architectures = spec.model_config.get("architectures") or [None]
-    write_stage_record(StageFiles(spec).output("resolve"), {
-        "signature": expected_signature(spec, "resolve"),
+    write_stage_output(spec, "resolve", {
         "source": spec.source.identity(),
         "model_config_sha256": spec.model_config_sha256,
         "architecture": architectures[0],
@@ -97,8 +102,7 @@ def run_derive(spec: CodegenSpec, log: Log) -> None:
 
     derived = derive_plan(spec)
     plan = derived["plan"]
-    write_stage_record(StageFiles(spec).output("derive"),
-                       {"signature": expected_signature(spec, "derive"), **derived})
+    write_stage_output(spec, "derive", derived)
     log(f"{len(plan['modules'])} module entries on mesh {dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))}; "
         f"applied axes {plan['applied_axes'] or 'none'}")
     for axis, why in plan.get("recorded_axes", {}).items():
@@ -116,8 +120,7 @@ def run_freeze(spec: CodegenSpec, log: Log) -> None:
 
     derived = read_upstream(StageFiles(spec).output("derive"))
     frozen = freeze_plan(derived["plan"], derived["module_names"])
-    write_stage_record(StageFiles(spec).output("freeze"), {"signature": expected_signature(spec, "freeze"),
-                                                           "model_class": derived["model_class"], "frozen": frozen})
+    write_stage_output(spec, "freeze", {"model_class": derived["model_class"], "frozen": frozen})
     log(f"{len(frozen['modules'])} frozen entries (from {len(derived['plan']['modules'])})")
 
 
@@ -164,8 +167,7 @@ def run_verify(spec: CodegenSpec, log: Log) -> None:
     staged_bytes(spec, emitted, "verify")
     model_class = read_upstream(files.output("freeze"))["model_class"]
     report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], emitted, model_class, log)
-    write_stage_record(files.output("verify"), {"signature": expected_signature(spec, "verify"),
-                                                "outputs": emitted, "report": report})
+    write_stage_output(spec, "verify", {"outputs": emitted, "report": report})
 
 
 def staged_bytes(spec: CodegenSpec, expected: dict[str, str], stage: str) -> dict[str, bytes]:
@@ -185,19 +187,35 @@ def staged_bytes(spec: CodegenSpec, expected: dict[str, str], stage: str) -> dic
 
 
 def check_installed(spec: CodegenSpec, log: Log) -> list[str]:
-    """``doit check`` / the CLI's check: what is wrong with the installed bundle. Its meta
-    and hashes must agree with the recipe, and its bytes with what the pipeline writes from
-    its inputs now (the stages through diff are brought up to date first, so a bundle
-    whose file and meta were both edited is caught)."""
-    from hyper_parallel.codegen.check.drift import installed_bundle_problems
+    """``doit check`` / the CLI's check: the freshness gate (``check.freshness``): empty
+    when the installed bundle is byte for byte what generate would install now."""
+    from hyper_parallel.codegen.check.freshness import freshness_problems
 
-    problems = installed_bundle_problems(spec)
-    if problems:
-        return problems
+    return freshness_problems(spec, log)
+
+
+def expected_bundle(spec: CodegenSpec, log: Log) -> dict[str, bytes]:
+    """Every file generate would install now, ``codegen_meta.json`` included, after
+    bringing the stages through diff up to date (none runs when the workspace is current)."""
     for stage in STAGES[:STAGES.index("diff") + 1]:
         if not stage_is_current(spec, stage):
             run_stage(spec, stage, log)
-    return installed_differs_from_staged(spec)
+    payload, meta = install_payload(spec, expected_verified(spec))
+    return {**payload, META_FILE: meta}
+
+
+def install_payload(spec: CodegenSpec, verified: dict[str, Any]) -> tuple[dict[str, bytes], bytes]:
+    """The staged files (checked against the hashes emit and diff recorded) and the meta
+    install writes beside them: the one definition of an installed bundle's bytes."""
+    from hyper_parallel.codegen.meta import build_codegen_meta
+
+    files = StageFiles(spec)
+    emitted = read_upstream(files.output("emit"))["outputs"]
+    payload = staged_bytes(spec, {**emitted, **read_upstream(files.output("diff"))["outputs"]}, "install")
+    frozen = read_upstream(files.output("freeze"))
+    meta = build_codegen_meta(spec, signature=signature_from_spec(spec), files=payload,
+                              frozen=frozen["frozen"], model_class=frozen["model_class"], verified=verified)
+    return payload, meta
 
 
 def verify_installed(spec: CodegenSpec, log: Log) -> dict[str, Any]:
@@ -210,26 +228,28 @@ def verify_installed(spec: CodegenSpec, log: Log) -> dict[str, Any]:
                          lambda msg: log(f"[verify] {msg}"))
 
 
-def verified_record(report: dict[str, Any]) -> dict[str, Any]:
-    """What codegen_meta.json says about the verify run (no timings: the meta is committed)."""
-    return {key: report[key] for key in ("mode", "world", "steps", "max_loss_rel", "max_grad_rel")}
+def expected_verified(spec: CodegenSpec) -> dict[str, Any]:
+    """What codegen_meta.json says about the verify run: how it runs for this layout, not
+    its timings or measured errors (the meta is committed; its bytes must not move with
+    float noise from one machine to another). The figures are in the workspace's verify.json."""
+    from hyper_parallel.codegen.check.verify import STEPS, verify_mode
+
+    world = spec.parallel.world_size
+    return {"mode": verify_mode(world), "world": world, "steps": STEPS}
 
 
 def run_install(spec: CodegenSpec, log: Log) -> None:
-    from hyper_parallel.codegen.meta import build_codegen_meta
-
     files = StageFiles(spec)
     emit_record, verify_record = files.output("emit"), files.output("verify")
-    emitted = read_upstream(emit_record)["outputs"]
     verified = read_upstream(verify_record)
-    if verified.get("outputs") != emitted:
+    if verified.get("outputs") != read_upstream(emit_record)["outputs"]:
         raise RuntimeError(f"{verify_record}: verified other staged bytes than {emit_record} lists; "
                            f"run `doit generate config={spec.recipe_path}`")
-    payload = staged_bytes(spec, {**emitted, **read_upstream(files.output("diff"))["outputs"]}, "install")
-    frozen = read_upstream(files.output("freeze"))
-    meta = build_codegen_meta(spec, signature=signature_from_spec(spec), files=payload,
-                              frozen=frozen["frozen"], model_class=frozen["model_class"],
-                              verified=verified_record(verified["report"]))
+    expected = expected_verified(spec)
+    if {key: verified["report"].get(key) for key in expected} != expected:
+        raise RuntimeError(f"{verify_record}: verify ran as {verified['report']}, this layout needs {expected}; "
+                           f"run `doit generate config={spec.recipe_path}`")
+    payload, meta = install_payload(spec, expected)
     replaced = installed_recipe(spec.artifact_dir)
     if replaced is not None and replaced != spec.recipe_rel:
         log(f"warning: {spec.artifact_dir} held the bundle of {replaced}; it now holds {spec.recipe_rel}'s. "
@@ -252,8 +272,7 @@ def run_preflight(spec: CodegenSpec, log: Log) -> None:
     from hyper_parallel.codegen.check.preflight import run_torchrun_preflight
 
     report = run_torchrun_preflight(spec, log)
-    write_stage_record(StageFiles(spec).output("preflight"),
-               {"signature": expected_signature(spec, "preflight"), "report": report})
+    write_stage_output(spec, "preflight", {"report": report})
 
 
 # Each stage of the table runs the function named after it, ``run_<stage>``.
@@ -271,9 +290,7 @@ def run_stage(spec: CodegenSpec, stage: str, log: Log = print) -> float:
 def banner_fields(spec: CodegenSpec, frozen: dict[str, Any]) -> dict[str, Any]:
     return {
         "recipe": spec.recipe_rel,
-        "signature": signature_from_spec(spec),
         "source_module": spec.source.module,
-        "source_sha256": spec.source.sha256,
         "transformers_version": spec.source.transformers_version,
         "parallel_dims": spec.parallel.as_dict(),
         "applied_axes": frozen["applied_axes"],
@@ -300,6 +317,22 @@ def read_upstream(path: Path) -> dict[str, Any]:
     return value
 
 
+def write_stage_output(spec: CodegenSpec, stage: str, record: dict[str, Any]) -> None:
+    """Stage ``stage``'s record, then the signature it was built from. The signature lives
+    apart (``signatures.json``) so that the record's bytes are its content alone: a rerun
+    that produces the same content (a codegen change that emits the same code) leaves the
+    record untouched, and no later stage reruns (early cutoff on content)."""
+    write_stage_record(StageFiles(spec).output(stage), record)
+    signatures = recorded_signatures(spec)
+    signatures[stage] = expected_signature(spec, stage)
+    write_json(spec.workspace / SIGNATURES_FILE, dict(sorted(signatures.items())))
+
+
+def recorded_signatures(spec: CodegenSpec) -> dict[str, str]:
+    """stage -> the signature its current record was built from (empty when none)."""
+    return read_json(spec.workspace / SIGNATURES_FILE) or {}
+
+
 def write_stage_record(path: Path, record: dict[str, Any]) -> None:
     """A stage's output, sealed with the sha256 of its own content: an edited output
     (a hand-changed plan.json) is stale, so it is rebuilt, never passed on."""
@@ -315,23 +348,21 @@ def read_stage_record(path: Path) -> dict[str, Any] | None:
     return body if record.get("content_sha256") == sha256_json(body) else None
 
 
-def installed_differs_from_staged(spec: CodegenSpec) -> list[str]:
-    """The installed files against the bytes the workspace's emit and diff staged (when
-    the workspace holds them): judged on bytes, whatever codegen_meta.json claims."""
+def install_is_current(spec: CodegenSpec) -> bool:
+    """The installed bundle is, byte for byte and file for file, what install would write
+    from the verified staged bundle now (judged on bytes, whatever the meta claims)."""
     files = StageFiles(spec)
-    staged: dict[str, str] = {}
-    for stamp in (files.output("emit"), files.output("diff")):
-        record = read_stage_record(stamp)
-        if record is None:
-            return []  # no workspace (a fresh clone): the meta's own hashes decide
-        staged.update(record.get("outputs", {}))
-    problems = []
-    for name, sha in sorted(staged.items()):
-        path = spec.artifact_dir / name
-        actual = sha256_file(path) if path.is_file() else "missing"
-        if actual != sha:
-            problems.append(f"{path}: differs from what generate writes now (sha256 {actual}, generate writes {sha})")
-    return problems
+    verified, emitted = read_stage_record(files.output("verify")), read_stage_record(files.output("emit"))
+    if verified is None or emitted is None or verified.get("outputs") != emitted.get("outputs"):
+        return False
+    try:
+        payload, meta = install_payload(spec, expected_verified(spec))
+    except (OSError, RuntimeError):
+        return False
+    expected = {**payload, META_FILE: meta}
+    folder = spec.artifact_dir
+    present = {p.name for p in folder.iterdir() if p.is_file()} if folder.is_dir() else set()
+    return present == set(expected) and all((folder / name).read_bytes() == data for name, data in expected.items())
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
@@ -352,9 +383,7 @@ def _write_staged(spec: CodegenSpec, stage: str, outputs: dict[str, bytes]) -> N
     files = StageFiles(spec)
     for name, data in outputs.items():
         write_if_changed(files.staged / name, data)
-    stamp = files.output(stage)
-    write_stage_record(stamp, {"signature": expected_signature(spec, stage),
-                       "outputs": {name: sha256_bytes(data) for name, data in outputs.items()}})
+    write_stage_output(spec, stage, {"outputs": {name: sha256_bytes(data) for name, data in outputs.items()}})
 
 
 def check_workspace_owned(workspace: Path) -> None:

@@ -8,13 +8,20 @@ A plan document::
      "recorded_axes": {"cp": "<why not applied yet>", ...},
      "modules": {FQN_or_glob: ENTRY}}
 
-and ENTRY (keys always present, always in this order, so ``json.dumps`` without
-``sort_keys`` is deterministic)::
+and ENTRY (written by ``plan_to_json`` with every key, always in this order, so
+``json.dumps`` without ``sort_keys`` is deterministic)::
 
     {"role": str,
      "state_shardings": {param: {axis: text}},
      "in_src": [named | null, ...] | null, "in_dst": ..., "out_src": ..., "out_dst": ...,
      "local_map": bool}
+
+The compact form (``compact_entry``, what the generated file prints for a reviewer)
+omits what a reader can infer: ``state_shardings`` when empty, ``in_src``/``out_src``
+when null, ``in_dst``/``out_dst`` when equal to their ``*_src`` (no redistribution:
+a ``*_dst`` that is written marks where one happens), ``local_map`` when false, and
+writes a list of one named placement as that placement. The
+reader applies the same defaults, so both forms decode to the same ``ShardingConfig``.
 
 Everything here is torch-free: placements are text. ``ShardingConfig`` values that
 hold torch placements are converted through ``placements`` (imported only then).
@@ -33,6 +40,7 @@ from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfi
 
 PLAN_FORMAT_VERSION = 1
 _ENTRY_KEYS = ("role", "state_shardings", *IO_PLACEMENT_FIELDS, "local_map")
+_SRC_OF = {"in_dst": "in_src", "out_dst": "out_src"}  # an omitted *_dst is its *_src
 _DOC_KEYS = ("format", "mesh", "applied_axes", "recorded_axes", "modules")
 
 
@@ -104,9 +112,30 @@ def sharding_config_from_json(entry: Mapping, *, where: str = "entry") -> Shardi
         local_map=_bool(entry.get("local_map", False), f"{where}.local_map"),
     )
     for key in IO_PLACEMENT_FIELDS:
-        io = _io_to_json(entry.get(key), f"{where}.{key}")
+        io = _io_to_json(entry.get(key, entry.get(_SRC_OF.get(key, ""))), f"{where}.{key}")
         setattr(config, key, None if io is None else tuple(io))
     return config
+
+
+def _single_io(value):
+    """A list of one named placement as that placement (the reader's "first input/output")."""
+    return value[0] if isinstance(value, list) and len(value) == 1 and value[0] is not None else value
+
+
+def compact_entry(entry: Mapping) -> dict:
+    """A full entry (``sharding_config_to_json``'s) without the keys the reader infers
+    (module docstring): same decoded ``ShardingConfig``, fewer lines to review."""
+    out = {"role": entry["role"]}
+    if entry.get("state_shardings"):
+        out["state_shardings"] = entry["state_shardings"]
+    for dst, src in _SRC_OF.items():
+        if entry.get(src) is not None:
+            out[src] = _single_io(entry[src])
+        if entry.get(dst) != entry.get(src):
+            out[dst] = _single_io(entry.get(dst))
+    if entry.get("local_map"):
+        out["local_map"] = True
+    return {key: out[key] for key in _ENTRY_KEYS if key in out}
 
 
 def _bool(value, where: str) -> bool:

@@ -57,3 +57,22 @@ def test_children_of_a_sequential_are_compressed_by_layer_only():
     modules.update({f"h.{i}.ffn.2": _entry("rowwise", "shard(1)") for i in range(2)})
     frozen = freeze_plan(_plan(modules), names)
     assert sorted(frozen["modules"]) == ["h.*.ffn.0", "h.*.ffn.2"]
+
+
+QKV_NAMES = ["", "model", "model.layers"] + [f"model.layers.{i}.attn.{p}_proj" for i in range(2) for p in "qkvo"]
+
+
+def test_equal_entries_one_letter_apart_share_one_class_key():
+    modules = {f"model.layers.{i}.attn.{p}_proj": _entry("rowwise" if p == "o" else "colwise", "shard(0)")
+               for i in range(2) for p in "qkvo"}
+    frozen = freeze_plan(_plan(modules), QKV_NAMES)
+    assert list(frozen["modules"]) == ["model.layers.*.attn.[qkv]_proj", "model.layers.*.attn.o_proj"]
+
+
+def test_a_class_key_only_merges_equal_entries_and_never_digits():
+    modules = {f"model.layers.{i}.attn.{p}_proj": _entry("colwise", "shard(1)" if p == "v" else "shard(0)")
+               for i in range(2) for p in "qkv"}
+    frozen = freeze_plan(_plan(modules), QKV_NAMES)
+    assert list(frozen["modules"]) == ["model.layers.*.attn.[qk]_proj", "model.layers.*.attn.v_proj"]
+    layers = {f"model.layers.{i}.mlp": _entry("colwise", "shard(0)" if i else "shard(1)") for i in range(3)}
+    assert "[" not in "".join(freeze_plan(_plan(layers), NAMES)["modules"])  # layers.[12] would read as twelve

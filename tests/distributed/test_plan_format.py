@@ -9,6 +9,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.plan_format import (
     PlanFormatError,
+    compact_entry,
     plan_from_json,
     plan_modules_from_json,
     plan_modules_to_json,
@@ -80,3 +81,17 @@ def test_json_side_imports_no_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
+
+
+def test_the_compact_entry_decodes_to_the_same_config():
+    full = sharding_config_to_json(ShardingConfig(
+        state_shardings={"weight": {"tp": "shard(0)"}}, in_src=({"tp": "replicate"},), in_dst=({"tp": "replicate"},),
+        out_src=({"tp": "partial"}, None), out_dst=({"tp": "replicate"}, None), local_map=True), "rowwise")
+    compact = compact_entry(full)
+    assert compact == {"role": "rowwise", "state_shardings": {"weight": {"tp": "shard(0)"}},
+                       "in_src": {"tp": "replicate"}, "out_src": [{"tp": "partial"}, None],
+                       "out_dst": [{"tp": "replicate"}, None], "local_map": True}
+    assert sharding_config_from_json(compact) == sharding_config_from_json(full)
+    bare = compact_entry(sharding_config_to_json(ShardingConfig(in_src=({"tp": "shard(1)"},)), "custom"))
+    assert bare == {"role": "custom", "in_src": {"tp": "shard(1)"}, "in_dst": None}  # an explicit null dst stays
+    assert sharding_config_from_json(bare).in_dst is None

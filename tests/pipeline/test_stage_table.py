@@ -9,7 +9,6 @@ import pytest
 from hyper_parallel.codegen import hash as hashing, stages
 from hyper_parallel.codegen.hash import ImplementationPartMissing, implementation_sha256, part_modules
 from hyper_parallel.codegen.stage_table import (
-    BUNDLE_IMPLEMENTATION,
     STAGE_TABLE,
     STAGES,
     WORKSPACE_DIR,
@@ -27,12 +26,11 @@ def test_every_stage_has_a_runner_known_facts_and_existing_implementation():
         assert set(row.facts) <= set(SPEC_FACTS), row.name
         for part in row.implementation:
             assert part_modules(part), (row.name, part)  # raises when the part is missing
-    assert set(BUNDLE_IMPLEMENTATION) == {p for row in STAGE_TABLE for p in row.implementation}
 
 
 def test_workspace_entries_are_the_table_records_and_the_staged_folder():
     records = {row.output for row in STAGE_TABLE if not row.in_bundle}
-    assert WORKSPACE_ENTRIES == records | {"staged"}
+    assert WORKSPACE_ENTRIES == records | {"staged", "signatures.json"}
     install = next(row for row in STAGE_TABLE if row.in_bundle)
     assert (install.name, install.output_name) == ("install", "codegen_meta.json")
 
@@ -89,6 +87,9 @@ def package(tmp_path, monkeypatch):
     return root
 
 
+EVERY_PART = tuple(sorted({part for row in STAGE_TABLE for part in row.implementation}))
+
+
 def _hash(*parts: str) -> str:
     return implementation_sha256.__wrapped__(parts)
 
@@ -131,9 +132,9 @@ def test_the_package_hash_ignores_junk_beside_the_real_modules(tmp_path, monkeyp
     root = tmp_path / "hyper_parallel"
     shutil.copytree(hashing.PACKAGE_ROOT, root, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(hashing, "PACKAGE_ROOT", root)
-    before = _hash(*BUNDLE_IMPLEMENTATION)
+    before = _hash(*EVERY_PART)
     (root / "codegen" / "plan" / "derive.py~").write_text("stale\n")
     (root / "distributed" / ".#applier.py").write_text("lock\n")
     (root / "models" / "__pycache__").mkdir(exist_ok=True)
     (root / "models" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
-    assert _hash(*BUNDLE_IMPLEMENTATION) == before
+    assert _hash(*EVERY_PART) == before

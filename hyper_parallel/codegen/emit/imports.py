@@ -93,11 +93,12 @@ def _transformers_module_exists(name: str) -> bool:
         return False
 
 
-def add_imports_edit(source: SourceModule, import_lines: list[str]) -> TextEdit:
+def add_imports_edit(source: SourceModule, import_lines: list[str], trailer: str = "") -> TextEdit:
     """Insert ``import_lines`` as their own block after the module's leading imports
-    (project imports come last, separated by a blank line)."""
+    (project imports come last, separated by a blank line), then ``trailer`` (module
+    level definitions the classes below use) after two blank lines."""
     block = top_level_imports(source.tree)
-    text = "".join(line + "\n" for line in import_lines)
+    text = "".join(line + "\n" for line in import_lines) + (f"\n\n{trailer}" if trailer else "")
     if block:
         at = source.lines.end_of_line(block[-1].end_lineno)
         return TextEdit(at, at, "\n" + text, why="runtime import")

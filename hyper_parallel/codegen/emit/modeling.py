@@ -3,8 +3,8 @@
     banner                      what was generated from what, and what the runtime owns
     the HF source, edited       relative imports made absolute, runtime import added,
                                 replacements applied before self.post_init()
+    HYPER_REPLACEMENTS          after the imports (only when the recipe replaces modules)
     HYPER_SOURCE_MODULE
-    HYPER_REPLACEMENTS          (only when the recipe replaces modules)
     HYPER_PARALLEL_PLAN
     def hyper_parallelize(model, mesh_context)
 
@@ -15,7 +15,7 @@ import textwrap
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
-from hyper_parallel.codegen.astkit import SourceModule, apply_text_edits
+from hyper_parallel.codegen.astkit import SourceModule, TextEdit, apply_text_edits
 from hyper_parallel.codegen.emit.imports import (
     RemoteCode,
     absolute_import_edits,
@@ -30,13 +30,15 @@ from hyper_parallel.codegen.emit.replacement import (
 )
 
 RUNTIME_IMPORT = "from hyper_parallel.codegen import runtime as hyper_parallel_runtime"
-REPLACEMENTS_IMPORT = "from hyper_parallel.codegen.runtime import hyper_apply_replacements"
-BANNER_KEYS = ("recipe", "signature", "source_sha256", "transformers_version", "parallel_dims")
-RUNTIME_OWNS = ("device mesh construction", "data parallel (FSDP2)", "pipeline parallel splitting",
+BANNER_KEYS = ("recipe", "transformers_version", "parallel_dims")
+RUNTIME_OWNS = ("the device mesh", "data parallel (FSDP2)", "pipeline parallel splitting",
                 "activation checkpointing", "torch.compile")
-_RULE = "# " + "-" * 86 + "\n"
-_BANNER_WIDTH = 86
-_VALUE_COLUMN = len("recorded only:   ")
+_RULE = "# " + "-" * 98 + "\n"
+# transformers' banner on files generated from a modular_*.py: a rule of sirens, the text, a rule.
+_HF_BANNER_RULE = "\U0001F6A8"
+_HF_BANNER_TEXT = "This file was automatically generated from"
+_HF_BANNER_MAX_LINES = 8
+_BANNER_WIDTH = 100
 
 
 def emit_modeling_source(*, source_text: str, source_module: str, banner: dict[str, Any],
@@ -53,7 +55,9 @@ def emit_modeling_source(*, source_text: str, source_module: str, banner: dict[s
     source = SourceModule.parse(source_text, source_module)
 
     edits = remote_import_edits(source, remote) if remote else absolute_import_edits(source, source_module)
-    edits.append(add_imports_edit(source, [RUNTIME_IMPORT] + ([REPLACEMENTS_IMPORT] if entries else [])))
+    edits += hf_banner_edits(source_text)
+    edits.append(add_imports_edit(source, [RUNTIME_IMPORT],
+                                  trailer=render_replacements(entries) if entries else ""))
     if entries:
         edits += replacement_call_edits(source)
     body = apply_text_edits(source_text, edits)
@@ -61,7 +65,7 @@ def emit_modeling_source(*, source_text: str, source_module: str, banner: dict[s
         body += "\n"
 
     text = (render_banner(banner, source_module, frozen_plan, has_replacements=bool(entries), remote=remote)
-            + body + render_tail(source_module, entries, frozen_plan))
+            + body + render_tail(source_module, frozen_plan))
     try:
         compile(text, f"<generated from {source_module}>", "exec")
     except SyntaxError as exc:  # a bug here, not in the inputs: say where
@@ -69,64 +73,61 @@ def emit_modeling_source(*, source_text: str, source_module: str, banner: dict[s
     return text
 
 
-def render_tail(source_module: str, entries: list[dict[str, Any]], plan: dict[str, Any]) -> str:
-    parts = [
-        "\n\n" + _RULE
-        + "# hyper-parallel codegen: everything below is generated from the recipe.\n" + _RULE + "\n"
-        "# The HF module this file was generated from; replacements use it to match the\n"
-        "# recipe's module_type against the classes defined here.\n"
-        f'HYPER_SOURCE_MODULE = "{source_module}"\n\n'
-    ]
-    if entries:
-        parts.append(render_replacements(entries) + "\n")
-    parts.append(render_parallel_section(plan))
-    return "".join(parts)
+def hf_banner_edits(source_text: str) -> list[TextEdit]:
+    """Drop transformers' "automatically generated from modular_X.py ... One of our CI
+    enforces this" banner: it is false for the generated file, whose own banner says
+    where it comes from (the license header below it stays)."""
+    lines = source_text.splitlines(keepends=True)
+    head = lines[:_HF_BANNER_MAX_LINES]
+    if not head or _HF_BANNER_RULE not in head[0] or not any(_HF_BANNER_TEXT in line for line in head):
+        return []
+    closing = next((i for i in range(1, len(head)) if _HF_BANNER_RULE in head[i]), None)
+    if closing is None or not all(line.startswith("#") for line in head[:closing + 1]):
+        return []
+    return [TextEdit(0, sum(map(len, head[:closing + 1])), "", why="transformers' modular banner")]
+
+
+def render_tail(source_module: str, plan: dict[str, Any]) -> str:
+    return ("\n\n" + _RULE + "# hyper-parallel codegen: everything below is generated from the recipe.\n" + _RULE
+            + "\n# The module this file was generated from (replacements match module_type against its classes).\n"
+            f'HYPER_SOURCE_MODULE = "{source_module}"\n\n' + render_parallel_section(plan))
 
 
 def render_banner(banner: dict[str, Any], source_module: str, plan: dict[str, Any], *,
                   has_replacements: bool, remote: RemoteCode | None = None) -> str:
+    """The file's one banner: what it was generated from, what was changed and how to
+    regenerate it. Signatures and hashes live in codegen_meta.json only, so a codegen
+    change that emits the same code leaves this file's bytes alone."""
     _check_banner(banner)
     dims = " ".join(f"{key}={value}" for key, value in banner["parallel_dims"].items())
     recorded = "; ".join(f"{axis} ({why})" for axis, why in plan["recorded_axes"].items()) or "none"
+    version = banner["transformers_version"]
     if remote is None:
-        edits = ["relative imports made absolute; hyper_parallel runtime import added"]
-        origin = []
+        origin = f"From {source_module} (transformers {version}), edited: this banner replaces transformers' own,"
+        edits = ["relative imports made absolute"]
     else:
-        edits = ["imports of siblings kept relative (the siblings are copied into this folder)",
-                 "other relative imports made absolute; hyper_parallel runtime import added"]
         siblings = ", ".join(f"{name}.py" for name in remote.siblings) or "none"
-        origin = [f"source origin:   remote code ({source_module}.py in the model folder)",
-                  f"siblings:        {siblings} (copied into this folder unchanged)"]
+        origin = (f"From {source_module}.py, remote code in the model folder (transformers {version}; siblings "
+                  f"copied unchanged into this folder: {siblings}), edited: this banner added,")
+        edits = ["imports of the siblings kept relative, other relative imports made absolute"]
     if has_replacements:
-        edits.append("replace_module entries applied before self.post_init() (HYPER_REPLACEMENTS)")
-    edits.append("HYPER_PARALLEL_PLAN and hyper_parallelize() appended")
+        edits.append("HYPER_REPLACEMENTS applied before self.post_init()")
+    edits.append("HYPER_PARALLEL_PLAN and hyper_parallelize() appended.")
     lines = [
-        "Generated by hyper-parallel codegen. Do not edit; regenerate with:",
-        f"    doit generate config=<path to {PurePosixPath(banner['recipe']).name}>",
-        "",
-        f"recipe:          {banner['recipe']} (relative to this folder)",
-        f"signature:       {banner['signature']}",
-        f"source module:   {source_module}",
-        *origin,
-        f"source sha256:   {banner['source_sha256']}",
-        f"transformers:    {banner['transformers_version']}",
-        f"parallel dims:   {dims}",
-        f"applied axes:    {', '.join(plan['applied_axes']) or 'none'}",
-        f"recorded only:   {recorded}",
-        f"runtime owns:    {', '.join(RUNTIME_OWNS)}",
-        "edits to the HF source:" if remote is None else "edits to the remote source:",
-        *(f"  - {edit}" for edit in edits),
+        f"Generated by hyper-parallel codegen (do not edit) from the recipe {banner['recipe']}, relative to "
+        "this folder.",
+        "Regenerate: doit generate config=<that recipe>. Signature and file hashes: codegen_meta.json.",
+        f"{origin} {', '.join(edits)}",
+        f"Parallel: {dims}; applied: {', '.join(plan['applied_axes']) or 'none'}; recorded only: {recorded}.",
+        f"The trainer owns: {', '.join(RUNTIME_OWNS)}.",
     ]
     wrapped = [part for line in lines for part in _wrap(line)]
     return _RULE + "".join(f"# {line}".rstrip() + "\n" for line in wrapped) + _RULE + "\n"
 
 
 def _wrap(line: str) -> list[str]:
-    """Long ``label:   value`` lines continue under the value, never splitting words
-    (a signature or path stays whole)."""
-    if len(line) <= _BANNER_WIDTH:
-        return [line]
-    return textwrap.wrap(line, width=_BANNER_WIDTH, subsequent_indent=" " * _VALUE_COLUMN,
+    """Long lines continue indented, never splitting words (a path stays whole)."""
+    return textwrap.wrap(line, width=_BANNER_WIDTH - 2, subsequent_indent="  ",
                          break_long_words=False, break_on_hyphens=False)
 
 

@@ -3,8 +3,9 @@
 The entries become a literal ``HYPER_REPLACEMENTS`` list, and every model class whose
 ``__init__`` calls ``self.post_init()`` gets one line before that call::
 
-    hyper_apply_replacements(self, HYPER_REPLACEMENTS)
+    hyper_parallel_runtime.hyper_apply_replacements(self, HYPER_REPLACEMENTS)
 
+The list is defined right after the imports, before the classes that use it.
 Replacing before ``post_init`` lets HF initialize (and later load) the weights of the
 new modules like any other. Both the base model (``Qwen3MoeModel``) and the head
 (``Qwen3MoeForCausalLM``) carry the line: the base model's call replaces the layers as
@@ -24,7 +25,7 @@ from hyper_parallel.codegen.astkit import (
 )
 from hyper_parallel.codegen.emit.literal import render_literal
 
-APPLY_CALL = "hyper_apply_replacements(self, HYPER_REPLACEMENTS)"
+APPLY_CALL = "hyper_parallel_runtime.hyper_apply_replacements(self, HYPER_REPLACEMENTS)"
 _REQUIRED = ("match", "target")
 _OPTIONAL = ("module_type", "exact_type", "kwargs", "origin")
 
@@ -58,9 +59,13 @@ def normalize_replacements(replacements: list[dict[str, Any]]) -> list[dict[str,
 
 
 def render_replacements(replacements: list[dict[str, Any]]) -> str:
+    """The literal, each entry without its defaults (no kwargs, not exact_type) or the
+    pipeline's own bookkeeping (``origin``): what a reviewer needs, nothing more."""
+    shown = [{key: value for key, value in entry.items() if key != "origin" and value not in ({}, False, None)}
+             for entry in replacements]
     return ("# The recipe's replace_module entries; every model __init__ applies them before\n"
             "# self.post_init(), so training sees the structure the plan was derived on.\n"
-            f"HYPER_REPLACEMENTS = {render_literal(replacements)}\n")
+            f"HYPER_REPLACEMENTS = {render_literal(shown)}\n")
 
 
 def replacement_call_edits(source: SourceModule) -> list[TextEdit]:

@@ -6,9 +6,12 @@ as many entries for 94 layers as for 48. A pattern is only used when, matched th
 the applier matches (``name_match`` over every module name of the model), it selects
 exactly the modules it replaces, so no two frozen keys hit one module and no precedence
 is left to decide; entries that differ between layers (dense vs MoE layers, an
-entry for layer 0 only) keep their exact names.
+entry for layer 0 only) keep their exact names. Then equal entries whose keys differ
+in one character become one key with a character class (``self_attn.[qkv]_proj``),
+under the same exactness rule.
 """
 
+import json
 import re
 from typing import Any
 
@@ -39,7 +42,7 @@ def freeze_plan(plan: dict[str, Any], module_names: list[str]) -> dict[str, Any]
         "mesh": plan["mesh"],
         "applied_axes": list(plan["applied_axes"]),
         "recorded_axes": dict(sorted(plan["recorded_axes"].items())),
-        "modules": compress_by_pattern(modules, module_names),
+        "modules": merge_by_character(compress_by_pattern(modules, module_names), module_names),
     }
 
 
@@ -54,6 +57,37 @@ def compress_by_pattern(modules: dict[str, dict[str, Any]], module_names: list[s
                 if not _compress_group(modules, layer_members, _first_index(layer_members[0]), module_names, out):
                     out.update((m, modules[m]) for m in layer_members)
     return out
+
+
+def merge_by_character(modules: dict[str, dict[str, Any]], module_names: list[str]) -> dict[str, dict[str, Any]]:
+    """Equal entries under keys that differ only in one character (``q_proj``, ``k_proj``,
+    ``v_proj``) as one key with a class (``[qkv]_proj``), where that class selects exactly
+    the modules the keys selected; the merged key takes the first member's place."""
+    merged: dict[str, str] = {}  # member key -> the key that replaces it
+    for index in range(max(map(len, modules), default=0)):
+        buckets: dict[tuple, list[str]] = {}
+        for key in modules:
+            if key not in merged and _plain_char(key, index):
+                buckets.setdefault((key[:index], key[index + 1:], _canonical(modules[key])), []).append(key)
+        for (head, tail, _), members in buckets.items():
+            pattern = f"{head}[{''.join(key[index] for key in members)}]{tail}"
+            hit = {name for key in members for name in names_matching(key, module_names)}
+            if len(members) > 1 and set(names_matching(pattern, module_names)) == hit:
+                merged.update((key, pattern) for key in members)
+    out: dict[str, dict[str, Any]] = {}
+    for key, entry in modules.items():
+        out.setdefault(merged.get(key, key), entry)
+    return out
+
+
+def _plain_char(key: str, index: int) -> bool:
+    """A character a class may stand for: a letter (not a digit: ``layers.[12]`` would
+    read as layer twelve), never part of a glob."""
+    return index < len(key) and key[index].isalpha()
+
+
+def _canonical(entry: dict[str, Any]) -> str:
+    return json.dumps(entry, sort_keys=True)
 
 
 def _groups(modules, key) -> dict[str, list[str]]:

@@ -13,7 +13,7 @@ from typing import Any
 from hyper_parallel.codegen.hash import implementation_sha256, sha256_file, sha256_json
 from hyper_parallel.codegen.source.resolver import SourceError, SourceLocation, locate_source, read_model_config
 from hyper_parallel.codegen.spec.types import CodegenSpec, ParallelSpec
-from hyper_parallel.codegen.stage_table import BUNDLE_IMPLEMENTATION, WORKSPACE_DIR, WORKSPACE_ENV, stage_row
+from hyper_parallel.codegen.stage_table import WORKSPACE_DIR, WORKSPACE_ENV, stage_row
 from hyper_parallel.config.loading import RecipeError
 from hyper_parallel.config.schema import PlanOverride, TrainerConfig
 from hyper_parallel.protocols.placement_text import (
@@ -166,7 +166,10 @@ def _normalize_override(entry: PlanOverride, index: int, where: str) -> dict[str
 # --- signatures ---------------------------------------------------------------------------
 
 def bundle_signature_inputs(spec: CodegenSpec) -> dict[str, Any]:
-    """Exactly the inputs that can change a bundle's bytes (DESIGN §4)."""
+    """Exactly the recipe-side inputs that can change a bundle's bytes (DESIGN §4). The
+    codegen implementation's hash is not among them: it decides when stages rerun (the
+    stage signatures, in the workspace), while the committed bundle changes only when
+    what is emitted changes."""
     return {
         "schema": SPEC_SCHEMA,
         "source": spec.source.identity(),
@@ -176,7 +179,6 @@ def bundle_signature_inputs(spec: CodegenSpec) -> dict[str, Any]:
         "plan_overrides": list(spec.plan_overrides),
         "artifact": {"dir": spec.artifact_dir_rel, "modeling_file": spec.modeling_file,
                      "device_type": spec.parallel.device_type, "recipe": spec.recipe_rel},
-        "implementation_sha256": implementation_sha256(BUNDLE_IMPLEMENTATION),
     }
 
 
