@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # the package); an import may reach its own layer or a lower one, never a higher one.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("", "class_paths", "errors"),          # the package root and leaf modules: standard library only
-    ("config",),                            # the recipe: dataclasses, YAML loading, launch check
     ("platform",),                          # torch backend indirection (platform.Module/Linear): torch only
     ("protocols",),                         # Module (on platform.Module) / Config / ShardingConfig / placements
+    ("config",),                            # the recipe: dataclasses, YAML loading, launch check; its
+                                            # plan_overrides are written in the plan's own placement text
     ("distributed",),                       # mesh, planner, applier
     ("models.common", "components"),        # building blocks and their declarative sharding
     ("codegen",),                           # the pipeline and the generated bundle's runtime

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import hyper_parallel
-from hyper_parallel.config.schema import PlanOverride
+from hyper_parallel.config.plan_override import PlanOverride
 from hyper_parallel.distributed.plan_format import sharding_config_to_json
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 

@@ -14,6 +14,7 @@ import hyper_parallel
 from hyper_parallel.codegen.check.preflight import uncovered_parameters
 from hyper_parallel.codegen.plan.freeze import compress_by_pattern
 from hyper_parallel.codegen.runtime import hyper_apply_replacements
+from hyper_parallel.config.plan_override import parse_plan_overrides
 from hyper_parallel.distributed.applier import _resolve_targets
 from hyper_parallel.distributed.name_match import (
     in_precedence_order,
@@ -151,7 +152,7 @@ def test_plan_overrides_follow_the_applier_precedence():
         {"match": "layers.*.mlp", "params": {"weight": {"tp": "shard(1)"}}},
         {"match": "*.mlp", "params": {"weight": {"tp": "replicate"}}},  # the last glob
     ]
-    merged = merge_plan_overrides(derived, overrides, model)
+    merged = merge_plan_overrides(derived, parse_plan_overrides(overrides), model)
     as_plan = {entry["match"]: entry["params"]["weight"]["tp"] for entry in overrides}
     for name in ("layers.0.mlp", "layers.1.mlp"):
         applied_key, _ = plan_entry_for(name, as_plan)

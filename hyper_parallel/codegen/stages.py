@@ -137,7 +137,7 @@ def run_emit(spec: CodegenSpec, log: Log) -> None:
     text = emit_modeling_source(
         source_text=source_text(source, spec.model_dir), source_module=source.module,
         banner=banner_fields(spec, frozen["frozen"]), frozen_plan=frozen["frozen"],
-        replacements=spec.replacements, remote=remote)
+        overrides=spec.plan_overrides, remote=remote)
     outputs = {spec.modeling_file: text.encode(), "__init__.py":
                render_bundle_init(spec, frozen["model_class"]).encode()}
     # Remote code: the generated file imports its siblings relatively, so the bundle

@@ -2,7 +2,6 @@
 
 import dataclasses
 import os
-import re
 import types
 import typing
 from pathlib import Path
@@ -11,15 +10,14 @@ from typing import Any
 import yaml
 
 from hyper_parallel.config.parallel_dims import ParallelDimsError
+from hyper_parallel.config.plan_override import PlanOverride, PlanOverrideError, parse_plan_overrides, trusted_packages
 from hyper_parallel.config.schema import (
     DATASET_KINDS,
     DEVICE_TYPES,
     MAX_SEQ_LEN,
     MODELING_BACKENDS,
     TORCH_DTYPES,
-    OVERRIDE_AXES,
-    PlanOverride,
-    ReplaceModuleConfig,
+    ModelConfig,
     TrainerConfig,
 )
 from hyper_parallel.errors import HyperParallelError
@@ -83,7 +81,9 @@ def load_training_config(path: str | os.PathLike) -> TrainerConfig:
     if not isinstance(data, dict):
         got = "an empty document" if data is None else type(data).__name__
         raise RecipeError(f"{path}: expected a mapping at the top level, got {got}")
+    overrides = data.pop("plan_overrides", [])
     config = _build(TrainerConfig, data, str(path), "")
+    config.plan_overrides = _plan_overrides(overrides, config.model, str(path))
     config._yaml_path = str(yaml_path)
     validate_training_config(config, str(path))
     return config
@@ -112,39 +112,20 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
     if config.modeling_backend is not None and config.modeling_backend not in MODELING_BACKENDS:
         raise RecipeError(f"{where}: modeling_backend: expected one of {', '.join(MODELING_BACKENDS)}, "
                           f"got {config.modeling_backend!r}")
-    for i, entry in enumerate(config.plan_overrides):
-        if entry.when is not None and entry.when not in OVERRIDE_AXES:
-            raise RecipeError(f"{where}: plan_overrides[{i}].when: expected one of "
-                              f"{', '.join(OVERRIDE_AXES)}, got {entry.when!r}")
     if config.model.torch_dtype not in TORCH_DTYPES:
         raise RecipeError(f"{where}: model.torch_dtype: expected one of {', '.join(TORCH_DTYPES)}, "
                           f"got {config.model.torch_dtype!r}")
-    _validate_targets(config, where)
     _validate_training(config, where)
     _validate_dataset(config, where)
 
 
-TRUSTED_PACKAGE = "hyper_parallel"
-_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-
-
-def _validate_targets(config: TrainerConfig, where: str) -> None:
-    """No code runs that nobody opted into: a replace_module factory comes from
-    hyper_parallel or from a package the recipe names under model.trusted_modules."""
-    trusted = [TRUSTED_PACKAGE]
-    for i, name in enumerate(config.model.trusted_modules):
-        if not isinstance(name, str) or not _DOTTED.fullmatch(name):
-            raise RecipeError(f"{where}: model.trusted_modules[{i}]: expected a dotted package or module name "
-                              f"(e.g. my_kernels.attention), got {name!r}")
-        trusted.append(name)
-    for i, entry in enumerate(config.plan_overrides):
-        if entry.replace_module is None:
-            continue
-        target = entry.replace_module.target
-        if not any(target.startswith(prefix + ".") for prefix in trusted):
-            raise RecipeError(f"{where}: plan_overrides[{i}].replace_module._target_: {target!r} is outside the "
-                              f"trusted modules ({', '.join(trusted)}); if you trust its package, list it under "
-                              f"model.trusted_modules")
+def _plan_overrides(data: Any, model: ModelConfig, where: str) -> tuple[PlanOverride, ...]:
+    """The entries typed and checked, once (config/plan_override.py does every check);
+    ``model.trusted_modules`` decides which replace_module targets may run."""
+    try:
+        return parse_plan_overrides(data, trusted=trusted_packages(model.trusted_modules))
+    except PlanOverrideError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
 
 
 def _validate_training(config: TrainerConfig, where: str) -> None:
@@ -184,8 +165,6 @@ def _validate_dataset(config: TrainerConfig, where: str) -> None:
 
 
 def _build(cls: type, data: Any, where: str, key: str) -> Any:
-    if cls is ReplaceModuleConfig:
-        return _build_replace_module(data, where, key)
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: {key or 'top level'}: expected a mapping, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
@@ -202,14 +181,6 @@ def _build(cls: type, data: Any, where: str, key: str) -> Any:
         elif fld.default is dataclasses.MISSING and fld.default_factory is dataclasses.MISSING:
             raise RecipeError(f"{where}: missing required key {sub!r}")
     return cls(**values)
-
-
-def _build_replace_module(data: Any, where: str, key: str) -> ReplaceModuleConfig:
-    if not isinstance(data, dict) or not isinstance(data.get("_target_"), str):
-        raise RecipeError(f"{where}: {key}: expected a mapping with a string '_target_' "
-                          f"(a dotted factory path), got {data!r}")
-    kwargs = {k: v for k, v in data.items() if k != "_target_"}
-    return ReplaceModuleConfig(target=data["_target_"], kwargs=kwargs)
 
 
 def _convert(hint: Any, value: Any, where: str, key: str) -> Any:

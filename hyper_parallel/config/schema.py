@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyper_parallel.config.parallel_dims import ParallelDims
+from hyper_parallel.config.plan_override import PlanOverride
 
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 MODELING_BACKENDS = ("hf", "custom", "gen")
 TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
 DATASET_KINDS = ("synthetic", "text")
 MAX_SEQ_LEN = 1 << 24  # 16M tokens a sequence: beyond any model's context
-# The parallel forms a plan_overrides entry may be conditioned on (the planner's set).
-OVERRIDE_AXES = ("tp", "cp", "ep", "sp")
 
 
 @dataclass
@@ -59,27 +58,6 @@ class AcceleratorConfig:
 
 
 @dataclass
-class ReplaceModuleConfig:
-    target: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class PlanOverride:
-    match: str
-    module_type: str | None = None
-    exact_type: bool = False
-    when: str | None = None
-    replace_module: ReplaceModuleConfig | None = None
-    params: dict[str, dict[str, str]] | None = None
-    in_src: Any = None
-    in_dst: Any = None
-    out_src: Any = None
-    out_dst: Any = None
-    local_map: bool | None = None
-
-
-@dataclass
 class TrainingConfig:
     steps: int = 10
     global_batch_size: int = 8
@@ -110,7 +88,8 @@ class DatasetConfig:
 class TrainerConfig:
     model: ModelConfig
     accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)
-    plan_overrides: list[PlanOverride] = field(default_factory=list)
+    # Parsed and checked once, by the loader (config/plan_override.py); read-only after.
+    plan_overrides: tuple[PlanOverride, ...] = ()
     codegen: bool = False
     modeling_backend: str | None = None
     training: TrainingConfig = field(default_factory=TrainingConfig)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from hyper_parallel.config.plan_override import PlanOverride
 from hyper_parallel.distributed.config_keys import layer_views
 from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, StandIns, roles_for
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
@@ -135,7 +136,7 @@ _IDENTITY_ONLY = ("which makes an identity (zero-compute) expert's output one te
 class ShardingPlanner:
     def __init__(self, model: nn.Module, *, dims: ParallelDims, mesh: OfflineMesh,
                  sequence_parallel: bool = False, loss_parallel: bool = False, hints: dict | None = None,
-                 overrides: Iterable[Mapping] | None = None, dataflow: Dataflow | None = None,
+                 overrides: Iterable[PlanOverride] | None = None, dataflow: Dataflow | None = None,
                  dataflow_error: str = ""):
         self.model = model
         self.dataflow, self.dataflow_error = dataflow, dataflow_error

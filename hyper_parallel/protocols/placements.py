@@ -14,6 +14,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from hyper_parallel.protocols.placement_text import (
+    PlacementSpec,
     PlacementTextError,
     normalize_named_placement,
     parse_placement_text,
@@ -21,7 +22,11 @@ from hyper_parallel.protocols.placement_text import (
 
 
 def placement_from_text(text: str) -> Placement:
-    spec = parse_placement_text(text)
+    return placement_from_spec(parse_placement_text(text))
+
+
+def placement_from_spec(spec: PlacementSpec) -> Placement:
+    """The torch placement of a parsed one (a recipe's, already checked when it loaded)."""
     if spec.kind == "replicate":
         return Replicate()
     if spec.kind == "partial":

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hyper_parallel.codegen.emit.modeling import emit_modeling_source
 from hyper_parallel.codegen.runtime import REPLACED_RECORD, hyper_apply_replacements
+from hyper_parallel.config.plan_override import TRUSTED_PACKAGE, parse_plan_overrides
 from hyper_parallel.distributed.plan_format import plan_from_json
 from hyper_parallel.models.qwen3_moe.adapter.replacements import (
     Qwen3MoeFusedAttention,
@@ -64,9 +65,15 @@ def hf_source() -> str:
     return Path(importlib.util.find_spec(SOURCE_MODULE).origin).read_text(encoding="utf-8")
 
 
-def emit(replacements=(), plan=PLAN, banner=BANNER) -> str:
+def replacing(*entries: dict) -> tuple:
+    """Recipe entries ``{match, module_type?, replace_module}`` as the loader hands them on;
+    factories here are trusted."""
+    return parse_plan_overrides(list(entries), trusted=(TRUSTED_PACKAGE, __name__.partition(".")[0]))
+
+
+def emit(overrides=(), plan=PLAN, banner=BANNER) -> str:
     return emit_modeling_source(source_text=hf_source(), source_module=SOURCE_MODULE, banner=dict(banner),
-                                frozen_plan=plan, replacements=list(replacements))
+                                frozen_plan=plan, overrides=replacing(*overrides))
 
 
 @pytest.fixture
@@ -113,7 +120,8 @@ def _absolute(line: str) -> str:
 
 def test_only_the_intended_hunks_differ_and_comments_survive():
     original = hf_source().splitlines(keepends=True)
-    generated = emit([{"match": "*.self_attn", "module_type": ATTENTION_TYPE, "target": FUSED_ATTENTION}])
+    generated = emit([{"match": "*.self_attn", "module_type": ATTENTION_TYPE,
+                       "replace_module": {"_target_": FUSED_ATTENTION}}])
     lines = generated.splitlines(keepends=True)
     opcodes = difflib.SequenceMatcher(a=original, b=lines, autojunk=False).get_opcodes()
     changes = [op for op in opcodes if op[0] != "equal"]
@@ -149,7 +157,7 @@ def test_only_the_intended_hunks_differ_and_comments_survive():
 
 
 def test_replacement_call_sits_right_before_post_init_in_both_model_classes():
-    lines = emit([{"match": "*.self_attn", "target": FUSED_ATTENTION}]).splitlines()
+    lines = emit([{"match": "*.self_attn", "replace_module": {"_target_": FUSED_ATTENTION}}]).splitlines()
     before_post_init = [lines[i - 1] for i, line in enumerate(lines) if line.strip() == "self.post_init()"]
     assert before_post_init == ["        " + APPLY_LINE] * 2
 
@@ -161,10 +169,11 @@ def test_without_replacements_nothing_is_inserted_in_init():
 
 
 def test_output_is_deterministic_and_compiles():
-    replacements = [{"match": "*.self_attn", "module_type": ATTENTION_TYPE, "target": FUSED_ATTENTION,
-                     "kwargs": {"b": 1, "a": [1, 2]}}]
-    first, second = emit(replacements), emit(replacements)
+    overrides = [{"match": "*.self_attn", "module_type": ATTENTION_TYPE,
+                  "replace_module": {"_target_": FUSED_ATTENTION, "b": 1, "a": [1, 2]}}]
+    first, second = emit(overrides), emit(overrides)
     assert first == second
+    assert first.index('"a": [') < first.index('"b": 1')  # kwargs sorted by name
     compile(first, "generated.py", "exec")
 
 
@@ -189,8 +198,6 @@ def test_banner_and_plan_errors_name_the_key():
         emit(banner={k: v for k, v in BANNER.items() if k != "transformers_version"})
     with pytest.raises(ValueError, match=r"frozen_plan\.format: expected 1, got 2"):
         emit(plan={**PLAN, "format": 2})
-    with pytest.raises(ValueError, match=r"replacements\[0\]\.target: expected a non-empty string"):
-        emit([{"match": "*.self_attn"}])
 
 
 def test_plan_is_a_readable_literal_that_round_trips(import_generated):
@@ -217,9 +224,9 @@ def test_generated_model_matches_hf_logits(import_generated):
 
 
 def test_generated_model_applies_each_replacement_exactly_once(import_generated):
-    replacements = [{"match": "*.self_attn", "module_type": ATTENTION_TYPE,
-                     "target": f"{__name__}.counting_fused_attention"}]
-    module = import_generated(emit(replacements))
+    overrides = [{"match": "*.self_attn", "module_type": ATTENTION_TYPE,
+                  "replace_module": {"_target_": f"{__name__}.counting_fused_attention"}}]
+    module = import_generated(emit(overrides))
     config = tiny_config()
     calls.clear()
     generated = module.Qwen3MoeForCausalLM(config).eval()
@@ -242,7 +249,7 @@ def test_generated_model_applies_each_replacement_exactly_once(import_generated)
 
 def test_generated_model_with_replacements_builds_on_meta(import_generated):
     module = import_generated(emit([{"match": "*.self_attn", "module_type": ATTENTION_TYPE,
-                                     "target": FUSED_ATTENTION}]))
+                                     "replace_module": {"_target_": FUSED_ATTENTION}}]))
     with torch.device("meta"):
         generated = module.Qwen3MoeForCausalLM(tiny_config())
     assert isinstance(generated.model.layers[1].self_attn, Qwen3MoeFusedAttention)
@@ -266,7 +273,8 @@ def test_synthetic_source_edits_are_exact_and_keep_layout():
     )
     text = emit_modeling_source(source_text=source, source_module="transformers.models.x.modeling_x",
                                 banner=BANNER, frozen_plan=PLAN,
-                                replacements=[{"match": "*.attn", "target": FUSED_ATTENTION}])
+                                overrides=replacing({"match": "*.attn",
+                                                     "replace_module": {"_target_": FUSED_ATTENTION}}))
     body = text[text.index("# 🚨 header"):text.index("\n\n# ----")]
     assert body == (
         "# 🚨 header\n"
@@ -298,4 +306,5 @@ def test_synthetic_source_edits_are_exact_and_keep_layout():
 def test_replacements_need_a_post_init_to_hook_into():
     with pytest.raises(ValueError, match=r"no class __init__ calls self\.post_init\(\)"):
         emit_modeling_source(source_text="import torch\n\nclass A:\n    pass\n", source_module="pkg.mod",
-                             banner=BANNER, frozen_plan=PLAN, replacements=[{"match": "*", "target": "a.b"}])
+                             banner=BANNER, frozen_plan=PLAN,
+                             overrides=replacing({"match": "*", "replace_module": {"_target_": f"{__name__}.b"}}))

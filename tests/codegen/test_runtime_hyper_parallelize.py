@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from hyper_parallel.codegen.emit.modeling import emit_modeling_source
 from hyper_parallel.codegen.runtime import hyper_apply_replacements
+from hyper_parallel.config.plan_override import parse_plan_overrides, replacement_entries
 from tests.launch import assert_ran, torchrun
 from tests.rank_exit import leave_after_barrier
 
@@ -29,9 +30,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
-REPLACEMENTS = [{"match": "*.self_attn", "module_type": f"{SOURCE_MODULE}.Qwen3MoeAttention", "exact_type": False,
-                 "target": "hyper_parallel.models.qwen3_moe.adapter.replacements.replace_qwen3_moe_flash_attention",
-                 "kwargs": {}}]
+OVERRIDES = parse_plan_overrides([{
+    "match": "*.self_attn", "module_type": f"{SOURCE_MODULE}.Qwen3MoeAttention",
+    "replace_module": {"_target_": "hyper_parallel.models.qwen3_moe.adapter.replacements."
+                                   "replace_qwen3_moe_flash_attention"}}])
+REPLACEMENTS = replacement_entries(OVERRIDES)
 
 
 def tiny_config():
@@ -67,7 +70,7 @@ def test_generated_hyper_parallelize_matches_hf_under_torchrun(tmp_path):
               "transformers_version": transformers.__version__, "parallel_dims": {"tp": 2}}
     generated = tmp_path / "modeling_Qwen3_Moe_gen_cpu.py"
     generated.write_text(emit_modeling_source(source_text=source, source_module=SOURCE_MODULE, banner=banner,
-                                              frozen_plan=plan, replacements=REPLACEMENTS), encoding="utf-8")
+                                              frozen_plan=plan, overrides=OVERRIDES), encoding="utf-8")
     torch.manual_seed(1234)
     reference = transformers.AutoModelForCausalLM.from_config(tiny_config())
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(tmp_path / "w.safetensors"))

@@ -222,7 +222,7 @@ def _emit_generated(out: Path, layout: str, dims) -> Path:
               "transformers_version": transformers.__version__, "parallel_dims": dataclasses.asdict(dims)}
     path = out / f"modeling_Mixtral_gen_cpu_{layout}.py"
     path.write_text(emit_modeling_source(source_text=source, source_module=SOURCE_MODULE, banner=banner,
-                                         frozen_plan=frozen, replacements=[]), encoding="utf-8")
+                                         frozen_plan=frozen), encoding="utf-8")
     return path
 
 

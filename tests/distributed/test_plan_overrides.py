@@ -1,11 +1,20 @@
+"""merge_plan_overrides: the recipe's checked entries merged into a derived plan; what
+is left to check needs the model (hits, types, parameter names)."""
+
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
+from hyper_parallel.config.plan_override import PlanOverrideError, parse_plan_overrides
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.planner import PlanError, ShardingPlanner, merge_plan_overrides
 
 TP = "tp"
 LINEAR = "torch.nn.modules.linear.Linear"
+
+
+def merge(derived, entries, model, **kwargs):
+    """Merge recipe entries as the loader hands them on (parsed and checked)."""
+    return merge_plan_overrides(derived, parse_plan_overrides(list(entries)), model, **kwargs)
 
 
 @pytest.fixture
@@ -14,8 +23,15 @@ def derived(meta_model):
     return ShardingPlanner(meta_model, dims=dims, mesh=build_offline_mesh(dims)).plan().modules
 
 
+def test_the_planner_merges_the_typed_entries_it_is_given(meta_model):
+    dims = ParallelDims(tp=2, cp=2)
+    overrides = parse_plan_overrides([{"match": "lm_head", "when": "cp", "out_dst": {"tp": "shard(-1)"}}])
+    planner = ShardingPlanner(meta_model, dims=dims, mesh=build_offline_mesh(dims), overrides=overrides)
+    assert planner.plan().modules["lm_head"].out_dst == ({TP: Shard(-1)},)
+
+
 def test_exact_fqn_merges_into_the_derived_entry(meta_model, derived):
-    merged = merge_plan_overrides(derived, [{
+    merged = merge(derived, [{
         "match": "lm_head", "out_dst": {"tp": "shard(-1)"}}], meta_model)
     assert merged["lm_head"].out_dst == ({TP: Shard(-1)},)
     assert merged["lm_head"].state_shardings == derived["lm_head"].state_shardings  # kept
@@ -23,7 +39,7 @@ def test_exact_fqn_merges_into_the_derived_entry(meta_model, derived):
 
 
 def test_glob_merges_into_every_match_and_module_type_narrows(meta_model, derived):
-    merged = merge_plan_overrides(derived, [{
+    merged = merge(derived, [{
         "match": "model.layers.*.self_attn.*", "module_type": LINEAR,
         "params": {"weight": {"tp": "replicate"}}}], meta_model)
     for layer in (0, 1):
@@ -35,14 +51,14 @@ def test_glob_merges_into_every_match_and_module_type_narrows(meta_model, derive
 def test_module_type_that_matches_nothing_is_an_error(meta_model, derived):
     with pytest.raises(PlanError, match=r"plan_overrides\[0\]: match 'lm_head' hits 1 module\(s\), none of "
                                         r"module_type 'torch.nn.modules.sparse.Embedding'"):
-        merge_plan_overrides(derived, [{"match": "lm_head", "module_type": "torch.nn.modules.sparse.Embedding",
+        merge(derived, [{"match": "lm_head", "module_type": "torch.nn.modules.sparse.Embedding",
                                         "params": {}}], meta_model)
 
 
 def test_match_that_hits_no_module_names_the_pattern(meta_model, derived):
     with pytest.raises(PlanError, match=r"plan_overrides\[1\]: match 'model\.layers\.\*\.attn\.q_proj' "
                                         r"hits no module of Qwen3MoeForCausalLM"):
-        merge_plan_overrides(derived, [{"match": "lm_head", "replace_module": {"_target_": "x.y"}},
+        merge(derived, [{"match": "lm_head", "replace_module": {"_target_": "hyper_parallel.x.y"}},
                                        {"match": "model.layers.*.attn.q_proj", "params": {}}], meta_model)
 
 
@@ -50,41 +66,63 @@ def test_module_without_derived_entry_must_be_fully_specified(meta_model, derive
     partial_plan = {k: v for k, v in derived.items() if k != "model.norm"}
     with pytest.raises(PlanError, match=r"module 'model\.norm' has no derived plan entry, so the override must be "
                                         r"fully specified; 'params' lacks \['weight'\]"):
-        merge_plan_overrides(partial_plan, [{"match": "model.norm", "local_map": True}], meta_model)
-    merged = merge_plan_overrides(partial_plan, [{
+        merge(partial_plan, [{"match": "model.norm", "local_map": True}], meta_model)
+    merged = merge(partial_plan, [{
         "match": "model.norm", "params": {"weight": {"tp": "replicate"}}, "local_map": True}], meta_model)
     assert merged["model.norm"].state_shardings == {"weight": {TP: Replicate()}} and merged["model.norm"].local_map
     # a module with no parameters of its own is fully specified by its IO alone
-    merged = merge_plan_overrides(derived, [{"match": "model.layers.0.mlp", "in_src": [{"tp": "replicate"}]}],
+    merged = merge(derived, [{"match": "model.layers.0.mlp", "in_src": [{"tp": "replicate"}]}],
                                   meta_model)
     assert merged["model.layers.0.mlp"].in_src == ({TP: Replicate()},)
 
 
 def test_when_skips_inactive_forms_and_needs_active_axes(meta_model, derived):
     entry = {"match": "lm_head", "when": "cp", "out_dst": {"tp": "shard(-1)"}}
-    assert merge_plan_overrides(derived, [entry], meta_model, active_axes={"tp"}) == derived
-    merged = merge_plan_overrides(derived, [entry], meta_model, active_axes=ParallelDims(tp=2, cp=2).active_axes())
+    assert merge(derived, [entry], meta_model, active_axes={"tp"}) == derived
+    merged = merge(derived, [entry], meta_model, active_axes=ParallelDims(tp=2, cp=2).active_axes())
     assert merged["lm_head"].out_dst == ({TP: Shard(-1)},)
     with pytest.raises(PlanError, match=r"has when='cp' but no active parallel forms were given"):
-        merge_plan_overrides(derived, [entry], meta_model)
-    with pytest.raises(PlanError, match=r"when='dp'; expected one of cp, ep, tp, sp"):
-        merge_plan_overrides(derived, [{**entry, "when": "dp"}], meta_model, active_axes={"tp"})
+        merge(derived, [entry], meta_model)
+    with pytest.raises(PlanOverrideError, match=r"plan_overrides\[0\]\.when: expected one of tp, cp, ep, sp"):
+        merge(derived, [{**entry, "when": "dp"}], meta_model, active_axes={"tp"})
 
 
 def test_replace_module_only_leaves_the_plan_alone(meta_model, derived):
-    entry = {"match": "model.layers.*.mlp.experts", "replace_module": {"_target_": "pkg.GroupedExperts"}}
-    assert merge_plan_overrides(derived, [entry], meta_model) == derived
+    entry = {"match": "model.layers.*.mlp.experts", "replace_module": {"_target_": "hyper_parallel.pkg.GroupedExperts"}}
+    assert merge(derived, [entry], meta_model) == derived
+
+
+def test_replace_module_type_names_the_replaced_module_not_the_replacement(meta_model, derived):
+    """A replace_module entry's module_type is checked when replacing; the planner sees the
+    replacement, so the type does not narrow its placements."""
+    merged = merge(derived, [{"match": "lm_head", "module_type": "some.Replaced", "out_dst": {"tp": "shard(-1)"},
+                              "replace_module": {"_target_": "hyper_parallel.x.y"}}], meta_model)
+    assert merged["lm_head"].out_dst == ({TP: Shard(-1)},)
+
+
+def test_exact_type_narrows_to_the_class_itself(meta_model, derived):
+    entry = {"match": "lm_head", "module_type": LINEAR, "exact_type": True, "out_dst": {"tp": "shard(-1)"}}
+    assert merge(derived, [entry], meta_model)["lm_head"].out_dst == ({TP: Shard(-1)},)
+    with pytest.raises(PlanError, match=r"none of exact module_type 'torch\.nn\.modules\.module\.Module'"):
+        merge(derived, [{**entry, "module_type": "torch.nn.modules.module.Module"}], meta_model)
+    # without exact_type a base class matches
+    assert merge(derived, [{**entry, "module_type": "torch.nn.modules.module.Module", "exact_type": False}],
+                 meta_model)["lm_head"].out_dst == ({TP: Shard(-1)},)
+
+
+def test_a_parameter_the_module_lacks_is_named(meta_model, derived):
+    with pytest.raises(PlanError, match=r"'bias' is not a direct parameter of 'lm_head'"):
+        merge(derived, [{"match": "lm_head", "params": {"bias": {"tp": "shard(0)"}}}], meta_model)
 
 
 @pytest.mark.parametrize("entry, message", [
-    ({"match": "lm_head", "colour": "red"}, r"unknown keys \['colour'\]"),
-    ({"params": {}}, "'match' must be a module FQN or glob"),
-    ({"match": "lm_head", "params": {"bias": {"tp": "shard(0)"}}}, r"'bias' is not a direct parameter of 'lm_head'"),
-    ({"match": "lm_head", "params": {"weight": {"tp": "rows"}}}, r"params\.weight: unknown placement 'rows'"),
+    ({"match": "lm_head", "colour": "red"}, r"unknown key 'plan_overrides\[0\]\.colour'"),
+    ({"params": {}}, r"missing required key 'plan_overrides\[0\]\.match'"),
+    ({"match": "lm_head", "params": {"weight": {"tp": "rows"}}}, r"params\.weight\.tp: unknown placement 'rows'"),
     ({"match": "lm_head", "params": {"weight": {"xx": "shard(0)"}}}, r"unknown mesh axis 'xx'"),
-    ({"match": "lm_head", "in_src": "replicate"}, r"in_src: expected null, a named placement or a list"),
-    ({"match": "lm_head", "local_map": "yes"}, r"local_map: expected true or false"),
+    ({"match": "lm_head", "in_src": "replicate"}, r"in_src: expected a mapping or a list of mappings"),
+    ({"match": "lm_head", "local_map": "yes"}, r"local_map: expected bool, got str 'yes'"),
 ])
-def test_malformed_entries_are_named(meta_model, derived, entry, message):
-    with pytest.raises(PlanError, match=message):
-        merge_plan_overrides(derived, [entry], meta_model)
+def test_malformed_entries_never_reach_the_merge(entry, message):
+    with pytest.raises(PlanOverrideError, match=message):
+        parse_plan_overrides([entry])

@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
+from hyper_parallel.config.plan_override import parse_plan_overrides
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
 from hyper_parallel.distributed.roles import (
@@ -238,8 +239,10 @@ def test_local_params_split_each_parameter_as_its_own_entry_says():
 # --- refusals ------------------------------------------------------------------------------
 
 
-def _override_entries(message: str) -> list[dict]:
-    return [yaml.safe_load(line.split(", e.g. ", 1)[1]) for line in message.splitlines() if ", e.g. " in line]
+def _override_entries(message: str) -> tuple:
+    """The entries the message suggests, as the recipe loader would hand them on."""
+    return parse_plan_overrides([yaml.safe_load(line.split(", e.g. ", 1)[1])
+                                 for line in message.splitlines() if ", e.g. " in line])
 
 
 @pytest.mark.parametrize("layout", [{}, {"cp": 2, "sequence_parallel": True}], ids=["tp2", "tp2_cp2_sp"])
@@ -252,7 +255,7 @@ def test_unknown_style_is_refused_with_the_entry_that_places_the_module(layout):
     assert f"cannot plan module {LAYER}.self_attn.q_proj (Linear)" in message, message
     assert "'colwise_sideways'" in message and "plan_overrides" in message, message
     entries = _override_entries(message)
-    assert [entry["match"] for entry in entries] == ["model.layers.*.self_attn.q_proj"], message
+    assert [entry.match for entry in entries] == ["model.layers.*.self_attn.q_proj"], message
     placed = _plan(model, hints=hints, overrides=entries, **layout)  # the entry makes it plannable ...
     assert placed.modules == _plan(model, **layout).modules  # ... exactly as the structure alone plans it
 

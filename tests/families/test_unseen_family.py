@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from hyper_parallel.config.plan_override import parse_plan_overrides
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_to_json
 from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
@@ -17,8 +18,10 @@ CONFIG_DIR = FAMILY_CONFIGS / UNSEEN_FAMILY
 DIMS = ParallelDims(tp=2)
 
 
-def _plan(model, overrides=None):
-    return ShardingPlanner(model, dims=DIMS, mesh=build_offline_mesh(DIMS), overrides=overrides).plan()
+def _plan(model, overrides=()):
+    """Plan ``model``; ``overrides`` are recipe entries, checked as the loader checks them."""
+    return ShardingPlanner(model, dims=DIMS, mesh=build_offline_mesh(DIMS),
+                           overrides=parse_plan_overrides(list(overrides))).plan()
 
 
 def _meta(builder, config_dir=CONFIG_DIR):

@@ -12,6 +12,7 @@ from hyper_parallel.codegen.manager import load_spec, run_pipeline
 from hyper_parallel.codegen.plan.derive import build_meta_model
 from hyper_parallel.codegen.runtime import ReplacementError
 from hyper_parallel.codegen.spec.types import STAGES
+from hyper_parallel.config.plan_override import parse_plan_overrides
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.distributed.plan_overrides import overridden_modules
 from tests.remote_code import remote_replacements
@@ -30,10 +31,10 @@ def test_placement_overrides_select_remote_classes_by_the_folder_spelling():
     assert type(model.model.layers[0].self_attn.q_norm).__module__.startswith("transformers_modules.")
     entry = {"match": "model.layers.*.self_attn.*", "module_type": "modeling_fused.FusedRMSNorm",
              "params": {"weight": {"tp": "replicate"}}}
-    assert overridden_modules([entry], model) == {f"model.layers.{i}.self_attn.{norm}"
+    assert overridden_modules(parse_plan_overrides([entry]), model) == {f"model.layers.{i}.self_attn.{norm}"
                                                   for i in (0, 1) for norm in ("q_norm", "k_norm")}
     with pytest.raises(PlanError, match=r"none of module_type 'modeling_fused.FusedMLP'.*modeling_fused"):
-        overridden_modules([{**entry, "module_type": "modeling_fused.FusedMLP"}], model)
+        overridden_modules(parse_plan_overrides([{**entry, "module_type": "modeling_fused.FusedMLP"}]), model)
 
 
 def remote_recipe(tmp_path, overrides):

@@ -14,7 +14,7 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-from hyper_parallel.codegen.check.drift import fix_command
+from hyper_parallel.codegen.check.drift import fix_command, installed_bundle_problems
 from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.types import CodegenSpec
 
@@ -76,8 +76,9 @@ def stale_files(spec: CodegenSpec, log) -> list[StaleFile]:
 
 def freshness_problems(spec: CodegenSpec, log) -> list[str]:
     """What the gate reports for one recipe (empty when the bundle is current): one line
-    when there is no readable bundle or another transformers built it, else each stale
-    file with its diff."""
+    when there is no readable bundle or another transformers built it, else what its own
+    meta says is wrong (a signature the recipe does not give, a file whose sha256 is not
+    the listed one) and each stale file with its diff."""
     try:
         load_codegen_meta(spec.artifact_dir)
     except MetaError as exc:
@@ -85,5 +86,6 @@ def freshness_problems(spec: CodegenSpec, log) -> list[str]:
     mismatch = transformers_mismatch(spec)
     if mismatch:
         return [mismatch]
-    return [f"{stale.path}: stale (differs from what generate writes now):\n{stale.unified_diff().rstrip()}"
-            for stale in stale_files(spec, log)]
+    return installed_bundle_problems(spec) + [
+        f"{stale.path}: stale (differs from what generate writes now):\n{stale.unified_diff().rstrip()}"
+        for stale in stale_files(spec, log)]

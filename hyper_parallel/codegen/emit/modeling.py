@@ -12,6 +12,7 @@ Everything outside the edited spans is the HF source byte for byte.
 """
 
 import textwrap
+from collections.abc import Sequence
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -23,11 +24,8 @@ from hyper_parallel.codegen.emit.imports import (
     remote_import_edits,
 )
 from hyper_parallel.codegen.emit.parallel import check_frozen_plan, render_parallel_section
-from hyper_parallel.codegen.emit.replacement import (
-    normalize_replacements,
-    render_replacements,
-    replacement_call_edits,
-)
+from hyper_parallel.codegen.emit.replacement import render_replacements, replacement_call_edits
+from hyper_parallel.config.plan_override import PlanOverride, replacement_entries
 
 RUNTIME_IMPORT = "from hyper_parallel.codegen import runtime as hyper_parallel_runtime"
 BANNER_KEYS = ("recipe", "transformers_version", "parallel_dims")
@@ -42,16 +40,16 @@ _BANNER_WIDTH = 100
 
 
 def emit_modeling_source(*, source_text: str, source_module: str, banner: dict[str, Any],
-                         frozen_plan: dict[str, Any], replacements: list[dict[str, Any]],
+                         frozen_plan: dict[str, Any], overrides: Sequence[PlanOverride] = (),
                          remote: RemoteCode | None = None) -> str:
     """The generated modeling file for the HF module ``source_module`` (its text is
     ``source_text``). ``banner`` needs :data:`BANNER_KEYS`; ``frozen_plan`` is the
-    freeze stage's output; ``replacements`` are ``{match, module_type, exact_type?,
-    target, kwargs, origin?}`` entries. ``remote`` is set for remote code from the model
-    folder (``source_module`` is then its module name there, e.g. ``modeling_fused``):
+    freeze stage's output; ``overrides`` are the recipe's entries as the loader checked
+    them (those with ``replace_module`` are lowered). ``remote`` is set for remote code
+    from the model folder (``source_module`` is then its module name there, e.g. ``modeling_fused``):
     imports of its siblings stay relative. Same inputs give the same bytes."""
     check_frozen_plan(frozen_plan)
-    entries = normalize_replacements(replacements)
+    entries = replacement_entries(overrides)
     source = SourceModule.parse(source_text, source_module)
 
     edits = remote_import_edits(source, remote) if remote else absolute_import_edits(source, source_module)

@@ -26,41 +26,13 @@ from hyper_parallel.codegen.astkit import (
 from hyper_parallel.codegen.emit.literal import render_literal
 
 APPLY_CALL = "hyper_parallel_runtime.hyper_apply_replacements(self, HYPER_REPLACEMENTS)"
-_REQUIRED = ("match", "target")
-_OPTIONAL = ("module_type", "exact_type", "kwargs", "origin")
-
-
-def normalize_replacements(replacements: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Validated entries with keys in one fixed order (deterministic output)."""
-    out = []
-    for index, entry in enumerate(replacements):
-        where = f"replacements[{index}]"
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where}: expected a mapping, got {type(entry).__name__}")
-        unknown = sorted(set(entry) - set(_REQUIRED) - set(_OPTIONAL))
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; expected {list(_REQUIRED + _OPTIONAL)}")
-        for key in ("match", "target"):
-            if not isinstance(entry.get(key), str) or not entry[key]:
-                raise ValueError(f"{where}.{key}: expected a non-empty string, got {entry.get(key)!r}")
-        module_type = entry.get("module_type")
-        if module_type is not None and not isinstance(module_type, str):
-            raise ValueError(f"{where}.module_type: expected a dotted class path or None, got {module_type!r}")
-        kwargs = entry.get("kwargs") or {}
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise ValueError(f"{where}.kwargs: expected a mapping of argument name to value, got {kwargs!r}")
-        normalized = {"match": entry["match"], "module_type": module_type,
-                      "exact_type": bool(entry.get("exact_type", False)),
-                      "target": entry["target"], "kwargs": dict(kwargs)}
-        if entry.get("origin"):
-            normalized["origin"] = str(entry["origin"])
-        out.append(normalized)
-    return out
 
 
 def render_replacements(replacements: list[dict[str, Any]]) -> str:
-    """The literal, each entry without its defaults (no kwargs, not exact_type) or the
-    pipeline's own bookkeeping (``origin``): what a reviewer needs, nothing more."""
+    """``replacements``: the runtime entries of the recipe's typed overrides
+    (``replacement_entries``), already checked and in a fixed key order; each is shown
+    without its defaults (no kwargs, not exact_type) or the pipeline's own bookkeeping
+    (``origin``): what a reviewer needs, nothing more."""
     shown = [{key: value for key, value in entry.items() if key != "origin" and value not in ({}, False, None)}
              for entry in replacements]
     return ("# The recipe's replace_module entries; every model __init__ applies them before\n"

@@ -141,7 +141,7 @@ def plan_model(model, spec: CodegenSpec):
     # the recipe's overrides (which may specify modules it cannot classify), then lints.
     flow, flow_error = trace_dataflow(spec)
     result = ShardingPlanner(model, dims=dims, mesh=mesh, sequence_parallel=p.sequence_parallel,
-                             loss_parallel=p.loss_parallel, overrides=placement_overrides(spec),
+                             loss_parallel=p.loss_parallel, overrides=spec.plan_overrides,
                              dataflow=flow, dataflow_error=flow_error).plan()
     return result, mesh
 
@@ -210,19 +210,3 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
         "plan": plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
                              recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles),
     }
-
-
-def placement_overrides(spec: CodegenSpec) -> list[dict[str, Any]]:
-    """The recipe's overrides as the planner takes them (same order, so error messages
-    name the recipe's index). A ``replace_module`` entry's ``module_type`` names the
-    module it replaces (checked when replacing), not the replacement the planner now
-    sees, so it is dropped here."""
-    out = []
-    for entry in spec.plan_overrides:
-        kept = {key: value for key, value in entry.items() if value is not None}
-        if not kept.get("exact_type"):
-            kept.pop("exact_type", None)
-        if entry.get("replace_module"):
-            kept.pop("module_type", None)
-        out.append(kept)
-    return out

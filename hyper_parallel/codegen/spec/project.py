@@ -15,13 +15,7 @@ from hyper_parallel.codegen.source.resolver import SourceError, SourceLocation, 
 from hyper_parallel.codegen.spec.types import CodegenSpec, ParallelSpec
 from hyper_parallel.codegen.stage_table import WORKSPACE_DIR, WORKSPACE_ENV, stage_row
 from hyper_parallel.config.loading import RecipeError
-from hyper_parallel.config.schema import PlanOverride, TrainerConfig
-from hyper_parallel.protocols.placement_text import (
-    PlacementTextError,
-    normalize_io_placements,
-    normalize_named_placement,
-)
-from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS
+from hyper_parallel.config.schema import TrainerConfig
 
 SPEC_SCHEMA = 1
 
@@ -94,7 +88,7 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
         attn_implementation=config.model.attn_implementation,
         location=location,
         parallel=parallel,
-        plan_overrides=tuple(_normalize_override(o, i, where) for i, o in enumerate(config.plan_overrides)),
+        plan_overrides=tuple(config.plan_overrides),
         artifact_dir=artifact_dir,
         artifact_dir_rel=os.path.relpath(artifact_dir, yaml_dir).replace(os.sep, "/"),
         modeling_file=modeling_file,
@@ -140,29 +134,6 @@ def _check_artifact_dir(artifact_dir: Path, *, yaml_dir: Path, model_dir: Path, 
                           f"overlap {clash}; expected a folder of its own (default: generated/ beside the recipe)")
 
 
-def _normalize_override(entry: PlanOverride, index: int, where: str) -> dict[str, Any]:
-    key = f"plan_overrides[{index}]"
-    try:
-        out: dict[str, Any] = {
-            "match": entry.match,
-            "module_type": entry.module_type,
-            "exact_type": entry.exact_type,
-            "when": entry.when,
-            "replace_module": None if entry.replace_module is None else {
-                "target": entry.replace_module.target,
-                "kwargs": dict(sorted(entry.replace_module.kwargs.items()))},
-            "params": None if entry.params is None else {
-                name: normalize_named_placement(p, where=f"{key}.params.{name}")
-                for name, p in sorted(entry.params.items())},
-        }
-        for io in IO_PLACEMENT_FIELDS:
-            out[io] = normalize_io_placements(getattr(entry, io), where=f"{key}.{io}")
-        out["local_map"] = entry.local_map
-    except PlacementTextError as exc:
-        raise RecipeError(f"{where}: {exc}") from None
-    return out
-
-
 # --- signatures ---------------------------------------------------------------------------
 
 def bundle_signature_inputs(spec: CodegenSpec) -> dict[str, Any]:
@@ -176,7 +147,7 @@ def bundle_signature_inputs(spec: CodegenSpec) -> dict[str, Any]:
         "model": {"dir": spec.model_dir_rel, "config_sha256": spec.model_config_sha256,
                   "config_overrides": spec.config_overrides},
         "parallel": spec.parallel.as_dict(),
-        "plan_overrides": list(spec.plan_overrides),
+        "plan_overrides": spec.plan_overrides_json,
         "artifact": {"dir": spec.artifact_dir_rel, "modeling_file": spec.modeling_file,
                      "device_type": spec.parallel.device_type, "recipe": spec.recipe_rel},
     }
@@ -193,7 +164,7 @@ SPEC_FACTS: dict[str, Callable[[CodegenSpec], Any]] = {
     "model_dir": lambda spec: spec.model_dir_rel,
     "config_sha256": lambda spec: spec.model_config_sha256,
     "parallel": lambda spec: spec.parallel.as_dict(),
-    "plan_overrides": lambda spec: list(spec.plan_overrides),
+    "plan_overrides": lambda spec: spec.plan_overrides_json,
     "config_overrides": lambda spec: spec.config_overrides,
     "bundle_signature": signature_from_spec,
     "modeling_file": lambda spec: spec.modeling_file,

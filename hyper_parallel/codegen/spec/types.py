@@ -8,6 +8,7 @@ from typing import Any
 from hyper_parallel.codegen.source.resolver import ModelSource, SourceLocation, hash_source
 from hyper_parallel.codegen.stage_table import STAGES
 from hyper_parallel.config.parallel_dims import ParallelDims
+from hyper_parallel.config.plan_override import PlanOverride, replacement_entries
 
 __all__ = ["STAGES", "CodegenSpec", "ParallelSpec"]  # STAGES: the stage table's, re-exported
 
@@ -53,7 +54,7 @@ class CodegenSpec:
     attn_implementation: str = "eager"
     location: SourceLocation | None = None  # where the model source is; ``source`` is it resolved
     parallel: ParallelSpec | None = None
-    plan_overrides: tuple[dict[str, Any], ...] = ()
+    plan_overrides: tuple[PlanOverride, ...] = ()  # as the loader parsed and checked them
     artifact_dir: Path = Path()
     artifact_dir_rel: str = "generated"
     modeling_file: str = ""
@@ -70,13 +71,13 @@ class CodegenSpec:
 
     @property
     def replacements(self) -> list[dict[str, Any]]:
-        """The ``replace_module`` entries, in the form the emitter and runtime take."""
-        return [
-            {"match": o["match"], "module_type": o["module_type"], "exact_type": o["exact_type"],
-             "target": o["replace_module"]["target"], "kwargs": o["replace_module"]["kwargs"],
-             "origin": f"plan_overrides[{i}].replace_module._target_"}
-            for i, o in enumerate(self.plan_overrides) if o.get("replace_module")
-        ]
+        """The ``replace_module`` entries in the runtime's form (``hyper_apply_replacements``)."""
+        return replacement_entries(self.plan_overrides)
+
+    @property
+    def plan_overrides_json(self) -> list[dict[str, Any]]:
+        """The entries as the signatures hash them."""
+        return [entry.as_json() for entry in self.plan_overrides]
 
     @property
     def diff_file(self) -> str:
