@@ -4,6 +4,7 @@ The same stages as ``doit generate`` / ``doit check`` / ``doit clean`` (DESIGN Â
 """
 
 import argparse
+import logging
 import os
 import sys
 import traceback
@@ -15,6 +16,7 @@ from hyper_parallel.codegen.stage_table import STAGES, WORKSPACE_DIR
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.errors import HyperParallelError
 
 EPILOG = """examples:
@@ -55,9 +57,11 @@ EXIT_BAD_INPUT = 2
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log = print if args.verbose else (lambda msg: None)
+    # Progress with --verbose; clean always says what it removed; warnings always.
+    shown = args.verbose or args.command == "clean"
+    configure_console_logging(logging.INFO if shown else logging.WARNING)
     try:
-        return _dispatch(args, log)
+        return _dispatch(args)
     except Exception as exc:
         if args.verbose:
             traceback.print_exc()
@@ -80,32 +84,32 @@ def _naming_recipe(message: str, config: str) -> str:
     return message if os.path.basename(config) in message else f"{config}: {message}"
 
 
-def _dispatch(args: argparse.Namespace, log) -> int:
+def _dispatch(args: argparse.Namespace) -> int:
     config = load_training_config(args.config)  # the recipe's one parse in this process
     spec = project_codegen_spec(config, workspace_root=args.workspace)  # and its one projection
     if args.command == "clean":
-        clean_recipe(spec, log=print)
+        clean_recipe(spec)
         return 0
     if "WORLD_SIZE" in os.environ:
-        return _under_torchrun(args, config, spec, log)
+        return _under_torchrun(args, config, spec)
     if args.command == "generate":
         stages = STAGES[:-1] if args.skip_preflight else STAGES
-        ran = run_pipeline(spec, stages, force=args.force, log=log)
+        ran = run_pipeline(spec, stages, force=args.force)
         print(f"{spec.artifact_dir}: {'stages run: ' + ', '.join(ran) if ran else 'up to date'}")
         return 0
     from hyper_parallel.codegen.stages import check_installed, verify_installed
 
-    problems = check_installed(spec, log)
+    problems = check_installed(spec)
     if problems:
         print("\n".join(problems) + f"\n  fix: doit generate config={args.config}", file=sys.stderr)
         return 1
-    verify_installed(spec, log)
-    run_pipeline(spec, ["preflight"], force=True, log=log)
+    verify_installed(spec)
+    run_pipeline(spec, ["preflight"], force=True)
     print(f"{spec.artifact_dir}: check passed")
     return 0
 
 
-def _under_torchrun(args: argparse.Namespace, config: TrainerConfig, spec: CodegenSpec, log) -> int:
+def _under_torchrun(args: argparse.Namespace, config: TrainerConfig, spec: CodegenSpec) -> int:
     """One rank: rank 0 generates (or reuses) the bundle, the others wait for it; then
     every rank checks the installed bundle's integrity."""
     from hyper_parallel.codegen.check.preflight import preflight_integrity_check
@@ -113,7 +117,7 @@ def _under_torchrun(args: argparse.Namespace, config: TrainerConfig, spec: Codeg
 
     check_launch_world_size(config)
     if args.command == "generate":
-        ensure_bundle(spec, log=log)
+        ensure_bundle(spec)
     report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
                                        fix=f"doit generate config={args.config}")
     print(f"rank {os.environ.get('RANK', '0')}: {spec.artifact_dir} ok (digest {report['digest'][:12]})")

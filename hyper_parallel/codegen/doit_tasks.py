@@ -20,11 +20,13 @@ from doit.exceptions import TaskFailed
 
 from hyper_parallel.codegen.spec.project import recipe_id
 from hyper_parallel.codegen.stage_table import STAGE_TABLE, STAGES, WORKSPACE_DIR, is_read_by_a_later_stage, stage_row
+from hyper_parallel.console_log import configure_console_logging
 
 RECIPES_DIR = "recipes"
 
 MIN_FREE_MB_ENV = "HYPER_PARALLEL_MIN_FREE_MB"
 MIN_FREE_MB = 64  # doit's sqlite state and one recipe's stage outputs, with room to spare
+ACTION_INDENT = "   "  # an action's lines sit under doit's ".  stage:recipe" line
 
 
 def _workspace_ready(workspace: str) -> None:
@@ -100,8 +102,9 @@ def stage_uptodate(stage: str, path: str) -> bool:
 
 def run_stage_action(stage: str, path: str):
     from hyper_parallel.codegen.stages import run_stage
+    configure_console_logging(indent=ACTION_INDENT)
     try:
-        run_stage(spec_for(path), stage, log=lambda msg: print(f"   {msg}", flush=True))
+        run_stage(spec_for(path), stage)
     except Exception as exc:
         return _failure(exc, path)
     return None
@@ -110,13 +113,14 @@ def run_stage_action(stage: str, path: str):
 def check_action(path: str):
     from hyper_parallel.codegen.check.drift import fix_command
     from hyper_parallel.codegen.stages import check_installed, run_stage, verify_installed
+    configure_console_logging(indent=ACTION_INDENT)
     try:
         spec = spec_for(path)
-        problems = check_installed(spec, log=lambda msg: print(f"   {msg}", flush=True))
+        problems = check_installed(spec)
         if problems:
             return TaskFailed("\n".join(problems) + f"\n  fix: {fix_command(spec)}")
-        verify_installed(spec, log=lambda msg: print(f"   {msg}", flush=True))
-        run_stage(spec, "preflight", log=lambda msg: print(f"   {msg}", flush=True))
+        verify_installed(spec)
+        run_stage(spec, "preflight")
     except Exception as exc:
         return _failure(exc, path)
     return None
@@ -124,10 +128,11 @@ def check_action(path: str):
 
 def clean_action(path: str, what: str) -> None:
     from hyper_parallel.codegen.manager import clean_recipe
+    configure_console_logging(indent=ACTION_INDENT)
     try:
-        clean_recipe(spec_for(path), log=lambda msg: print(f"   {msg}"), what=(what,))
+        clean_recipe(spec_for(path), what=(what,))
     except Exception as exc:
-        print(f"   cannot clean {path}: {exc}")
+        print(f"{ACTION_INDENT}cannot clean {path}: {exc}")
 
 
 def _failure(exc: Exception, path: str) -> TaskFailed:
