@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Lowest first. A module belongs to the layer of its longest matching prefix (relative to
 # the package); an import may reach its own layer or a lower one, never a higher one.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "class_paths", "errors"),          # the package root and leaf modules: standard library only
+    ("", "class_paths", "console_log", "errors"),  # the package root and leaf modules: standard library only
     ("platform",),                          # torch backend indirection (platform.Module/Linear): torch only
     ("protocols",),                         # Module (on platform.Module) / Config / ShardingConfig / placements
     ("config",),                            # the recipe: dataclasses, YAML loading, launch check; its

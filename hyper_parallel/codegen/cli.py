@@ -4,31 +4,37 @@ The same stages as ``doit generate`` / ``doit check`` / ``doit clean`` (DESIGN Â
 """
 
 import argparse
+import logging
 import os
 import sys
 import traceback
 
 from hyper_parallel.codegen.manager import clean_recipe, ensure_bundle, run_pipeline
-from hyper_parallel.codegen.spec.project import project_codegen_spec
+from hyper_parallel.codegen.spec.project import RECIPES_DIR, project_codegen_spec, project_recipes
 from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.codegen.stage_table import STAGES, WORKSPACE_DIR
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.errors import HyperParallelError
 
 EPILOG = """examples:
   python -m hyper_parallel.codegen generate --config recipes/qwen3_moe.yaml
   python -m hyper_parallel.codegen --verbose check --config recipes/qwen3_moe.yaml
+  python -m hyper_parallel.codegen check --all            # CI's freshness gate
+  python -m hyper_parallel.codegen check --all --fix      # regenerate what is stale
   python -m hyper_parallel.codegen clean --config recipes/qwen3_moe.yaml
 
 generate runs the stale stages (resolve, derive, freeze, emit, diff, verify, install,
 preflight) and installs the bundle into <recipe folder>/generated/ only after verify ran
 it at the recipe's world size and matched one process (loss and every gradient). check
-compares the installed bundle with the recipe, verifies it again and runs the torchrun
-preflight. clean removes the bundle and
-the recipe's workspace under ./{workspace}/. Under torchrun, rank 0 generates and the
-other ranks wait for it; every rank then runs the integrity preflight.""".format(workspace=WORKSPACE_DIR)
+is the freshness gate: it fails, printing the unified diff of each stale file, when a
+committed bundle differs from what generate would write now (--fix regenerates it);
+a current bundle is then verified again and preflighted with torchrun. clean removes
+the bundle and the recipe's workspace under ./{workspace}/. Under torchrun, rank 0
+generates and the other ranks wait for it; every rank then runs the integrity preflight.
+Exit codes: 0 ok, 1 a check failed (stale, verify or preflight), 2 bad input.""".format(workspace=WORKSPACE_DIR)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,10 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="print per-stage progress and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("generate", "build the bundle (only stale stages run)"),
-                       ("check", "check the installed bundle, verify it against one process, run the preflight"),
+                       ("check", "fail with a diff when a committed bundle is stale; verify and preflight it"),
                        ("clean", "remove the installed bundle and the workspace")):
         cmd = sub.add_parser(name, help=text, description=text)
-        cmd.add_argument("--config", required=True, help="the training recipe (YAML)")
+        if name == "check":
+            which = cmd.add_mutually_exclusive_group(required=True)
+            which.add_argument("--config", help="the training recipe (YAML)")
+            which.add_argument("--all", action="store_true",
+                               help=f"every recipe under ./{RECIPES_DIR}/ (the committed bundles)")
+            cmd.add_argument("--fix", action="store_true", help="regenerate a stale bundle instead of failing")
+        else:
+            cmd.add_argument("--config", required=True, help="the training recipe (YAML)")
         cmd.add_argument("--workspace", default=None,
                          help=f"pipeline workspace root (default: ./{WORKSPACE_DIR})")
         if name == "generate":
@@ -55,13 +68,24 @@ EXIT_BAD_INPUT = 2
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log = print if args.verbose else (lambda msg: None)
+    # Progress with --verbose; clean always says what it removed; warnings always.
+    shown = args.verbose or args.command == "clean"
+    configure_console_logging(logging.INFO if shown else logging.WARNING)
+    recipes = project_recipes() if getattr(args, "all", False) else [args.config]
+    if not recipes:
+        print(f"error: no recipe under ./{RECIPES_DIR}/ (check --all looks for *.yaml there)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return max(_run_one(args, recipe) for recipe in recipes)
+
+
+def _run_one(args: argparse.Namespace, recipe: str) -> int:
+    """The command on one recipe; its failure is reported and returned, never raised."""
     try:
-        return _dispatch(args, log)
+        return _dispatch(args, recipe)
     except Exception as exc:
         if args.verbose:
             traceback.print_exc()
-        print(f"error: {_naming_recipe(str(exc), args.config)}", file=sys.stderr)
+        print(f"error: {_naming_recipe(str(exc), recipe)}", file=sys.stderr)
         return EXIT_BAD_INPUT if is_bad_input(exc) else 1
 
 
@@ -80,32 +104,48 @@ def _naming_recipe(message: str, config: str) -> str:
     return message if os.path.basename(config) in message else f"{config}: {message}"
 
 
-def _dispatch(args: argparse.Namespace, log) -> int:
-    config = load_training_config(args.config)  # the recipe's one parse in this process
+def _dispatch(args: argparse.Namespace, recipe: str) -> int:
+    config = load_training_config(recipe)  # the recipe's one parse in this process
     spec = project_codegen_spec(config, workspace_root=args.workspace)  # and its one projection
     if args.command == "clean":
-        clean_recipe(spec, log=print)
+        clean_recipe(spec)
         return 0
     if "WORLD_SIZE" in os.environ:
-        return _under_torchrun(args, config, spec, log)
+        return _under_torchrun(args, recipe, config, spec)
     if args.command == "generate":
         stages = STAGES[:-1] if args.skip_preflight else STAGES
-        ran = run_pipeline(spec, stages, force=args.force, log=log)
+        ran = run_pipeline(spec, stages, force=args.force)
         print(f"{spec.artifact_dir}: {'stages run: ' + ', '.join(ran) if ran else 'up to date'}")
         return 0
-    from hyper_parallel.codegen.stages import check_installed, verify_installed
+    return check_bundle(spec, fix=args.fix)
 
-    problems = check_installed(spec, log)
+
+def check_bundle(spec: CodegenSpec, *, fix: bool) -> int:
+    """The freshness gate for one recipe, then (for a current bundle) verify and preflight."""
+    from hyper_parallel.codegen.check.drift import fix_command
+    from hyper_parallel.codegen.check.freshness import freshness_problems
+    from hyper_parallel.codegen.stages import verify_installed
+
+    problems = freshness_problems(spec)
+    if problems and fix:
+        print(f"{spec.artifact_dir}: stale; regenerating it (--fix)")
+        run_pipeline(spec, STAGES)
+        problems = freshness_problems(spec)
+        fixed = not problems
+    else:
+        fixed = False
     if problems:
-        print("\n".join(problems) + f"\n  fix: doit generate config={args.config}", file=sys.stderr)
+        print("\n".join(problems) + f"\n  fix: {fix_command(spec)} (or: python -m hyper_parallel.codegen check "
+              f"--all --fix)", file=sys.stderr)
         return 1
-    verify_installed(spec, log)
-    run_pipeline(spec, ["preflight"], force=True, log=log)
-    print(f"{spec.artifact_dir}: check passed")
+    if not fixed:  # generate has just verified and preflighted what it installed
+        verify_installed(spec)
+        run_pipeline(spec, ["preflight"], force=True)
+    print(f"{spec.artifact_dir}: {'regenerated; ' if fixed else ''}check passed (current, verified, preflight ok)")
     return 0
 
 
-def _under_torchrun(args: argparse.Namespace, config: TrainerConfig, spec: CodegenSpec, log) -> int:
+def _under_torchrun(args: argparse.Namespace, recipe: str, config: TrainerConfig, spec: CodegenSpec) -> int:
     """One rank: rank 0 generates (or reuses) the bundle, the others wait for it; then
     every rank checks the installed bundle's integrity."""
     from hyper_parallel.codegen.check.preflight import preflight_integrity_check
@@ -113,8 +153,8 @@ def _under_torchrun(args: argparse.Namespace, config: TrainerConfig, spec: Codeg
 
     check_launch_world_size(config)
     if args.command == "generate":
-        ensure_bundle(spec, log=log)
+        ensure_bundle(spec)
     report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
-                                       fix=f"doit generate config={args.config}")
+                                       fix=f"doit generate config={recipe}")
     print(f"rank {os.environ.get('RANK', '0')}: {spec.artifact_dir} ok (digest {report['digest'][:12]})")
     return 0

@@ -18,13 +18,13 @@ from pathlib import Path
 from doit import get_var
 from doit.exceptions import TaskFailed
 
-from hyper_parallel.codegen.spec.project import recipe_id
+from hyper_parallel.codegen.spec.project import project_recipes, recipe_id
 from hyper_parallel.codegen.stage_table import STAGE_TABLE, STAGES, WORKSPACE_DIR, is_read_by_a_later_stage, stage_row
-
-RECIPES_DIR = "recipes"
+from hyper_parallel.console_log import configure_console_logging
 
 MIN_FREE_MB_ENV = "HYPER_PARALLEL_MIN_FREE_MB"
 MIN_FREE_MB = 64  # doit's sqlite state and one recipe's stage outputs, with room to spare
+ACTION_INDENT = "   "  # an action's lines sit under doit's ".  stage:recipe" line
 
 
 def _workspace_ready(workspace: str) -> None:
@@ -64,13 +64,7 @@ DOIT_CONFIG = {
 
 def selected_recipes() -> list[str]:
     config = get_var("config")
-    if config:
-        return [config]
-    found = []
-    for path in sorted(Path(RECIPES_DIR).rglob("*.y*ml")):
-        if "generated" not in path.parts and "models" not in path.parts:
-            found.append(path.as_posix())
-    return found
+    return [config] if config else project_recipes()
 
 
 def _rid(path: str) -> str:
@@ -100,8 +94,9 @@ def stage_uptodate(stage: str, path: str) -> bool:
 
 def run_stage_action(stage: str, path: str):
     from hyper_parallel.codegen.stages import run_stage
+    configure_console_logging(indent=ACTION_INDENT)
     try:
-        run_stage(spec_for(path), stage, log=lambda msg: print(f"   {msg}", flush=True))
+        run_stage(spec_for(path), stage)
     except Exception as exc:
         return _failure(exc, path)
     return None
@@ -109,14 +104,17 @@ def run_stage_action(stage: str, path: str):
 
 def check_action(path: str):
     from hyper_parallel.codegen.check.drift import fix_command
-    from hyper_parallel.codegen.stages import check_installed, run_stage, verify_installed
+    from hyper_parallel.codegen.check.freshness import freshness_problems
+    from hyper_parallel.codegen.stages import run_stage, verify_installed
+    configure_console_logging(indent=ACTION_INDENT)
     try:
         spec = spec_for(path)
-        problems = check_installed(spec, log=lambda msg: print(f"   {msg}", flush=True))
+        problems = freshness_problems(spec)
         if problems:
-            return TaskFailed("\n".join(problems) + f"\n  fix: {fix_command(spec)}")
-        verify_installed(spec, log=lambda msg: print(f"   {msg}", flush=True))
-        run_stage(spec, "preflight", log=lambda msg: print(f"   {msg}", flush=True))
+            return TaskFailed("\n".join(problems) + f"\n  fix: {fix_command(spec)} (or: python -m "
+                              f"hyper_parallel.codegen check --all --fix)")
+        verify_installed(spec)
+        run_stage(spec, "preflight")
     except Exception as exc:
         return _failure(exc, path)
     return None
@@ -124,10 +122,11 @@ def check_action(path: str):
 
 def clean_action(path: str, what: str) -> None:
     from hyper_parallel.codegen.manager import clean_recipe
+    configure_console_logging(indent=ACTION_INDENT)
     try:
-        clean_recipe(spec_for(path), log=lambda msg: print(f"   {msg}"), what=(what,))
+        clean_recipe(spec_for(path), what=(what,))
     except Exception as exc:
-        print(f"   cannot clean {path}: {exc}")
+        print(f"{ACTION_INDENT}cannot clean {path}: {exc}")
 
 
 def _failure(exc: Exception, path: str) -> TaskFailed:
@@ -177,9 +176,9 @@ def generate_tasks():
 
 
 def check_tasks():
-    """installed bundle matches the recipe; verify it against one process; torchrun preflight"""
+    """the committed bundle is what generate writes now (else its diff); verify it; torchrun preflight"""
     for path in selected_recipes():
-        yield {"name": _rid(path), "doc": "installed bundle matches the recipe; verify; torchrun preflight",
+        yield {"name": _rid(path), "doc": "bundle is current (else the diff of each stale file); verify; torchrun preflight",
                "actions": [(check_action, [path])], "uptodate": [False], "verbosity": 2}
 
 

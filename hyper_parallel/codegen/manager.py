@@ -5,10 +5,11 @@ training path: rank 0 generates or reuses, the other ranks wait for a bundle who
 signature equals theirs, then every rank runs the integrity preflight.
 """
 
+import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from hyper_parallel.codegen.artifact import META_FILE, check_owned, remove_stale_staging_dirs
@@ -26,7 +27,7 @@ from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
 
-Log = Callable[[str], None]
+_LOG = logging.getLogger(__name__)
 DEFAULT_WAIT_TIMEOUT_S = 600.0
 
 
@@ -39,8 +40,7 @@ def load_spec(config_path: str | Path, workspace_root: str | Path | None = None)
     return project_codegen_spec(load_training_config(config_path), workspace_root=workspace_root)
 
 
-def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bool = False,
-                 log: Log = print) -> list[str]:
+def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bool = False) -> list[str]:
     """Run every stale stage in order; return the names of the stages that ran. A run that
     fails in a recipe's first build leaves no workspace behind (nothing on disk changed)."""
     if "install" in stages:  # before any work: a folder install would refuse is refused now
@@ -53,10 +53,10 @@ def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bo
     try:
         for stage in stages:
             if not force and stage_is_current(spec, stage):
-                log(f"-- {stage} up to date")
+                _LOG.info(f"-- {stage} up to date")
                 continue
-            seconds = run_stage(spec, stage, log)
-            log(f". {stage} done in {seconds:.2f}s")
+            seconds = run_stage(spec, stage)
+            _LOG.info(f". {stage} done in {seconds:.2f}s")
             ran.append(stage)
     except BaseException:
         if fresh and spec.workspace.is_dir() and not spec.workspace.is_symlink():
@@ -67,7 +67,7 @@ def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bo
     return ran
 
 
-def clean_recipe(spec: CodegenSpec, log: Log = print, *, what: tuple[str, ...] = ("bundle", "workspace")) -> None:
+def clean_recipe(spec: CodegenSpec, *, what: tuple[str, ...] = ("bundle", "workspace")) -> None:
     """Remove the installed bundle and/or the recipe's workspace (doit and the CLI)."""
     targets = []
     if "bundle" in what and (spec.artifact_dir.is_dir() or spec.artifact_dir.is_symlink()):
@@ -78,7 +78,7 @@ def clean_recipe(spec: CodegenSpec, log: Log = print, *, what: tuple[str, ...] =
         targets.append(spec.workspace)
     for target in targets:  # both checked first: a refusal leaves both as they were
         shutil.rmtree(target)
-        log(f"removed {target}")
+        _LOG.info(f"removed {target}")
 
 
 def _failure_marker(spec: CodegenSpec) -> Path:
@@ -93,7 +93,7 @@ def _run_id() -> str:
 
 def ensure_codegen_artifact(config: TrainerConfig, *, rank: int | None = None,
                             timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, poll_s: float = 0.2,
-                            workspace_root: str | Path | None = None, log: Log = print) -> CodegenSpec:
+                            workspace_root: str | Path | None = None) -> CodegenSpec:
     """Make sure the recipe's bundle is installed and current, coordinating ranks.
 
     Rank 0 reuses a current bundle as is (no planning at training start) or runs the
@@ -102,12 +102,12 @@ def ensure_codegen_artifact(config: TrainerConfig, *, rank: int | None = None,
     theirs, or for rank 0's failure record of this launch. Then, when a process group is
     up, every rank meets at a barrier, so nobody reads the bundle while rank 0 writes it."""
     spec = project_codegen_spec(config, workspace_root=workspace_root)
-    ensure_bundle(spec, rank=rank, timeout_s=timeout_s, poll_s=poll_s, log=log)
+    ensure_bundle(spec, rank=rank, timeout_s=timeout_s, poll_s=poll_s)
     return spec
 
 
 def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
-                  poll_s: float = 0.2, log: Log = print) -> None:
+                  poll_s: float = 0.2) -> None:
     """``ensure_codegen_artifact`` for a recipe already projected (the CLI projects it once)."""
     from hyper_parallel.codegen.check.drift import installed_bundle_problems
 
@@ -118,13 +118,13 @@ def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: floa
         marker.unlink(missing_ok=True)
         if installed_bundle_problems(spec):
             try:
-                run_pipeline(spec, STAGES[:-1], log=log)
+                run_pipeline(spec, STAGES[:-1])
             except Exception as exc:
                 write_json(marker, {"signature": signature, "run_id": _run_id(),
                                     "error": f"{type(exc).__name__}: {exc}"})
                 raise
         else:
-            log(f"reusing {spec.artifact_dir} (signature {signature[:12]})")
+            _LOG.info(f"reusing {spec.artifact_dir} (signature {signature[:12]})")
     else:
         _wait_for_bundle(spec, signature, timeout_s, poll_s)
     _barrier_if_distributed()

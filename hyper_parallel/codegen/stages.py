@@ -4,9 +4,12 @@ Each stage reads its inputs from the recipe's workspace, writes its output there
 the signature it was built from into the workspace's ``signatures.json``), and is
 current when that recorded signature equals the one computed now. doit, the CLI and the training path all call these functions.
 Only ``derive`` and ``preflight`` import torch, and only when they actually run.
+Progress goes to this module's logger, each line tagged with its stage (``[derive] ...``);
+the entry point that runs a stage decides how it is shown (``console_log``).
 """
 
 import json
+import logging
 import os
 import re
 import time
@@ -28,7 +31,7 @@ from hyper_parallel.codegen.stage_table import (
     stage_row,
 )
 
-Log = Callable[[str], None]
+_LOG = logging.getLogger(__name__)
 
 
 _TEMP_FILE = re.compile(r"^\..+\.(\d+)\.tmp$")  # write_if_changed's temp files, named after their writer
@@ -83,7 +86,7 @@ def stage_is_current(spec: CodegenSpec, stage: str) -> bool:
 
 # --- the stages ----------------------------------------------------------------------------
 
-def run_resolve(spec: CodegenSpec, log: Log) -> None:
+def run_resolve(spec: CodegenSpec) -> None:
     architectures = spec.model_config.get("architectures") or [None]
     write_stage_output(spec, "resolve", {
         "source": spec.source.identity(),
@@ -93,38 +96,39 @@ def run_resolve(spec: CodegenSpec, log: Log) -> None:
     where = f"remote code {spec.source.display_path(spec.model_dir_rel)}" if spec.source.is_remote \
         else spec.source.module
     siblings = "".join(f", sibling {name} {sha[:12]}" for name, sha in spec.source.siblings)
-    log(f"source {where} sha256 {spec.source.sha256[:12]}{siblings} "
-        f"(transformers {spec.source.transformers_version})")
+    _LOG.info(f"[resolve] source {where} sha256 {spec.source.sha256[:12]}{siblings} "
+              f"(transformers {spec.source.transformers_version})")
 
 
-def run_derive(spec: CodegenSpec, log: Log) -> None:
+def run_derive(spec: CodegenSpec) -> None:
     from hyper_parallel.codegen.plan.derive import derive_plan
 
     derived = derive_plan(spec)
     plan = derived["plan"]
     write_stage_output(spec, "derive", derived)
-    log(f"{len(plan['modules'])} module entries on mesh {dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))}; "
-        f"applied axes {plan['applied_axes'] or 'none'}")
+    mesh = dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))
+    _LOG.info(f"[derive] {len(plan['modules'])} module entries on mesh {mesh}; "
+              f"applied axes {plan['applied_axes'] or 'none'}")
     for axis, why in plan.get("recorded_axes", {}).items():
         if axis not in ("dp", "pp"):  # those the trainer and the runtime apply, always
-            log(f"note: {axis} not applied: {why}")
+            _LOG.info(f"[derive] note: {axis} not applied: {why}")
     for note in derived.get("notes", ()):
-        log(f"note: {note}")
+        _LOG.info(f"[derive] note: {note}")
     if derived.get("dataflow_error"):
-        log(f"note: planned by module names and the TP plan's hints alone, without the dataflow "
-            f"({derived['dataflow_error']}); verify checks the result")
+        _LOG.info(f"[derive] note: planned by module names and the TP plan's hints alone, without the dataflow "
+                  f"({derived['dataflow_error']}); verify checks the result")
 
 
-def run_freeze(spec: CodegenSpec, log: Log) -> None:
+def run_freeze(spec: CodegenSpec) -> None:
     from hyper_parallel.codegen.plan.freeze import freeze_plan
 
     derived = read_upstream(StageFiles(spec).output("derive"))
     frozen = freeze_plan(derived["plan"], derived["module_names"])
     write_stage_output(spec, "freeze", {"model_class": derived["model_class"], "frozen": frozen})
-    log(f"{len(frozen['modules'])} frozen entries (from {len(derived['plan']['modules'])})")
+    _LOG.info(f"[freeze] {len(frozen['modules'])} frozen entries (from {len(derived['plan']['modules'])})")
 
 
-def run_emit(spec: CodegenSpec, log: Log) -> None:
+def run_emit(spec: CodegenSpec) -> None:
     from hyper_parallel.codegen.emit.bundle import render_bundle_init
     from hyper_parallel.codegen.emit.imports import RemoteCode
     from hyper_parallel.codegen.emit.modeling import emit_modeling_source
@@ -145,10 +149,10 @@ def run_emit(spec: CodegenSpec, log: Log) -> None:
     outputs.update(sibling_files(source, spec.model_dir))
     _write_staged(spec, "emit", outputs)
     siblings = f" + {len(source.siblings)} sibling(s)" if source.siblings else ""
-    log(f"{spec.modeling_file}: {len(text.splitlines())} lines{siblings}")
+    _LOG.info(f"[emit] {spec.modeling_file}: {len(text.splitlines())} lines{siblings}")
 
 
-def run_diff(spec: CodegenSpec, log: Log) -> None:
+def run_diff(spec: CodegenSpec) -> None:
     from hyper_parallel.codegen.emit.diff import unified_diff_text
     from hyper_parallel.codegen.source.resolver import source_text
 
@@ -156,17 +160,17 @@ def run_diff(spec: CodegenSpec, log: Log) -> None:
     diff = unified_diff_text(source_text(spec.source, spec.model_dir), spec.source.display_path(spec.model_dir_rel),
                              generated, spec.modeling_file)
     _write_staged(spec, "diff", {spec.diff_file: diff.encode()})
-    log(f"{spec.diff_file}: {sum(1 for line in diff.splitlines() if line[:1] in '+-')} changed lines")
+    _LOG.info(f"[diff] {spec.diff_file}: {sum(1 for line in diff.splitlines() if line[:1] in '+-')} changed lines")
 
 
-def run_verify(spec: CodegenSpec, log: Log) -> None:
+def run_verify(spec: CodegenSpec) -> None:
     from hyper_parallel.codegen.check.verify import verify_bundle
 
     files = StageFiles(spec)
     emitted = read_upstream(files.output("emit"))["outputs"]
     staged_bytes(spec, emitted, "verify")
     model_class = read_upstream(files.output("freeze"))["model_class"]
-    report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], emitted, model_class, log)
+    report = verify_bundle(spec, files.staged, sha256_json(emitted)[:12], emitted, model_class)
     write_stage_output(spec, "verify", {"outputs": emitted, "report": report})
 
 
@@ -186,20 +190,12 @@ def staged_bytes(spec: CodegenSpec, expected: dict[str, str], stage: str) -> dic
     return payload
 
 
-def check_installed(spec: CodegenSpec, log: Log) -> list[str]:
-    """``doit check`` / the CLI's check: the freshness gate (``check.freshness``): empty
-    when the installed bundle is byte for byte what generate would install now."""
-    from hyper_parallel.codegen.check.freshness import freshness_problems
-
-    return freshness_problems(spec, log)
-
-
-def expected_bundle(spec: CodegenSpec, log: Log) -> dict[str, bytes]:
+def expected_bundle(spec: CodegenSpec) -> dict[str, bytes]:
     """Every file generate would install now, ``codegen_meta.json`` included, after
     bringing the stages through diff up to date (none runs when the workspace is current)."""
     for stage in STAGES[:STAGES.index("diff") + 1]:
         if not stage_is_current(spec, stage):
-            run_stage(spec, stage, log)
+            run_stage(spec, stage)
     payload, meta = install_payload(spec, expected_verified(spec))
     return {**payload, META_FILE: meta}
 
@@ -218,14 +214,14 @@ def install_payload(spec: CodegenSpec, verified: dict[str, Any]) -> tuple[dict[s
     return payload, meta
 
 
-def verify_installed(spec: CodegenSpec, log: Log) -> dict[str, Any]:
+def verify_installed(spec: CodegenSpec) -> dict[str, Any]:
     """``doit check``: run verify on the installed bundle (what training will import)."""
     from hyper_parallel.codegen.check.verify import verify_bundle
     from hyper_parallel.codegen.meta import load_codegen_meta
 
     meta = load_codegen_meta(spec.artifact_dir)
-    return verify_bundle(spec, spec.artifact_dir, meta["signature"], meta["outputs"], meta["model"]["model_class"],
-                         lambda msg: log(f"[verify] {msg}"))
+    return verify_bundle(spec, spec.artifact_dir, meta["signature"], meta["outputs"],
+                         meta["model"]["model_class"])
 
 
 def expected_verified(spec: CodegenSpec) -> dict[str, Any]:
@@ -238,7 +234,7 @@ def expected_verified(spec: CodegenSpec) -> dict[str, Any]:
     return {"mode": verify_mode(world), "world": world, "steps": STEPS}
 
 
-def run_install(spec: CodegenSpec, log: Log) -> None:
+def run_install(spec: CodegenSpec) -> None:
     files = StageFiles(spec)
     emit_record, verify_record = files.output("emit"), files.output("verify")
     verified = read_upstream(verify_record)
@@ -252,10 +248,10 @@ def run_install(spec: CodegenSpec, log: Log) -> None:
     payload, meta = install_payload(spec, expected)
     replaced = installed_recipe(spec.artifact_dir)
     if replaced is not None and replaced != spec.recipe_rel:
-        log(f"warning: {spec.artifact_dir} held the bundle of {replaced}; it now holds {spec.recipe_rel}'s. "
-            f"Recipes that share a folder share one bundle: give each its own model.codegen_artifact_dir")
+        _LOG.warning(f"[install] warning: {spec.artifact_dir} held the bundle of {replaced}; "
+                     f"it now holds {spec.recipe_rel}'s. Recipes that share a folder share one bundle: give each its own model.codegen_artifact_dir")
     write_bundle_atomic(spec.artifact_dir, payload, meta)
-    log(f"installed {spec.artifact_dir}")
+    _LOG.info(f"[install] installed {spec.artifact_dir}")
 
 
 def installed_recipe(artifact_dir: Path) -> str | None:
@@ -268,22 +264,22 @@ def installed_recipe(artifact_dir: Path) -> str | None:
         return None
 
 
-def run_preflight(spec: CodegenSpec, log: Log) -> None:
+def run_preflight(spec: CodegenSpec) -> None:
     from hyper_parallel.codegen.check.preflight import run_torchrun_preflight
 
-    report = run_torchrun_preflight(spec, log)
+    report = run_torchrun_preflight(spec)
     write_stage_output(spec, "preflight", {"report": report})
 
 
 # Each stage of the table runs the function named after it, ``run_<stage>``.
-STAGE_RUNNERS: dict[str, Callable[[CodegenSpec, Log], None]] = {row.name: globals()[f"run_{row.name}"]
+STAGE_RUNNERS: dict[str, Callable[[CodegenSpec], None]] = {row.name: globals()[f"run_{row.name}"]
                                                                  for row in STAGE_TABLE}
 
 
-def run_stage(spec: CodegenSpec, stage: str, log: Log = print) -> float:
+def run_stage(spec: CodegenSpec, stage: str) -> float:
     """Run one stage (unconditionally) and return its wall time in seconds."""
     start = time.perf_counter()
-    STAGE_RUNNERS[stage](spec, lambda msg: log(f"[{stage}] {msg}"))
+    STAGE_RUNNERS[stage](spec)
     return time.perf_counter() - start
 
 

@@ -27,8 +27,8 @@ sliced, and a one-line note says so.
 """
 
 import contextlib
+import logging
 import sys
-import warnings
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,6 +36,8 @@ from typing import Any, Callable
 import torch
 
 from hyper_parallel.errors import HyperParallelError
+
+_LOG = logging.getLogger(__name__)
 
 Segments = list[tuple[int, int]]  # half-open index ranges along one dimension
 
@@ -475,7 +477,7 @@ def checkpoint_sources(model: torch.nn.Module, leaf: Callable[[str], StoredTenso
     sources: dict[str, LazyTensor] = {name: leaf(key) for name, key in routes.renamed.items()}
     for group in routes.groups.values():
         leaves = {key: leaf(key) for key in group.source_keys()}
-        sources.update(_group_sources(model, group, leaves, note or _warn))
+        sources.update(_group_sources(model, group, leaves, note or _LOG.warning))
     return sources
 
 
@@ -526,8 +528,3 @@ def _param_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
         return model.get_parameter(name).dtype
     except AttributeError:
         return None
-
-
-def _warn(message: str) -> None:
-    """The default note: one line, as a ``UserWarning``."""
-    warnings.warn(message, UserWarning, stacklevel=4)

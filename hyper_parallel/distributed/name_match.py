@@ -61,19 +61,6 @@ class PlanKeyMatches:
     hits: dict[str, list[str]]  # key -> module names it matches (empty: matches nothing)
     applied: dict[str, str]  # module name -> the key that applies to it
 
-    @property
-    def unmatched(self) -> list[str]:
-        """Keys that hit no module, in plan order."""
-        return [key for key, names in self.hits.items() if not names]
-
-    def overlapping(self) -> dict[str, list[str]]:
-        """Module name -> every key that hits it, for modules hit by more than one key."""
-        by_name: dict[str, list[str]] = {}
-        for key, names in self.hits.items():
-            for name in names:
-                by_name.setdefault(name, []).append(key)
-        return {name: keys for name, keys in by_name.items() if len(keys) > 1}
-
 
 def match_plan_keys(names: Iterable[str], keys: Iterable[str]) -> PlanKeyMatches:
     """Resolve ``keys`` (plan order) against a model's module ``names``.

@@ -12,7 +12,7 @@ packed experts, gate and up concatenated, renamed blocks), recorded lazily by
 """
 
 import json
-import warnings
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.distributed.checkpoint_names import LazyTensor, Segments, StoredTensor, checkpoint_sources
 from hyper_parallel.errors import HyperParallelError
+
+_LOG = logging.getLogger(__name__)
 
 
 class ShardedLoadError(ValueError, HyperParallelError):
@@ -119,9 +121,9 @@ def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, s
 
 
 def _note(report: ShardedLoadReport, line: str) -> None:
-    """A converter read whole instead of by slices: kept in the report and warned once."""
+    """A converter read whole instead of by slices: kept in the report and logged as a warning."""
     report.notes.append(line)
-    warnings.warn(line, UserWarning, stacklevel=2)
+    _LOG.warning(line)
 
 
 def _lookup(model: torch.nn.Module, name: str) -> torch.Tensor:

@@ -8,14 +8,9 @@ from hyper_parallel.platform.torch_backend import (
     Embedding,
     Linear,
     Module,
-    ModuleDict,
     ModuleList,
     Parameter,
-    cross_entropy,
-    device_type,
-    dist_backend,
     dropout,
-    embedding,
     init,
     linear,
     one_hot,
@@ -23,21 +18,13 @@ from hyper_parallel.platform.torch_backend import (
     softmax,
 )
 
-BACKEND = "torch"
-
 __all__ = [
-    "BACKEND",
     "Embedding",
     "Linear",
     "Module",
-    "ModuleDict",
     "ModuleList",
     "Parameter",
-    "cross_entropy",
-    "device_type",
-    "dist_backend",
     "dropout",
-    "embedding",
     "init",
     "linear",
     "one_hot",

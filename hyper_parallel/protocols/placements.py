@@ -8,7 +8,7 @@ distributed layer need the conversion, and it must sit below both.
 description of "K equal blocks along N, each chunked over the mesh axis".
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -65,21 +65,3 @@ def named_placement_to_text(named: Mapping) -> dict[str, str]:
 
 def named_placement_from_text(named: Mapping) -> dict[str, Placement]:
     return {axis: placement_from_text(text) for axis, text in named_placement_to_text(named).items()}
-
-
-def placements_from_named(named: Mapping, mesh_axes: Sequence[str]) -> tuple[Placement, ...]:
-    """One placement per mesh axis, ``Replicate`` for axes the mapping does not name."""
-    by_axis = {str(axis): as_placement(p) for axis, p in named.items()}
-    unknown = sorted(set(by_axis) - set(mesh_axes))
-    if unknown:
-        raise PlacementTextError(
-            f"placement names mesh axes {unknown} that are not in the mesh {list(mesh_axes)}")
-    return tuple(by_axis.get(axis, Replicate()) for axis in mesh_axes)
-
-
-def named_from_placements(placements: Sequence[Placement], mesh_axes: Sequence[str]) -> dict[str, str]:
-    """The inverse of ``placements_from_named``: every axis is written out, as text."""
-    if len(placements) != len(mesh_axes):
-        raise PlacementTextError(
-            f"{len(placements)} placements for {len(mesh_axes)} mesh axes {list(mesh_axes)}")
-    return {axis: placement_to_text(p) for axis, p in zip(mesh_axes, placements)}

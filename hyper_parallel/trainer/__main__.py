@@ -7,6 +7,7 @@ import sys
 import torch.distributed as dist
 
 from hyper_parallel.config import RecipeError, load_training_config
+from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
 from hyper_parallel.trainer.base import BaseTrainer, write_metrics
 from hyper_parallel.trainer.data import DataError, text_dataset_file
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("RANK") == "0":  # one line, not one per rank
                 print(f"error: {exc}", file=sys.stderr)
             return 2
+    # The step lines; the codegen progress under it stays quiet (its warnings still show).
+    configure_console_logging(logger="hyper_parallel.trainer")
     trainer = BaseTrainer(config)
     records = trainer.train()
     if args.metrics and trainer.rank == 0:

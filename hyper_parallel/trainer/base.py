@@ -6,9 +6,9 @@ logs loss and tokens/s per step.
 """
 
 import json
+import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,8 @@ from hyper_parallel.models.hf.auto_model import HyperAutoModel
 from hyper_parallel.models.hf.model_builder import runtime_device_type
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens, seed_step
 
+_LOG = logging.getLogger(__name__)
+
 
 @dataclass
 class StepRecord:
@@ -34,9 +36,8 @@ class StepRecord:
 
 
 class BaseTrainer:
-    def __init__(self, config: TrainerConfig, *, log: Callable[[str], None] = print):
+    def __init__(self, config: TrainerConfig):
         self.config = config
-        self.log = log
         check_launch_world_size(config)
         acc = config.accelerator
         self.dims = acc.parallel_dims
@@ -98,9 +99,9 @@ class BaseTrainer:
             record = StepRecord(step + 1, total.item(), grad_norm, batch.numel() / seconds, seconds)
             records.append(record)
             if self.rank == 0 and (record.step % training.log_every == 0 or record.step == training.steps):
-                self.log(f"step {record.step}/{training.steps} | loss {record.loss:.6f} | "
-                         f"grad norm {record.grad_norm:.4f} | "
-                         f"{record.tokens_per_s:,.0f} tok/s | {seconds:.2f}s")
+                _LOG.info(f"step {record.step}/{training.steps} | loss {record.loss:.6f} | "
+                          f"grad norm {record.grad_norm:.4f} | "
+                          f"{record.tokens_per_s:,.0f} tok/s | {seconds:.2f}s")
         return records
 
 

@@ -9,11 +9,11 @@ from hyper_parallel.codegen.astkit import (
     SourceModule,
     TextEdit,
     apply_text_edits,
-    find_class,
     find_method,
     import_from_module_span,
     relative_imports,
     self_method_call_statements,
+    top_level_classes,
     top_level_imports,
 )
 
@@ -86,6 +86,5 @@ def test_finders_locate_imports_classes_methods_and_self_calls():
     )
     tree = ast.parse(text)
     assert [type(n).__name__ for n in top_level_imports(tree)] == ["Import", "ImportFrom"]
-    init = find_method(find_class(tree, "M"), "__init__")
+    init = find_method(next(c for c in top_level_classes(tree) if c.name == "M"), "__init__")
     assert [stmt.lineno for stmt in self_method_call_statements(init, "post_init")] == [9, 13]
-    assert find_class(tree, "Missing") is None

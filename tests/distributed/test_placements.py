@@ -6,12 +6,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hyper_parallel.distributed.applier import local_piece
 from hyper_parallel.protocols.placement_text import PlacementTextError, local_shard_shape
 from hyper_parallel.protocols.placements import (
-    named_from_placements,
     named_placement_from_text,
     named_placement_to_text,
     placement_from_text,
     placement_to_text,
-    placements_from_named,
 )
 
 
@@ -35,12 +33,8 @@ def test_text_is_normalised_and_bad_text_is_named():
 
 
 def test_named_placements_over_mesh_axes():
-    assert placements_from_named({"tp": "shard(0)"}, ("dp", "tp")) == (Replicate(), Shard(0))
-    assert named_from_placements((Replicate(), Shard(0)), ("dp", "tp")) == {"dp": "replicate", "tp": "shard(0)"}
     assert named_placement_from_text({"tp": "partial"}) == {"tp": Partial()}
     assert named_placement_to_text({"tp": Shard(2), "dp": Replicate()}) == {"dp": "replicate", "tp": "shard(2)"}
-    with pytest.raises(PlacementTextError, match=r"mesh axes \['cp'\] that are not in the mesh"):
-        placements_from_named({"cp": "shard(0)"}, ("dp", "tp"))
 
 
 def test_packed_shard_slices_every_block():

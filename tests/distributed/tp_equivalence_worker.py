@@ -27,7 +27,7 @@ from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_dev
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.protocols.placement_text import local_shard_shape
-from hyper_parallel.protocols.placements import named_from_placements
+from hyper_parallel.protocols.placements import placement_to_text
 from tests.rank_exit import leave_after_barrier
 
 
@@ -111,7 +111,7 @@ def meta_shape_mismatches(config, plan, mesh_context) -> list[str]:
         if not isinstance(param, DTensor):
             continue  # placed on no axis of more than one rank: whole on every rank
         sub_mesh = param.device_mesh
-        named = named_from_placements(param.placements, sub_mesh.mesh_dim_names)
+        named = {axis: placement_to_text(p) for axis, p in zip(sub_mesh.mesh_dim_names, param.placements)}
         expected = local_shard_shape(tuple(param.shape), named, sub_mesh.mesh_dim_names, tuple(sub_mesh.shape),
                                      sub_mesh.get_coordinate())
         if tuple(param.to_local().shape) != expected:

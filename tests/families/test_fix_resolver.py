@@ -54,8 +54,8 @@ def test_every_causal_lm_type_resolves_to_the_file_defining_its_class():
 
 
 def test_resolving_imports_neither_torch_nor_transformers():
-    code = ("import sys; from hyper_parallel.codegen.source.resolver import resolve_model_source; "
-            "source = resolve_model_source('gemma3_text'); "
+    code = ("import sys; from hyper_parallel.codegen.source.resolver import hash_source, locate_model_source; "
+            "source = hash_source(locate_model_source('gemma3_text')); "
             "assert source.file == 'models/gemma3/modeling_gemma3.py', source; "
             "assert not {'torch', 'transformers'} & set(sys.modules), 'imported torch or transformers'")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -1,6 +1,7 @@
 """Install and clean only ever replace or remove a bundle folder, never user files."""
 
 import errno
+import logging
 import subprocess
 import sys
 
@@ -42,11 +43,11 @@ def test_clean_leaves_a_foreign_folder_alone(project):
     spec.artifact_dir.mkdir()
     (spec.artifact_dir / "notes.txt").write_text("keep me")
     with pytest.raises(ArtifactError, match="cannot remove the bundle"):
-        clean_recipe(spec, log=lambda msg: None)
+        clean_recipe(spec)
     assert (spec.artifact_dir / "notes.txt").exists()
 
 
-def test_installing_over_another_recipes_bundle_warns(project):
+def test_installing_over_another_recipes_bundle_warns(project, caplog):
     """Two recipes in one folder share its generated/ bundle (the seed's layout): the
     second install says whose bundle it replaced and how to keep both."""
     first = project / TINY_RECIPE
@@ -55,10 +56,12 @@ def test_installing_over_another_recipes_bundle_warns(project):
     data["accelerator"].update(nproc_per_node=1, tp_size=1)
     second.write_text(yaml.safe_dump(data, sort_keys=False))
     until_install = STAGES[:STAGES.index("install") + 1]
+    caplog.set_level(logging.INFO, logger="hyper_parallel")
     logs = []
     for recipe in (first, first, second):
-        logs.append([])
-        run_pipeline(load_spec(recipe, project / "generated"), until_install, log=logs[-1].append)
+        caplog.clear()
+        run_pipeline(load_spec(recipe, project / "generated"), until_install)
+        logs.append([record.getMessage() for record in caplog.records])
     assert not any("warning" in line for line in logs[0] + logs[1])
     warnings = [line for line in logs[2] if "warning" in line]
     assert len(warnings) == 1

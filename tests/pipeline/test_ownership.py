@@ -137,8 +137,8 @@ def test_recipe_ids_are_one_to_one(project):
     specs = [load_spec(path, project / "generated") for path in (nested, flat)]
     assert specs[0].workspace != specs[1].workspace, specs[0].workspace
     for spec in specs:
-        run_pipeline(spec, ["resolve"], log=lambda msg: None)
-    clean_recipe(specs[0], log=lambda msg: None, what=("workspace",))
+        run_pipeline(spec, ["resolve"])
+    clean_recipe(specs[0], what=("workspace",))
     assert not specs[0].workspace.exists()
     assert (specs[1].workspace / "source.json").is_file()
 

@@ -29,7 +29,7 @@ RANK0_SCRIPT = """
 import sys
 from hyper_parallel.codegen.manager import ensure_codegen_artifact
 from hyper_parallel.config import load_training_config
-ensure_codegen_artifact(load_training_config(sys.argv[1]), rank=0, workspace_root=sys.argv[2], log=lambda m: None)
+ensure_codegen_artifact(load_training_config(sys.argv[1]), rank=0, workspace_root=sys.argv[2])
 """
 
 
@@ -42,7 +42,7 @@ def _recipe(project, broken: bool = False):
 
 def _wait_as_rank1(project, timeout_s: float):
     return ensure_codegen_artifact(_recipe(project), rank=1, timeout_s=timeout_s, poll_s=0.05,
-                                   workspace_root=project / "generated", log=lambda m: None)
+                                   workspace_root=project / "generated")
 
 
 def test_rank1_times_out_naming_what_it_waited_for(tmp_path):
@@ -61,13 +61,13 @@ def test_rank1_fails_fast_with_rank0s_error(tmp_path):
     project = make_project(tmp_path / "project")
     config = _recipe(project, broken=True)
     with pytest.raises(Exception) as rank0_err:
-        ensure_codegen_artifact(config, rank=0, workspace_root=project / "generated", log=lambda m: None)
+        ensure_codegen_artifact(config, rank=0, workspace_root=project / "generated")
     assert "no_such_module" in str(rank0_err.value)
 
     start = time.monotonic()
     with pytest.raises(CodegenWaitError) as err:
         ensure_codegen_artifact(config, rank=1, timeout_s=60.0, poll_s=0.05,
-                                workspace_root=project / "generated", log=lambda m: None)
+                                workspace_root=project / "generated")
     assert time.monotonic() - start < SLACK_S  # rank 0's record, not the 60 s timeout, ended the wait
     message = str(err.value)
     assert message.startswith("rank 0 failed to generate"), message

@@ -50,7 +50,7 @@ def remote_recipe(tmp_path, overrides):
 
 def test_replace_module_with_a_remote_module_type_is_applied(tmp_path):
     project, spec = remote_recipe(tmp_path, [REPLACE_ATTENTION])
-    run_pipeline(spec, THROUGH_INSTALL, log=lambda message: None)
+    run_pipeline(spec, THROUGH_INSTALL)
     assert "modeling_fused.FusedAttention" in (project / BUNDLE / "modeling_Hp_Fused_Decoder_gen_cpu.py").read_text()
 
     remote_replacements.CALLS.clear()
@@ -64,4 +64,4 @@ def test_replace_module_with_the_wrong_remote_module_type_names_both(tmp_path):
     _, spec = remote_recipe(tmp_path, [{**REPLACE_ATTENTION, "module_type": "modeling_fused.FusedMLP"}])
     with pytest.raises(ReplacementError, match=r"model\.layers\.0\.self_attn is .*FusedAttention, "
                                                r"expected modeling_fused\.FusedMLP"):
-        run_pipeline(spec, THROUGH_INSTALL, log=lambda message: None)
+        run_pipeline(spec, THROUGH_INSTALL)

@@ -14,8 +14,9 @@ from hyper_parallel.codegen.hash import canonical_json, sha256_file
 from hyper_parallel.codegen.manager import load_spec
 from hyper_parallel.codegen.source.resolver import (
     SourceError,
+    hash_source,
+    locate_source,
     read_model_config,
-    resolve_source,
     sibling_files,
     source_text,
     transformers_version,
@@ -25,7 +26,7 @@ from tests.remote_code.remote_project import MODEL_DATA, MODEL_DIR, RECIPE, SIBL
 
 
 def _resolve(model_dir):
-    return resolve_source(model_dir, read_model_config(model_dir, recipe="test", key="model"))
+    return hash_source(locate_source(model_dir, read_model_config(model_dir, recipe="test", key="model")))
 
 
 def _copy_model(tmp_path):
@@ -49,7 +50,7 @@ def test_remote_source_identity_names_files_relative_to_the_model_folder(tmp_pat
 
 
 def test_a_config_without_auto_map_resolves_into_transformers():
-    source = resolve_source(MODEL_DATA, {"model_type": "qwen3_moe"})
+    source = hash_source(locate_source(MODEL_DATA, {"model_type": "qwen3_moe"}))
     assert (source.origin, source.module, source.siblings) == (
         "transformers", "transformers.models.qwen3_moe.modeling_qwen3_moe", ())
     assert source.file == "models/qwen3_moe/modeling_qwen3_moe.py"
@@ -65,7 +66,7 @@ def test_bad_auto_map_entries_name_the_key(tmp_path, reference, expected):
     config = json.loads((model_dir / "config.json").read_text())
     config["auto_map"]["AutoModelForCausalLM"] = reference
     with pytest.raises(SourceError) as err:
-        resolve_source(model_dir, config)
+        locate_source(model_dir, config)
     message = str(err.value)
     assert "config.json" in message and "auto_map.AutoModelForCausalLM" in message, message
     assert expected in message, message

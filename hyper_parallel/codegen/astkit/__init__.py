@@ -7,7 +7,6 @@ and make the review diff unreadable. It edits spans of the original text instead
 from hyper_parallel.codegen.astkit.edits import EditConflictError, TextEdit, apply_text_edits
 from hyper_parallel.codegen.astkit.index import (
     SourceModule,
-    find_class,
     find_method,
     import_from_module_span,
     relative_imports,
@@ -23,7 +22,6 @@ __all__ = [
     "SourceModule",
     "TextEdit",
     "apply_text_edits",
-    "find_class",
     "find_method",
     "import_from_module_span",
     "relative_imports",

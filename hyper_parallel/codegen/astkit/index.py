@@ -50,13 +50,6 @@ def top_level_imports(tree: ast.Module) -> list[ast.stmt]:
     return block
 
 
-def find_class(tree: ast.Module, name: str) -> ast.ClassDef | None:
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            return node
-    return None
-
-
 def top_level_classes(tree: ast.Module) -> list[ast.ClassDef]:
     return [node for node in tree.body if isinstance(node, ast.ClassDef)]
 

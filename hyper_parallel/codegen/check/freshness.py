@@ -58,12 +58,12 @@ def transformers_mismatch(spec: CodegenSpec) -> str | None:
             f"install the pinned versions (pip install -c constraints.txt ...) or regenerate: {fix_command(spec)}")
 
 
-def stale_files(spec: CodegenSpec, log) -> list[StaleFile]:
+def stale_files(spec: CodegenSpec) -> list[StaleFile]:
     """Every file of the recipe's bundle folder whose bytes differ from what generate
     would install now (including files it would add or drop)."""
     from hyper_parallel.codegen.stages import expected_bundle
 
-    expected = expected_bundle(spec, log)
+    expected = expected_bundle(spec)
     folder = spec.artifact_dir
     present = {p.name for p in folder.iterdir() if p.is_file()} if folder.is_dir() else set()
     stale = []
@@ -74,7 +74,7 @@ def stale_files(spec: CodegenSpec, log) -> list[StaleFile]:
     return stale
 
 
-def freshness_problems(spec: CodegenSpec, log) -> list[str]:
+def freshness_problems(spec: CodegenSpec) -> list[str]:
     """What the gate reports for one recipe (empty when the bundle is current): one line
     when there is no readable bundle or another transformers built it, else what its own
     meta says is wrong (a signature the recipe does not give, a file whose sha256 is not
@@ -88,4 +88,4 @@ def freshness_problems(spec: CodegenSpec, log) -> list[str]:
         return [mismatch]
     return installed_bundle_problems(spec) + [
         f"{stale.path}: stale (differs from what generate writes now):\n{stale.unified_diff().rstrip()}"
-        for stale in stale_files(spec, log)]
+        for stale in stale_files(spec)]

@@ -1,8 +1,8 @@
 """Preflight (DESIGN §7): per-rank integrity checks and the torchrun launcher."""
 
 import json
+import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.errors import HyperParallelError
 
+_LOG = logging.getLogger(__name__)
 
 PREFLIGHT_TIMEOUT_S = 900
 
@@ -73,7 +74,7 @@ def uncovered_parameters(model: Any, modules: dict[str, Any]) -> list[str]:
     return missing
 
 
-def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dict[str, Any]:
+def run_torchrun_preflight(spec: CodegenSpec) -> dict[str, Any]:
     """Run the preflight worker on ``world_size`` ranks with torchrun (gloo on CPU); above
     verify's process cap, in this one process (``preflight_in_process``). Each rank reports
     on its own; the bundle digests are compared here, so a silent rank is named."""
@@ -81,14 +82,14 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
 
     world = spec.parallel.world_size
     if world > max_processes():
-        return preflight_in_process(spec, log)
+        return preflight_in_process(spec)
     what = f"preflight on {world} ranks for {spec.artifact_dir}"
     with scratch_dir("preflight") as tmp:
         files = RankFiles(str(tmp / "preflight"))
         cmd = torchrun_command(world, "hyper_parallel.codegen.check.preflight_worker",
                                ["--config", str(spec.recipe_path), "--reports", files.prefix,
                                 "--timeout-s", str(spec.check_timeout_s)], rank_preload(spec.source))
-        log(f"torchrun --nproc_per_node={world} preflight of {spec.artifact_dir}")
+        _LOG.info(f"[preflight] torchrun --nproc_per_node={world} preflight of {spec.artifact_dir}")
         env = {**os.environ, "HYPER_PARALLEL_WORKSPACE": str(spec.workspace.parent)}
         try:
             with RankLaunch(cmd, log=tmp / "preflight.log", env=env) as launch:
@@ -105,8 +106,8 @@ def run_torchrun_preflight(spec: CodegenSpec, log: Callable[[str], None]) -> dic
                               for i, r in enumerate(reports) if r["digest"] != reports[0]["digest"])
         raise PreflightError(f"{what} failed: {differing}\n  fix: {fix_command(spec)}")
     report = {**reports[0], "ok": True, "world_size": world}
-    log(f"ok on {world} ranks: {report['params_checked']} parameters' local shards match the plan; "
-        f"bundle digest {report['digest'][:12]} identical on every rank")
+    _LOG.info(f"[preflight] ok on {world} ranks: {report['params_checked']} parameters' local shards match the plan; "
+              f"bundle digest {report['digest'][:12]} identical on every rank")
     return report
 
 
@@ -125,7 +126,7 @@ def checked_meta_model(spec: CodegenSpec, fix: str) -> tuple[dict[str, Any], Any
     return report, module, model
 
 
-def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[str, Any]:
+def preflight_in_process(spec: CodegenSpec) -> dict[str, Any]:
     """For a world larger than the host may start: integrity, import and plan coverage on
     the full-size meta-device model, and each rank's shard of every parameter computed from
     the plan (none may be empty). The plan itself ran at this world size in verify; the
@@ -152,6 +153,7 @@ def preflight_in_process(spec: CodegenSpec, log: Callable[[str], None]) -> dict[
                 raise PreflightError(f"{name}: plan entry {key!r} leaves rank {rank} an empty shard {shape} of "
                                      f"{tuple(param.shape)}\n  fix: {fix}")
         checked += 1
-    log(f"ok in one process for {p.world_size} ranks (above the process cap): {checked} parameters' shards "
-        f"computed for every rank; bundle digest {report['digest'][:12]} (compared across ranks at training start)")
+    _LOG.info(f"[preflight] ok in one process for {p.world_size} ranks (above the process cap): {checked} "
+              f"parameters' shards computed for every rank; bundle digest {report['digest'][:12]} "
+              f"(compared across ranks at training start)")
     return {**report, "params_checked": checked, "world_size": p.world_size, "mode": "in_process"}

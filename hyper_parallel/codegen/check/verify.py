@@ -21,11 +21,11 @@ threaded process group (``verify_worker``): never more processes than the cap.
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ OUTPUT_RTOL, OUTPUT_ATOL = 1e-4, 1e-5
 LAUNCH_TIMEOUT_S = 900
 MAX_PROCS_ENV = "HYPER_PARALLEL_VERIFY_MAX_PROCS"
 
-Log = Callable[[str], None]
+_LOG = logging.getLogger(__name__)
 
 
 class VerifyError(RuntimeError, HyperParallelError):
@@ -101,18 +101,18 @@ class Probe:
     tied: dict[str, tuple[str, ...]]  # parameter name -> every name of the same tensor
 
 
-def verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_class: str,
-                  log: Log) -> dict[str, Any]:
+def verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: dict[str, str],
+                  model_class: str) -> dict[str, Any]:
     """Verify the bundle in ``bundle_dir`` (staged or installed); return the figures. The
     caller's random state is left as it was (training may seed, generate, then build)."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
-        return _verify_bundle(spec, bundle_dir, bundle_key, files, model_class, log)
+        return _verify_bundle(spec, bundle_dir, bundle_key, files, model_class)
 
 
-def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_class: str,
-                  log: Log) -> dict[str, Any]:
+def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: dict[str, str],
+                   model_class: str) -> dict[str, Any]:
     import torch
 
     start = time.perf_counter()
@@ -122,8 +122,8 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: 
         probe = build_probe(spec, Path(tmp) / "probe")
         _refuse_if_stochastic(spec, probe)
         job = _job(spec, bundle_dir, bundle_key, files, model_class, Path(tmp), diagnose=False)
-        log(f"probe: {probe.depth} of {probe.full_depth} layer(s), hidden {probe.config.hidden_size}, "
-            f"{probe.seq_len} tokens x {spec.parallel.dp} sequence(s); {world} ranks as {mode}")
+        _LOG.info(f"[verify] probe: {probe.depth} of {probe.full_depth} layer(s), hidden {probe.config.hidden_size}, "
+                  f"{probe.seq_len} tokens x {spec.parallel.dp} sequence(s); {world} ranks as {mode}")
         with _launch(job, mode, world) as proc:
             expected = reference_run(spec, probe)  # while the ranks start and run
             _finish(proc, job, mode, world, spec)
@@ -137,8 +137,8 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: 
     # No timing in the report: verify.json is install's file dependency, and a second
     # run (a concurrent generate) must write the same bytes or doit redoes install.
     report = {"mode": mode, "world": world, "steps": STEPS, **figures}
-    log(f"ok: world {world} ({mode}), {STEPS} steps, max loss rel err {figures['max_loss_rel']:.1e}, "
-        f"max grad rel err {figures['max_grad_rel']:.1e}, {len(got['grads'][0])} parameters, {seconds:.1f}s")
+    _LOG.info(f"[verify] ok: world {world} ({mode}), {STEPS} steps, max loss rel err {figures['max_loss_rel']:.1e}, "
+              f"max grad rel err {figures['max_grad_rel']:.1e}, {len(got['grads'][0])} parameters, {seconds:.1f}s")
     return report
 
 

@@ -179,11 +179,6 @@ class SourceLocation:
         return tuple(path.name for path in self.sibling_paths)
 
 
-def resolve_source(model_dir: Path, model_config: dict[str, Any]) -> ModelSource:
-    """The model's source, found and hashed (``hash_source(locate_source(...))``)."""
-    return hash_source(locate_source(model_dir, model_config))
-
-
 def locate_source(model_dir: Path, model_config: dict[str, Any]) -> SourceLocation:
     """Where the model's source is: its own remote code when config.json maps
     ``AutoModelForCausalLM`` in ``auto_map``, else transformers' file for its model_type."""
@@ -256,11 +251,6 @@ def locate_model_source(model_type: str) -> SourceLocation:
     module, path = modeling_path(model_type)
     return SourceLocation(model_type=model_type, module=module,
                           file=path.relative_to(transformers_root()).as_posix(), path=path)
-
-
-def resolve_model_source(model_type: str) -> ModelSource:
-    """The transformers modeling file of ``model_type``, hashed."""
-    return hash_source(locate_model_source(model_type))
 
 
 def source_text(source: ModelSource, model_dir: Path | None = None) -> str:

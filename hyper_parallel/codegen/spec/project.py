@@ -29,6 +29,17 @@ def modeling_file_name(model_type: str, device_type: str) -> str:
     return f"modeling_{model_token(model_type)}_gen_{device_type}.py"
 
 
+RECIPES_DIR = "recipes"  # the project's recipes: what `doit generate` and `check --all` take
+
+
+def project_recipes(root: Path | str = ".") -> list[str]:
+    """Every recipe under ``<root>/recipes`` (relative paths, sorted), leaving out model
+    folders and installed bundles: the recipes whose committed bundles the gate checks."""
+    base = Path(root)
+    return [path.relative_to(base).as_posix() for path in sorted((base / RECIPES_DIR).rglob("*.y*ml"))
+            if not {"generated", "models"} & set(path.relative_to(base).parts)]
+
+
 def recipe_id(recipe_path: Path, root: Path) -> str:
     """The recipe's workspace name: its path relative to ``root``, one-to-one (two recipes
     never share a workspace). Folders are joined by ``+``; ``.yaml`` is dropped (any other

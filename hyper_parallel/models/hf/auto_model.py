@@ -18,7 +18,6 @@
 prepared artifact, and only ``from_pretrained`` prepares one.
 """
 
-import logging
 import os
 import warnings
 from pathlib import Path
@@ -35,9 +34,6 @@ from hyper_parallel.models.hf.backend import (
     custom_model_module,
     resolve_modeling_backend,
 )
-
-
-_LOG = logging.getLogger(__name__)
 
 
 class HyperAutoModel:
@@ -67,7 +63,9 @@ class HyperAutoModel:
 
 
 def resolve_backend_for(config: TrainerConfig, hf_config: Any) -> ModelingBackend:
-    """The recipe's backend; the resolver's warnings are emitted here (``warnings.warn``)."""
+    """The recipe's backend; the resolver's warnings are emitted here. They stay
+    ``warnings.warn``: they are about the caller's recipe (a backend it asked for and does
+    not get), which a library user filters or turns into errors like any Python warning."""
     backend, messages = resolve_modeling_backend(
         force_hf=config.model.force_hf, modeling_backend=config.modeling_backend, codegen=config.codegen,
         model_type=getattr(hf_config, "model_type", None))
@@ -153,7 +151,7 @@ def prepare_codegen_artifact(config: TrainerConfig, *, rank: int | None = None, 
     from hyper_parallel.codegen.meta import load_codegen_meta
     from hyper_parallel.codegen.spec.project import signature_from_spec
 
-    spec = ensure_codegen_artifact(config, rank=rank, workspace_root=workspace_root, log=_LOG.info,
+    spec = ensure_codegen_artifact(config, rank=rank, workspace_root=workspace_root,
                                    timeout_s=DEFAULT_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
     report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
                                        fix=fix_command(spec))

@@ -7,6 +7,7 @@ applier (``hyper_parallel.distributed.applier``).
 """
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 from types import ModuleType
@@ -18,6 +19,8 @@ from torch import nn
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
 from hyper_parallel.errors import HyperParallelError
+
+_LOG = logging.getLogger(__name__)
 
 
 class ModelBuildError(ValueError, HyperParallelError):
@@ -263,7 +266,5 @@ def runtime_device_type(device_type: str) -> str:
         except ImportError:
             pass
     if device_type != "cpu":
-        import warnings
-        warnings.warn(f"accelerator.device_type {device_type!r} is not available here; using the CPU (gloo)",
-                      UserWarning, stacklevel=2)
+        _LOG.warning(f"accelerator.device_type {device_type!r} is not available here; using the CPU (gloo)")
     return "cpu"

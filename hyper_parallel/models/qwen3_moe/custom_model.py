@@ -101,13 +101,6 @@ class _no_context:
         return None
 
 
-def from_hf_model(hf_model: torch.nn.Module) -> Decoder:
-    """A custom-backend copy of an HF Qwen3MoeForCausalLM, with its weights."""
-    model = build_custom_model(hf_model.config)
-    load_hf_state_dict(model, hf_model.state_dict())
-    return model
-
-
 def parallelize_custom_model(model: Decoder, mesh: Any, *, loss_parallel: bool, enable_sp: bool) -> Decoder:
     """Fill the model's config tree with the declarative plan and apply it with the one
     applier. With ``loss_parallel`` the logits come back as local vocab shards

@@ -12,7 +12,6 @@ from hyper_parallel.models.qwen3_moe.custom_model import (
     UnsupportedHFConfigError,
     build_custom_model,
     decoder_config_from_hf,
-    from_hf_model,
 )
 from hyper_parallel.models.qwen3_moe.hf_state_dict import (
     HFStateDictError,
@@ -22,6 +21,14 @@ from hyper_parallel.models.qwen3_moe.hf_state_dict import (
 )
 
 TINY = Path(__file__).resolve().parents[5] / "recipes/tiny_cpu/models/tiny-qwen3-moe"
+
+
+def from_hf_model(hf_model):
+    """A custom-backend copy of an HF model with its weights, as the custom backend builds
+    one from a model folder (``build_custom_model`` then ``load_hf_state_dict``)."""
+    model = build_custom_model(hf_model.config)
+    load_hf_state_dict(model, hf_model.state_dict())
+    return model
 
 
 def _hf_model(dtype=torch.float32, **overrides):

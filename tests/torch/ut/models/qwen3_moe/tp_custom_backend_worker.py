@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hyper_parallel.models.qwen3_moe.custom_model import from_hf_model, parallelize_custom_model
-from hyper_parallel.models.qwen3_moe.hf_state_dict import hf_key_to_custom
+from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model, parallelize_custom_model
+from hyper_parallel.models.qwen3_moe.hf_state_dict import hf_key_to_custom, load_hf_state_dict
 from tests.rank_exit import leave_after_barrier
 
 CONFIG_DIR = "recipes/tiny_cpu/models/tiny-qwen3-moe"
@@ -70,7 +70,8 @@ def check_local_shapes(model, tp: int, where: str) -> list[str]:
 
 
 def check_variant(hf_model, ids, labels, ref_loss, ref_grads, mesh, *, sp: bool, lp: bool) -> list[str]:
-    model = from_hf_model(hf_model)
+    model = build_custom_model(hf_model.config)
+    load_hf_state_dict(model, hf_model.state_dict())
     parallelize_custom_model(model, mesh, loss_parallel=lp, enable_sp=sp)
     loss = parallel_loss(model, ids, labels, mesh, lp)
     errors = check_local_shapes(model, mesh.size(), f"sp={sp} lp={lp}")
