@@ -1,6 +1,7 @@
 """Build a throwaway copy of the project's doit entry point and recipes, and run the
 real tools (doit, the CLI) in it as subprocesses."""
 
+import json
 import os
 import re
 import shutil
@@ -54,6 +55,16 @@ def tasks_ran(output: str) -> list[str]:
 
 def tasks_skipped(output: str) -> list[str]:
     return [m.group(2) for m in _TASK_LINE.finditer(output) if m.group(1) == "--"]
+
+
+def verify_report(project: Path, recipe: Path) -> dict:
+    """The figures of the last verify of ``recipe`` (a recipe under ``project``, built with
+    the default workspace ``project/generated``): the workspace's verify.json keeps them,
+    codegen_meta.json only says how verify ran."""
+    from hyper_parallel.codegen.spec.project import recipe_id
+
+    rid = recipe_id(Path(recipe).resolve(), Path(project).resolve())
+    return json.loads((Path(project) / "generated" / rid / "verify.json").read_text())["report"]
 
 
 def bundle_bytes(bundle: Path) -> dict[str, bytes]:

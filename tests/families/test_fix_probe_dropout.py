@@ -9,7 +9,7 @@ import transformers
 
 from hyper_parallel.codegen.check.probe import shrink_widths
 from tests.families.family_cases import generate_tp2
-from tests.project_fixtures import REPO
+from tests.project_fixtures import REPO, verify_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -46,5 +46,5 @@ def test_llama_with_attention_dropout_verifies_at_tp2(tmp_path):
 
     recipe, out = generate_tp2(tmp_path / "project", "llama_dropout", llama_with_dropout)
     assert "[verify] ok: world 2 (torchrun)" in out, out[-4000:]
-    verified = json.loads((recipe.parent / "generated/codegen_meta.json").read_text())["verified"]
+    verified = verify_report(tmp_path / "project", recipe)
     assert verified["max_loss_rel"] <= 1e-5 and verified["max_grad_rel"] <= 1e-4, verified

@@ -32,7 +32,8 @@ def test_each_replacement_is_lowered_and_applied_exactly_once(tmp_path):
     HyperAutoModel.from_pretrained(config, workspace_root=workspace)  # generates the bundle
     bundle = recipe.parent / "generated"
     diff = (bundle / "modeling_Qwen3_Moe_gen_cpu.py.diff").read_text()
-    assert diff.count("+        hyper_apply_replacements(self, HYPER_REPLACEMENTS)") == 2  # base model + ForCausalLM
+    apply_line = "+        hyper_parallel_runtime.hyper_apply_replacements(self, HYPER_REPLACEMENTS)"
+    assert diff.count(apply_line) == 2  # base model + ForCausalLM
     assert "tests.models.counting_replacements.counted_attention" in diff
 
     counting_replacements.CALLS.update(attention=0, experts=0)

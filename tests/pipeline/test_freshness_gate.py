@@ -4,7 +4,6 @@ code changes no committed file."""
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import yaml

@@ -6,13 +6,12 @@ tp2 and cp2, and whose tp2-sp equivalence tests/families/test_families_tp.py che
 the planner's own plan (llama, qwen3, mixtral, qwen2_moe), are not generated here again;
 qwen2 is in neither, so it is."""
 
-import json
 import shutil
 
 import pytest
 import yaml
 
-from tests.project_fixtures import REPO, TINY_RECIPE, cli
+from tests.project_fixtures import REPO, TINY_RECIPE, cli, verify_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -46,5 +45,5 @@ def test_layout_passes_verify(project, case):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "[verify] ok: world 2 (torchrun)" in out, out[-4000:]
-    verified = json.loads((folder / "generated/codegen_meta.json").read_text())["verified"]
+    verified = verify_report(project, recipe)
     assert verified["world"] == 2 and verified["max_loss_rel"] <= 1e-5 and verified["max_grad_rel"] <= 1e-4

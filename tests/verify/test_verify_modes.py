@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
-from tests.project_fixtures import TINY_RECIPE, cli
+from tests.project_fixtures import TINY_RECIPE, cli, verify_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -39,9 +39,8 @@ def test_threads_and_torchrun_give_the_same_verdict_and_figures(project, layout)
         assert proc.returncode == 0, out
         assert f"({mode})" in out, out
         meta = json.loads((recipe.parent / "generated" / "codegen_meta.json").read_text())
-        verified[mode] = meta["verified"]
-        assert meta["verified"]["mode"] == mode
-        assert meta["verified"]["world"] == world
+        assert meta["verified"] == {"mode": mode, "world": world, "steps": 2}
+        verified[mode] = verify_report(project, recipe)
     torchrun, threads = verified["torchrun"], verified["threads"]
     assert torchrun["max_loss_rel"] <= 1e-5 and torchrun["max_grad_rel"] <= 1e-4
     # Same collectives on the same data: the same figures up to reduction order.
