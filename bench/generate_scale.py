@@ -102,10 +102,10 @@ def bench_preflight(project: Path) -> dict:
                    "from hyper_parallel.codegen.meta import load_codegen_meta\n"
                    "from hyper_parallel.codegen.plan.derive import build_meta_model\n"
                    "spec = load_spec(sys.argv[1])\n"
-                   "module = load_generated_module(spec.artifact_dir)\n"
-                   "cls = getattr(module, load_codegen_meta(spec.artifact_dir)['model']['model_class'])\n"
+                   "module = load_generated_module(spec.bundle_dir)\n"
+                   "cls = getattr(module, load_codegen_meta(spec.bundle_dir)['model']['model_class'])\n"
                    "model, _ = build_meta_model(spec, cls)\n"
-                   "preflight_integrity_check(spec.artifact_dir, model=model)\n")
+                   "preflight_integrity_check(spec.bundle_dir, model=model)\n")
     single, _ = measured([sys.executable, "-c", single_code, recipe], project)
     print(f"preflight   torchrun world 4 {world4:6.2f}s vs single process {single:6.2f}s "
           f"({world4 / single:4.2f}x)", flush=True)

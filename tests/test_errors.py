@@ -104,7 +104,7 @@ def test_every_package_exception_has_the_common_base():
 @pytest.mark.slow
 def test_builtin_bases_are_kept():
     found = {cls.__name__: cls for cls in _package_exceptions()}
-    for name, builtin in (("RecipeError", ValueError), ("PlanError", ValueError), ("ArtifactError", OSError),
+    for name, builtin in (("RecipeError", ValueError), ("PlanError", ValueError), ("BundleError", OSError),
                           ("CodegenWaitError", TimeoutError), ("BundleImportError", ImportError),
                           ("HFStateDictError", KeyError), ("Unsliceable", TypeError),
                           ("PreflightError", RuntimeError), ("StyleRefusal", ValueError)):

@@ -92,10 +92,10 @@ def _run_one(args: argparse.Namespace, recipe: str) -> int:
 def is_bad_input(exc: BaseException) -> bool:
     """The recipe, the model folder or the bundle folder is at fault (exit code 2), not a
     check that ran and failed or a fault of ours (exit code 1). Our input errors are the
-    project's ValueError kinds (RecipeError, SourceError, DeriveError, ...) and ArtifactError."""
-    from hyper_parallel.codegen.artifact import ArtifactError
+    project's ValueError kinds (RecipeError, SourceError, DeriveError, ...) and BundleError."""
+    from hyper_parallel.codegen.bundle_folder import BundleError
 
-    return isinstance(exc, HyperParallelError) and isinstance(exc, (ValueError, ArtifactError))
+    return isinstance(exc, HyperParallelError) and isinstance(exc, (ValueError, BundleError))
 
 
 def _naming_recipe(message: str, config: str) -> str:
@@ -115,7 +115,7 @@ def _dispatch(args: argparse.Namespace, recipe: str) -> int:
     if args.command == "generate":
         stages = STAGES[:-1] if args.skip_preflight else STAGES
         ran = run_pipeline(spec, stages, force=args.force)
-        print(f"{spec.artifact_dir}: {'stages run: ' + ', '.join(ran) if ran else 'up to date'}")
+        print(f"{spec.bundle_dir}: {'stages run: ' + ', '.join(ran) if ran else 'up to date'}")
         return 0
     return check_bundle(spec, fix=args.fix)
 
@@ -128,7 +128,7 @@ def check_bundle(spec: CodegenSpec, *, fix: bool) -> int:
 
     problems = freshness_problems(spec)
     if problems and fix:
-        print(f"{spec.artifact_dir}: stale; regenerating it (--fix)")
+        print(f"{spec.bundle_dir}: stale; regenerating it (--fix)")
         run_pipeline(spec, STAGES)
         problems = freshness_problems(spec)
         fixed = not problems
@@ -141,7 +141,7 @@ def check_bundle(spec: CodegenSpec, *, fix: bool) -> int:
     if not fixed:  # generate has just verified and preflighted what it installed
         verify_installed(spec)
         run_pipeline(spec, ["preflight"], force=True)
-    print(f"{spec.artifact_dir}: {'regenerated; ' if fixed else ''}check passed (current, verified, preflight ok)")
+    print(f"{spec.bundle_dir}: {'regenerated; ' if fixed else ''}check passed (current, verified, preflight ok)")
     return 0
 
 
@@ -154,7 +154,7 @@ def _under_torchrun(args: argparse.Namespace, recipe: str, config: TrainerConfig
     check_launch_world_size(config)
     if args.command == "generate":
         ensure_bundle(spec)
-    report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
+    report = preflight_integrity_check(spec.bundle_dir, expected_signature=signature_from_spec(spec),
                                        fix=f"doit generate config={recipe}")
-    print(f"rank {os.environ.get('RANK', '0')}: {spec.artifact_dir} ok (digest {report['digest'][:12]})")
+    print(f"rank {os.environ.get('RANK', '0')}: {spec.bundle_dir} ok (digest {report['digest'][:12]})")
     return 0

@@ -1,6 +1,6 @@
 """Import an installed bundle as a synthetic package, without touching sys.path.
 
-The package name is stable per artifact directory (a hash of its absolute path), so
+The package name is stable per bundle directory (a hash of its absolute path), so
 two bundles never collide in ``sys.modules`` and re-importing the same bundle reuses
 the module. A failed import leaves nothing behind in ``sys.modules``. Remote-code
 siblings copied into the bundle are submodules of that package, so the generated
@@ -30,25 +30,25 @@ class BundleImportError(ImportError, HyperParallelError):
     """The generated modeling file could not be imported."""
 
 
-def bundle_package_name(artifact_dir: str | Path, signature: str | None = None) -> str:
+def bundle_package_name(bundle_dir: str | Path, signature: str | None = None) -> str:
     """``hyper_parallel_generated._<folder hash>_<signature>``: stable for one installed
     bundle; a reinstall with another signature imports afresh instead of reusing the old
     module. Without ``signature`` it is read from the bundle's meta (when readable)."""
-    artifact_dir = Path(artifact_dir).resolve()
-    digest = hashlib.sha256(str(artifact_dir).encode()).hexdigest()[:16]
+    bundle_dir = Path(bundle_dir).resolve()
+    digest = hashlib.sha256(str(bundle_dir).encode()).hexdigest()[:16]
     if signature is None:
         try:
-            signature = load_codegen_meta(artifact_dir)["signature"]
+            signature = load_codegen_meta(bundle_dir)["signature"]
         except MetaError:
             signature = ""
     return f"{PACKAGE_PREFIX}._{digest}" + (f"_{str(signature)[:12]}" if signature else "")
 
 
-def load_generated_module(artifact_dir: str | Path) -> ModuleType:
+def load_generated_module(bundle_dir: str | Path) -> ModuleType:
     """The bundle's modeling module (e.g. ``modeling_Qwen3_Moe_gen_npu``)."""
-    artifact_dir = Path(artifact_dir).resolve()
-    meta = load_codegen_meta(artifact_dir)
-    return load_bundle_module(artifact_dir, meta["modeling_file"], meta["signature"], meta["outputs"])
+    bundle_dir = Path(bundle_dir).resolve()
+    meta = load_codegen_meta(bundle_dir)
+    return load_bundle_module(bundle_dir, meta["modeling_file"], meta["signature"], meta["outputs"])
 
 
 def load_bundle_module(bundle_dir: str | Path, modeling_file: str, key: str, files: Mapping[str, str]) -> ModuleType:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from hyper_parallel.codegen.artifact import META_FILE, check_owned, remove_stale_staging_dirs
+from hyper_parallel.codegen.bundle_folder import META_FILE, check_owned, remove_stale_staging_dirs
 from hyper_parallel.codegen.spec.project import project_codegen_spec, signature_from_spec
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
 from hyper_parallel.codegen.stages import (
@@ -44,9 +44,9 @@ def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bo
     """Run every stale stage in order; return the names of the stages that ran. A run that
     fails in a recipe's first build leaves no workspace behind (nothing on disk changed)."""
     if "install" in stages:  # before any work: a folder install would refuse is refused now
-        check_owned(spec.artifact_dir, "install", spec.bundle_file_names)
+        check_owned(spec.bundle_dir, "install", spec.bundle_file_names)
     remove_orphaned_temp_files(spec.workspace)  # what a killed run left: the next run cleans up
-    remove_stale_staging_dirs(spec.artifact_dir)
+    remove_stale_staging_dirs(spec.bundle_dir)
     fresh = not spec.workspace.exists()
     fresh_root = not spec.workspace.parent.exists()
     ran = []
@@ -70,9 +70,9 @@ def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bo
 def clean_recipe(spec: CodegenSpec, *, what: tuple[str, ...] = ("bundle", "workspace")) -> None:
     """Remove the installed bundle and/or the recipe's workspace (doit and the CLI)."""
     targets = []
-    if "bundle" in what and (spec.artifact_dir.is_dir() or spec.artifact_dir.is_symlink()):
-        check_owned(spec.artifact_dir, "remove")
-        targets.append(spec.artifact_dir)
+    if "bundle" in what and (spec.bundle_dir.is_dir() or spec.bundle_dir.is_symlink()):
+        check_owned(spec.bundle_dir, "remove")
+        targets.append(spec.bundle_dir)
     if "workspace" in what and (spec.workspace.is_dir() or spec.workspace.is_symlink()):
         check_workspace_owned(spec.workspace)
         targets.append(spec.workspace)
@@ -83,7 +83,7 @@ def clean_recipe(spec: CodegenSpec, *, what: tuple[str, ...] = ("bundle", "works
 
 def _failure_marker(spec: CodegenSpec) -> Path:
     """Beside the bundle, which every rank must see (the workspace may be node-local)."""
-    return spec.artifact_dir.parent / f".{spec.artifact_dir.name}.generation-failed.json"
+    return spec.bundle_dir.parent / f".{spec.bundle_dir.name}.generation-failed.json"
 
 
 def _run_id() -> str:
@@ -94,7 +94,9 @@ def _run_id() -> str:
 def ensure_codegen_artifact(config: TrainerConfig, *, rank: int | None = None,
                             timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, poll_s: float = 0.2,
                             workspace_root: str | Path | None = None) -> CodegenSpec:
-    """Make sure the recipe's bundle is installed and current, coordinating ranks.
+    """Make sure the recipe's bundle is installed and current, coordinating ranks. (The
+    name is the seed's, which calls the bundle an "artifact"; so is the recipe key
+    ``model.codegen_artifact_dir``. Everywhere else the one word is "bundle".)
 
     Rank 0 reuses a current bundle as is (no planning at training start) or runs the
     stages through install (the torchrun preflight is not nested inside a training job).
@@ -124,7 +126,7 @@ def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: floa
                                     "error": f"{type(exc).__name__}: {exc}"})
                 raise
         else:
-            _LOG.info(f"reusing {spec.artifact_dir} (signature {signature[:12]})")
+            _LOG.info(f"reusing {spec.bundle_dir} (signature {signature[:12]})")
     else:
         _wait_for_bundle(spec, signature, timeout_s, poll_s)
     _barrier_if_distributed()
@@ -139,14 +141,14 @@ def _barrier_if_distributed() -> None:
 
 def _wait_for_bundle(spec: CodegenSpec, signature: str, timeout_s: float, poll_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    meta_path = spec.artifact_dir / META_FILE
+    meta_path = spec.bundle_dir / META_FILE
     while True:
         meta = read_json(meta_path)
         if meta and meta.get("signature") == signature:
             return
         failure = read_json(_failure_marker(spec))
         if failure and failure.get("signature") == signature and failure.get("run_id", "") == _run_id():
-            raise CodegenWaitError(f"rank 0 failed to generate {spec.artifact_dir}: {failure['error']}")
+            raise CodegenWaitError(f"rank 0 failed to generate {spec.bundle_dir}: {failure['error']}")
         if time.monotonic() >= deadline:
             found = meta.get("signature") if meta else "no bundle"
             raise CodegenWaitError(

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.artifact import META_FILE
+from hyper_parallel.codegen.bundle_folder import META_FILE
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_json
 from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.errors import HyperParallelError
@@ -49,8 +49,8 @@ def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, by
     return (json.dumps(meta, indent=2, sort_keys=False) + "\n").encode()
 
 
-def load_codegen_meta(artifact_dir: str | Path) -> dict[str, Any]:
-    path = Path(artifact_dir) / META_FILE
+def load_codegen_meta(bundle_dir: str | Path) -> dict[str, Any]:
+    path = Path(bundle_dir) / META_FILE
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (FileNotFoundError, NotADirectoryError):  # NotADirectory: a file sits where the bundle goes

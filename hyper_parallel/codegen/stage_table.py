@@ -10,7 +10,7 @@ meta file name).
 
 from dataclasses import dataclass
 
-from hyper_parallel.codegen.artifact import META_FILE
+from hyper_parallel.codegen.bundle_folder import META_FILE
 
 # The pipeline workspace (DESIGN §2): per-recipe stage outputs and doit's state, a folder
 # of this name under the folder doit runs in, unless ``$HYPER_PARALLEL_WORKSPACE`` moves it.
@@ -76,7 +76,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
     # install's record is the bundle's meta, sealed with the bundle signature itself
     Stage("install", "swap the verified staged bundle into <recipe dir>/generated/ atomically",
           facts=("bundle_signature",), reads=("emit", "diff", "verify"), output=f"{IN_BUNDLE}/{META_FILE}",
-          implementation=("codegen/artifact.py", "codegen/meta.py")),
+          implementation=("codegen/bundle_folder.py", "codegen/meta.py")),
     Stage("preflight", "torchrun across the recipe's world size: apply the plan, check shards and digests",
           facts=("world_size",), reads=("install",), output="preflight.json",
           implementation=("codegen/check", "codegen/loader.py", "codegen/runtime.py", "class_paths.py",

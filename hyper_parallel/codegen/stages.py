@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.artifact import META_FILE, ArtifactError, pid_alive, write_bundle_atomic
+from hyper_parallel.codegen.bundle_folder import META_FILE, BundleError, pid_alive, write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
 from hyper_parallel.codegen.spec.types import CodegenSpec
@@ -51,7 +51,7 @@ class StageFiles:
     def output(self, name: str) -> Path:
         """The record stage ``name`` writes: in the workspace, or the installed bundle's meta."""
         row = stage_row(name)
-        return (self.spec.artifact_dir if row.in_bundle else self.spec.workspace) / row.output_name
+        return (self.spec.bundle_dir if row.in_bundle else self.spec.workspace) / row.output_name
 
     def upstream(self, name: str) -> list[Path]:
         """The outputs of the earlier stages that stage ``name`` reads."""
@@ -219,8 +219,8 @@ def verify_installed(spec: CodegenSpec) -> dict[str, Any]:
     from hyper_parallel.codegen.check.verify import verify_bundle
     from hyper_parallel.codegen.meta import load_codegen_meta
 
-    meta = load_codegen_meta(spec.artifact_dir)
-    return verify_bundle(spec, spec.artifact_dir, meta["signature"], meta["outputs"],
+    meta = load_codegen_meta(spec.bundle_dir)
+    return verify_bundle(spec, spec.bundle_dir, meta["signature"], meta["outputs"],
                          meta["model"]["model_class"])
 
 
@@ -246,20 +246,20 @@ def run_install(spec: CodegenSpec) -> None:
         raise RuntimeError(f"{verify_record}: verify ran as {verified['report']}, this layout needs {expected}; "
                            f"run `doit generate config={spec.recipe_path}`")
     payload, meta = install_payload(spec, expected)
-    replaced = installed_recipe(spec.artifact_dir)
+    replaced = installed_recipe(spec.bundle_dir)
     if replaced is not None and replaced != spec.recipe_rel:
-        _LOG.warning(f"[install] warning: {spec.artifact_dir} held the bundle of {replaced}; "
+        _LOG.warning(f"[install] warning: {spec.bundle_dir} held the bundle of {replaced}; "
                      f"it now holds {spec.recipe_rel}'s. Recipes that share a folder share one bundle: give each its own model.codegen_artifact_dir")
-    write_bundle_atomic(spec.artifact_dir, payload, meta)
-    _LOG.info(f"[install] installed {spec.artifact_dir}")
+    write_bundle_atomic(spec.bundle_dir, payload, meta)
+    _LOG.info(f"[install] installed {spec.bundle_dir}")
 
 
-def installed_recipe(artifact_dir: Path) -> str | None:
+def installed_recipe(bundle_dir: Path) -> str | None:
     """The recipe (relative to the bundle) the installed bundle was built from, if readable."""
     from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 
     try:
-        return load_codegen_meta(artifact_dir).get("recipe")
+        return load_codegen_meta(bundle_dir).get("recipe")
     except MetaError:
         return None
 
@@ -356,7 +356,7 @@ def install_is_current(spec: CodegenSpec) -> bool:
     except (OSError, RuntimeError):
         return False
     expected = {**payload, META_FILE: meta}
-    folder = spec.artifact_dir
+    folder = spec.bundle_dir
     present = {p.name for p in folder.iterdir() if p.is_file()} if folder.is_dir() else set()
     return present == set(expected) and all((folder / name).read_bytes() == data for name, data in expected.items())
 
@@ -385,13 +385,13 @@ def _write_staged(spec: CodegenSpec, stage: str, outputs: dict[str, bytes]) -> N
 def check_workspace_owned(workspace: Path) -> None:
     """Clean removes a recipe's workspace only when it holds nothing but stage outputs."""
     if workspace.is_symlink():
-        raise ArtifactError(f"cannot remove the workspace {workspace}: it is a symbolic link (to "
+        raise BundleError(f"cannot remove the workspace {workspace}: it is a symbolic link (to "
                             f"{os.readlink(workspace)}); nothing was changed")
     known = WORKSPACE_ENTRIES
     foreign = sorted(e.name for e in workspace.iterdir()
                      if e.is_symlink() or (e.name not in known and not _TEMP_FILE.match(e.name)))
     if foreign:
-        raise ArtifactError(f"cannot remove the workspace {workspace}: it holds {len(foreign)} entr(ies) the "
+        raise BundleError(f"cannot remove the workspace {workspace}: it holds {len(foreign)} entr(ies) the "
                             f"pipeline did not write ({', '.join(foreign[:10])}); nothing was changed; move them out")
 
 

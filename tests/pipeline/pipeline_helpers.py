@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from hyper_parallel.codegen.artifact import write_bundle_atomic
+from hyper_parallel.codegen.bundle_folder import write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes
 from hyper_parallel.codegen.meta import META_SCHEMA_VERSION, REQUIRED_META_FIELDS
 from tests.project_fixtures import REPO, TINY_RECIPE, cli, make_project
@@ -61,8 +61,8 @@ def fake_meta(files: dict[str, bytes], modeling_file: str, signature: str = "0" 
     return (json.dumps(meta, indent=2) + "\n").encode()
 
 
-def install_fake_bundle(artifact_dir: Path, body: str, modeling_file: str = "modeling_fake.py",
+def install_fake_bundle(bundle_dir: Path, body: str, modeling_file: str = "modeling_fake.py",
                         signature: str = "0" * 64) -> Path:
     """A torch-free bundle: ``__init__.py`` and a modeling file holding ``body``."""
     files = {"__init__.py": b'"""fake bundle"""\n', modeling_file: body.encode()}
-    return write_bundle_atomic(artifact_dir, files, fake_meta(files, modeling_file, signature))
+    return write_bundle_atomic(bundle_dir, files, fake_meta(files, modeling_file, signature))

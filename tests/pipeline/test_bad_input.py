@@ -1,5 +1,5 @@
 """Bad input that doesn't fit the bad-recipe corpus (test_bad_recipe_corpus.py): a
-torchrun launch shape that contradicts a good recipe, and an artifact directory that
+torchrun launch shape that contradicts a good recipe, and a bundle directory that
 cannot be created. Both fail with a clear message and never touch the installed bundle.
 """
 
@@ -31,11 +31,11 @@ def test_world_size_env_contradicting_the_recipe_is_a_clear_error(installed_proj
     assert_bundle_untouched(project, before)
 
 
-@pytest.mark.parametrize("artifact_dir, expected", [
+@pytest.mark.parametrize("bundle_dir, expected", [
     ("blocker/generated", "blocker exists and is not a directory"),
     ("blocker", "cannot install the bundle at"),
 ])
-def test_uncreatable_artifact_dir_is_a_clear_error(tmp_path_factory, tmp_path, artifact_dir, expected):
+def test_uncreatable_bundle_dir_is_a_clear_error(tmp_path_factory, tmp_path, bundle_dir, expected):
     # Tests run as root, which ignores permission bits: a regular file where the bundle
     # directory (or its parent) must go makes the path un-creatable instead. The good
     # recipe itself is edited (in a copy) so that only the emit/install stages rerun.
@@ -45,7 +45,7 @@ def test_uncreatable_artifact_dir_is_a_clear_error(tmp_path_factory, tmp_path, a
     recipe = project / TINY_RECIPE
     recipe.write_text(recipe.read_text().replace(
         "  attn_implementation: eager\n",
-        f"  attn_implementation: eager\n  codegen_artifact_dir: {artifact_dir}\n"))
+        f"  attn_implementation: eager\n  codegen_artifact_dir: {bundle_dir}\n"))
 
     proc = cli(project, "generate", "--config", TINY_RECIPE, "--skip-preflight", env=ENV)
 

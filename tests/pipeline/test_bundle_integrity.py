@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hyper_parallel.codegen.artifact import META_FILE, remove_stale_staging_dirs, write_bundle_atomic
+from hyper_parallel.codegen.bundle_folder import META_FILE, remove_stale_staging_dirs, write_bundle_atomic
 from hyper_parallel.codegen.check.drift import bundle_file_problems
 from hyper_parallel.codegen.check.preflight import PreflightError, preflight_integrity_check
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
@@ -109,7 +109,7 @@ def test_tampered_meta_is_detected_and_never_imported(project, case):
 INSTALL_LOOP = """
 import json, sys
 from pathlib import Path
-from hyper_parallel.codegen.artifact import write_bundle_atomic
+from hyper_parallel.codegen.bundle_folder import write_bundle_atomic
 
 target, *sources = sys.argv[1:]
 bundles = []

@@ -65,7 +65,7 @@ def _assert_one_clean_valid_bundle(project: Path) -> None:
     # subprocesses did, in case the package's sources changed since this process cached it.
     implementation_sha256.cache_clear()
     spec = load_spec(project / TINY_RECIPE, project / "generated")
-    report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec))
+    report = preflight_integrity_check(spec.bundle_dir, expected_signature=signature_from_spec(spec))
     assert report["plan_entries"] > 0
     strays = [p.name for p in (project / BUNDLE).parent.iterdir() if p.name.startswith(".hp-bundle-")]
     strays += [p.name for p in (project / "generated").rglob("*.tmp")]

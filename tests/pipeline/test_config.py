@@ -49,7 +49,7 @@ def test_reading_and_projecting_write_nothing(recipes, tmp_path, monkeypatch):
     spec = project_codegen_spec(config)
 
     assert _listing(tmp_path) == before
-    assert not spec.artifact_dir.exists() and not spec.workspace.exists()
+    assert not spec.bundle_dir.exists() and not spec.workspace.exists()
 
 
 @pytest.mark.parametrize("text, key", [
@@ -105,7 +105,7 @@ def test_paths_resolve_against_the_yaml_folder(recipes, tmp_path, monkeypatch):
         yaml_dir = Path(load_training_config(recipe)._yaml_path).parent
         assert spec.model_dir == (recipes / "models" / "tiny-qwen3-moe").resolve()
         assert spec.model_dir_rel == model_rel
-        assert spec.artifact_dir == yaml_dir / "generated"
+        assert spec.bundle_dir == yaml_dir / "generated"
         assert spec.model_config["model_type"] == "qwen3_moe"
 
 

@@ -1,5 +1,5 @@
 """The loader imports a bundle as a synthetic package: one stable module name per
-artifact directory, sys.path untouched, failed imports not cached (DESIGN §6)."""
+bundle directory, sys.path untouched, failed imports not cached (DESIGN §6)."""
 
 import sys
 from pathlib import Path

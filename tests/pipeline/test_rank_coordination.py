@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hyper_parallel.codegen.artifact import META_FILE
+from hyper_parallel.codegen.bundle_folder import META_FILE
 from hyper_parallel.codegen.hash import implementation_sha256
 from hyper_parallel.codegen.manager import CodegenWaitError, ensure_codegen_artifact
 from hyper_parallel.config import load_training_config
@@ -90,6 +90,6 @@ def test_rank1_returns_when_rank0_installs_the_bundle(tmp_path):
     finally:
         _, stderr = rank0.communicate(timeout=120)
     assert rank0.returncode == 0, stderr[-3000:]
-    meta = json.loads((spec.artifact_dir / META_FILE).read_text())
-    assert spec.artifact_dir == project / "recipes/tiny_cpu/generated"
-    assert (spec.artifact_dir / meta["modeling_file"]).is_file()
+    meta = json.loads((spec.bundle_dir / META_FILE).read_text())
+    assert spec.bundle_dir == project / "recipes/tiny_cpu/generated"
+    assert (spec.bundle_dir / meta["modeling_file"]).is_file()

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from hyper_parallel.codegen.artifact import META_FILE
+from hyper_parallel.codegen.bundle_folder import META_FILE
 from hyper_parallel.codegen.hash import sha256_file
 from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.project import signature_from_spec
@@ -13,12 +13,12 @@ def fix_command(spec: CodegenSpec) -> str:
     return f"doit generate config={spec.recipe_path}"
 
 
-def bundle_file_problems(artifact_dir: Path, meta: dict) -> list[str]:
+def bundle_file_problems(bundle_dir: Path, meta: dict) -> list[str]:
     """Files listed in the meta that are missing or whose sha256 differs, and remote-code
     siblings the source records that the bundle does not carry unchanged."""
-    problems = sibling_problems(artifact_dir, meta)
+    problems = sibling_problems(bundle_dir, meta)
     for name, expected in meta["outputs"].items():
-        path = artifact_dir / name
+        path = bundle_dir / name
         if not path.is_file():
             problems.append(f"{path}: missing (listed in codegen_meta.json)")
             continue
@@ -29,17 +29,17 @@ def bundle_file_problems(artifact_dir: Path, meta: dict) -> list[str]:
     return problems
 
 
-def sibling_problems(artifact_dir: Path, meta: dict) -> list[str]:
+def sibling_problems(bundle_dir: Path, meta: dict) -> list[str]:
     """Every sibling of a remote-code source must be listed in ``outputs`` with the
     sha256 it was resolved with (the bundle carries it byte for byte)."""
     problems = []
     outputs = meta["outputs"]
     for name, expected in (meta["source"].get("siblings") or []):
         if name not in outputs:
-            problems.append(f"{artifact_dir / META_FILE}: outputs: remote-code sibling {name} of "
+            problems.append(f"{bundle_dir / META_FILE}: outputs: remote-code sibling {name} of "
                             f"{meta['source'].get('file')} is not part of the bundle")
         elif outputs[name] != expected:
-            problems.append(f"{artifact_dir / META_FILE}: outputs: sibling {name}: expected the sha256 "
+            problems.append(f"{bundle_dir / META_FILE}: outputs: sibling {name}: expected the sha256 "
                             f"resolved from the model folder {expected}, listed {outputs[name]}")
     return problems
 
@@ -47,17 +47,17 @@ def sibling_problems(artifact_dir: Path, meta: dict) -> list[str]:
 def installed_bundle_problems(spec: CodegenSpec) -> list[str]:
     """Empty when the installed bundle is the one this recipe would generate."""
     try:
-        meta = load_codegen_meta(spec.artifact_dir)
+        meta = load_codegen_meta(spec.bundle_dir)
     except MetaError as exc:
         return [str(exc)]
     problems = []
     expected = signature_from_spec(spec)
     if meta["signature"] != expected:
         problems.append(
-            f"{spec.artifact_dir / META_FILE}: signature mismatch: the recipe "
+            f"{spec.bundle_dir / META_FILE}: signature mismatch: the recipe "
             f"{spec.recipe_path.name} now gives {expected}, the bundle was built for {meta['signature']} "
             f"(a codegen input changed since generation)")
     if meta.get("modeling_file") != spec.modeling_file:
-        problems.append(f"{spec.artifact_dir / META_FILE}: modeling_file: expected "
+        problems.append(f"{spec.bundle_dir / META_FILE}: modeling_file: expected "
                         f"{spec.modeling_file!r}, got {meta.get('modeling_file')!r}")
-    return problems + bundle_file_problems(spec.artifact_dir, meta)
+    return problems + bundle_file_problems(spec.bundle_dir, meta)

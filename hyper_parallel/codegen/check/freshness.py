@@ -48,13 +48,13 @@ def transformers_mismatch(spec: CodegenSpec) -> str | None:
     """One line when the bundle was built with another transformers than the one
     installed: every file would differ, and the cause is the environment, not the code."""
     try:
-        built_with = load_codegen_meta(spec.artifact_dir)["source"].get("transformers_version")
+        built_with = load_codegen_meta(spec.bundle_dir)["source"].get("transformers_version")
     except MetaError:
         return None
     installed = spec.source.transformers_version
     if built_with in (None, installed):
         return None
-    return (f"{spec.artifact_dir}: built with transformers {built_with}, this environment has {installed}; "
+    return (f"{spec.bundle_dir}: built with transformers {built_with}, this environment has {installed}; "
             f"install the pinned versions (pip install -c constraints.txt ...) or regenerate: {fix_command(spec)}")
 
 
@@ -64,7 +64,7 @@ def stale_files(spec: CodegenSpec) -> list[StaleFile]:
     from hyper_parallel.codegen.stages import expected_bundle
 
     expected = expected_bundle(spec)
-    folder = spec.artifact_dir
+    folder = spec.bundle_dir
     present = {p.name for p in folder.iterdir() if p.is_file()} if folder.is_dir() else set()
     stale = []
     for name in sorted(present | set(expected)):
@@ -80,7 +80,7 @@ def freshness_problems(spec: CodegenSpec) -> list[str]:
     meta says is wrong (a signature the recipe does not give, a file whose sha256 is not
     the listed one) and each stale file with its diff."""
     try:
-        load_codegen_meta(spec.artifact_dir)
+        load_codegen_meta(spec.bundle_dir)
     except MetaError as exc:
         return [str(exc)]
     mismatch = transformers_mismatch(spec)

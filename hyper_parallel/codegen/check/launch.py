@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hyper_parallel.codegen.artifact import pid_alive
+from hyper_parallel.codegen.bundle_folder import pid_alive
 from hyper_parallel.codegen.check.launch_guard import OWNER_ENV
 from hyper_parallel.distributed.rank_exit import FORKED_ENV
 from hyper_parallel.errors import HyperParallelError

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.artifact import META_FILE
+from hyper_parallel.codegen.bundle_folder import META_FILE
 from hyper_parallel.codegen.check.forked_torchrun import rank_preload, torchrun_command
 from hyper_parallel.codegen.check.launch import LaunchError, RankFiles, RankLaunch, scratch_dir, wait_for_ranks
 from hyper_parallel.codegen.check.drift import bundle_file_problems, fix_command
@@ -24,39 +24,39 @@ class PreflightError(RuntimeError, HyperParallelError):
     """The bundle is not fit to train with; the message says what and how to fix it."""
 
 
-def preflight_integrity_check(artifact_dir: str | Path, *, expected_signature: str | None = None,
+def preflight_integrity_check(bundle_dir: str | Path, *, expected_signature: str | None = None,
                               model: Any = None, fix: str = "doit generate") -> dict[str, Any]:
     """Checks every rank runs before importing a bundle. Returns a small report."""
     from hyper_parallel.codegen.loader import load_generated_module
 
-    artifact_dir = Path(artifact_dir)
+    bundle_dir = Path(bundle_dir)
     try:
-        meta = load_codegen_meta(artifact_dir)
+        meta = load_codegen_meta(bundle_dir)
     except MetaError as exc:
         raise PreflightError(f"{exc}\n  fix: {fix}") from None
     if expected_signature is not None and meta["signature"] != expected_signature:
-        raise PreflightError(f"{artifact_dir / META_FILE}: signature mismatch: expected {expected_signature}, "
+        raise PreflightError(f"{bundle_dir / META_FILE}: signature mismatch: expected {expected_signature}, "
                              f"bundle has {meta['signature']}\n  fix: {fix}")
-    problems = bundle_file_problems(artifact_dir, meta)
+    problems = bundle_file_problems(bundle_dir, meta)
     if problems:
         raise PreflightError("\n".join(problems) + f"\n  fix: {fix}")
-    module = load_generated_module(artifact_dir)
+    module = load_generated_module(bundle_dir)
     plan = getattr(module, "HYPER_PARALLEL_PLAN", None)
     if not plan or not plan.get("modules"):
-        raise PreflightError(f"{artifact_dir / meta['modeling_file']}: HYPER_PARALLEL_PLAN is empty\n  fix: {fix}")
+        raise PreflightError(f"{bundle_dir / meta['modeling_file']}: HYPER_PARALLEL_PLAN is empty\n  fix: {fix}")
     if model is not None:
         uncovered = uncovered_parameters(model, plan["modules"])
         if uncovered:
-            raise PreflightError(f"{artifact_dir / meta['modeling_file']}: the frozen plan covers no entry for "
+            raise PreflightError(f"{bundle_dir / meta['modeling_file']}: the frozen plan covers no entry for "
                                  f"parameter(s) {', '.join(uncovered[:5])}\n  fix: {fix}")
-    return {"signature": meta["signature"], "digest": bundle_digest(artifact_dir, meta),
+    return {"signature": meta["signature"], "digest": bundle_digest(bundle_dir, meta),
             "plan_entries": len(plan["modules"])}
 
 
-def bundle_digest(artifact_dir: Path, meta: dict[str, Any]) -> str:
+def bundle_digest(bundle_dir: Path, meta: dict[str, Any]) -> str:
     """One hash for everything a rank will import: the meta and every listed file."""
-    parts = [sha256_file(artifact_dir / META_FILE)] + [
-        f"{name}={sha256_file(artifact_dir / name)}" for name in sorted(meta["outputs"])]
+    parts = [sha256_file(bundle_dir / META_FILE)] + [
+        f"{name}={sha256_file(bundle_dir / name)}" for name in sorted(meta["outputs"])]
     return sha256_bytes("\n".join(parts).encode())
 
 
@@ -83,13 +83,13 @@ def run_torchrun_preflight(spec: CodegenSpec) -> dict[str, Any]:
     world = spec.parallel.world_size
     if world > max_processes():
         return preflight_in_process(spec)
-    what = f"preflight on {world} ranks for {spec.artifact_dir}"
+    what = f"preflight on {world} ranks for {spec.bundle_dir}"
     with scratch_dir("preflight") as tmp:
         files = RankFiles(str(tmp / "preflight"))
         cmd = torchrun_command(world, "hyper_parallel.codegen.check.preflight_worker",
                                ["--config", str(spec.recipe_path), "--reports", files.prefix,
                                 "--timeout-s", str(spec.check_timeout_s)], rank_preload(spec.source))
-        _LOG.info(f"[preflight] torchrun --nproc_per_node={world} preflight of {spec.artifact_dir}")
+        _LOG.info(f"[preflight] torchrun --nproc_per_node={world} preflight of {spec.bundle_dir}")
         env = {**os.environ, "HYPER_PARALLEL_WORKSPACE": str(spec.workspace.parent)}
         try:
             with RankLaunch(cmd, log=tmp / "preflight.log", env=env) as launch:
@@ -118,11 +118,11 @@ def checked_meta_model(spec: CodegenSpec, fix: str) -> tuple[dict[str, Any], Any
     from hyper_parallel.codegen.plan.derive import build_meta_model
     from hyper_parallel.codegen.spec.project import signature_from_spec
 
-    report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec), fix=fix)
-    module = load_generated_module(spec.artifact_dir)
-    meta = load_codegen_meta(spec.artifact_dir)
+    report = preflight_integrity_check(spec.bundle_dir, expected_signature=signature_from_spec(spec), fix=fix)
+    module = load_generated_module(spec.bundle_dir)
+    meta = load_codegen_meta(spec.bundle_dir)
     model, _ = build_meta_model(spec, getattr(module, meta["model"]["model_class"]))
-    preflight_integrity_check(spec.artifact_dir, model=model, fix=fix)
+    preflight_integrity_check(spec.bundle_dir, model=model, fix=fix)
     return report, module, model
 
 

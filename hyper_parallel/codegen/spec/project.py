@@ -73,13 +73,13 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     acc = config.accelerator
     parallel = ParallelSpec(dims=acc.parallel_dims, sequence_parallel=acc.sequence_parallel,
                             loss_parallel=acc.loss_parallel, device_type=acc.device_type)
-    artifact_link = Path(os.path.abspath(yaml_dir / (config.model.codegen_artifact_dir or "generated")))
-    _refuse_symlink(artifact_link, where, "model.codegen_artifact_dir", "the bundle folder")
-    artifact_dir = artifact_link.resolve()
+    bundle_link = Path(os.path.abspath(yaml_dir / (config.model.codegen_artifact_dir or "generated")))
+    _refuse_symlink(bundle_link, where, "model.codegen_artifact_dir", "the bundle folder")
+    bundle_dir = bundle_link.resolve()
     root = Path(workspace_root).resolve() if workspace_root else default_workspace_root()
     rid = recipe_id(recipe_path, root.parent)
     _refuse_symlink(root / rid, where, f"${WORKSPACE_ENV}", "the recipe's workspace")
-    _check_artifact_dir(artifact_dir, yaml_dir=yaml_dir, model_dir=model_dir, workspace=root / rid, where=where)
+    _check_bundle_dir(bundle_dir, yaml_dir=yaml_dir, model_dir=model_dir, workspace=root / rid, where=where)
     location = locate_source(model_dir, model_config)
     if location.is_remote and not config.model.trust_remote_code:
         raise SourceError(f"{where}: model.trust_remote_code: the model folder {model_dir} brings its own code "
@@ -89,7 +89,7 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     _check_sibling_names(location, modeling_file, model_dir)
     return CodegenSpec(
         recipe_path=recipe_path,
-        recipe_rel=os.path.relpath(recipe_path, artifact_dir).replace(os.sep, "/"),
+        recipe_rel=os.path.relpath(recipe_path, bundle_dir).replace(os.sep, "/"),
         model_dir=model_dir,
         model_dir_rel=os.path.relpath(model_dir, yaml_dir).replace(os.sep, "/"),
         model_config=model_config,
@@ -100,8 +100,8 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
         location=location,
         parallel=parallel,
         plan_overrides=tuple(config.plan_overrides),
-        artifact_dir=artifact_dir,
-        artifact_dir_rel=os.path.relpath(artifact_dir, yaml_dir).replace(os.sep, "/"),
+        bundle_dir=bundle_dir,
+        bundle_dir_rel=os.path.relpath(bundle_dir, yaml_dir).replace(os.sep, "/"),
         modeling_file=modeling_file,
         workspace=root / rid,
         recipe_id=rid,
@@ -131,17 +131,17 @@ def _refuse_symlink(path: Path, where: str, key: str, what: str) -> None:
                           f"real folder of codegen's own; replace the link by a folder, or point {key} elsewhere")
 
 
-def _check_artifact_dir(artifact_dir: Path, *, yaml_dir: Path, model_dir: Path, workspace: Path, where: str) -> None:
+def _check_bundle_dir(bundle_dir: Path, *, yaml_dir: Path, model_dir: Path, workspace: Path, where: str) -> None:
     """The bundle folder is replaced wholesale on install and removed by clean: it must be
     a folder of its own, never one that holds the recipe, the model or the workspace."""
     def inside(path: Path, folder: Path) -> bool:
         return path == folder or folder in path.parents
 
-    clash = ("the recipe's folder" if inside(yaml_dir, artifact_dir) else
-             "the model folder" if inside(model_dir, artifact_dir) or inside(artifact_dir, model_dir) else
-             "the pipeline workspace" if inside(workspace, artifact_dir) or inside(artifact_dir, workspace) else None)
+    clash = ("the recipe's folder" if inside(yaml_dir, bundle_dir) else
+             "the model folder" if inside(model_dir, bundle_dir) or inside(bundle_dir, model_dir) else
+             "the pipeline workspace" if inside(workspace, bundle_dir) or inside(bundle_dir, workspace) else None)
     if clash:
-        raise RecipeError(f"{where}: model.codegen_artifact_dir: the bundle folder {artifact_dir} would contain or "
+        raise RecipeError(f"{where}: model.codegen_artifact_dir: the bundle folder {bundle_dir} would contain or "
                           f"overlap {clash}; expected a folder of its own (default: generated/ beside the recipe)")
 
 
@@ -159,7 +159,7 @@ def bundle_signature_inputs(spec: CodegenSpec) -> dict[str, Any]:
                   "config_overrides": spec.config_overrides},
         "parallel": spec.parallel.as_dict(),
         "plan_overrides": spec.plan_overrides_json,
-        "artifact": {"dir": spec.artifact_dir_rel, "modeling_file": spec.modeling_file,
+        "bundle": {"dir": spec.bundle_dir_rel, "modeling_file": spec.modeling_file,
                      "device_type": spec.parallel.device_type, "recipe": spec.recipe_rel},
     }
 

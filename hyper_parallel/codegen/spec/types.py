@@ -55,8 +55,8 @@ class CodegenSpec:
     location: SourceLocation | None = None  # where the model source is; ``source`` is it resolved
     parallel: ParallelSpec | None = None
     plan_overrides: tuple[PlanOverride, ...] = ()  # as the loader parsed and checked them
-    artifact_dir: Path = Path()
-    artifact_dir_rel: str = "generated"
+    bundle_dir: Path = Path()
+    bundle_dir_rel: str = "generated"
     modeling_file: str = ""
     workspace: Path = Path()
     recipe_id: str = ""

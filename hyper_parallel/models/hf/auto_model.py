@@ -15,7 +15,7 @@
 - custom: the model type's ``models/common`` model, sharded by its declarative plan.
 
 ``from_config`` builds freshly initialized weights and refuses gen: a bundle needs a
-prepared artifact, and only ``from_pretrained`` prepares one.
+prepared bundle, and only ``from_pretrained`` prepares one.
 """
 
 import os
@@ -95,8 +95,8 @@ def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretraine
         if not pretrained:
             raise BackendError(
                 f"{config._yaml_path or '<recipe>'}: HyperAutoModel.from_config() does not support the gen "
-                f"backend (codegen: true / modeling_backend: gen): a generated bundle needs a prepared "
-                f"artifact, which only from_pretrained() prepares; call HyperAutoModel.from_pretrained(config), "
+                f"backend (codegen: true / modeling_backend: gen): a generated model needs a prepared "
+                f"bundle, which only from_pretrained() prepares; call HyperAutoModel.from_pretrained(config), "
                 f"or set modeling_backend: hf for a freshly initialized HF model")
         return _build_generated(config, hf_config, mesh_context=mesh_context, with_weights=with_weights,
                                 rank=rank, timeout_s=timeout_s, workspace_root=workspace_root)
@@ -121,9 +121,9 @@ def _build_custom(config: TrainerConfig, hf_config: Any, *, mesh_context: MeshCo
 def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: MeshContext | None,
                      with_weights: bool, rank: int | None, timeout_s: float | None,
                      workspace_root: str | os.PathLike | None) -> nn.Module:
-    artifact_dir, module, meta = prepare_codegen_artifact(config, rank=rank, timeout_s=timeout_s,
+    bundle_dir, module, meta = prepare_bundle(config, rank=rank, timeout_s=timeout_s,
                                                           workspace_root=workspace_root)
-    model_class = mb.generated_model_class(module, meta, artifact_dir)
+    model_class = mb.generated_model_class(module, meta, bundle_dir)
     planned = meta.get("covered", {}).get("sharding_plan") is True
     if with_weights and mesh_context is not None and planned:
         # Each rank reads only its own shards: plan on the meta device, then load slices.
@@ -133,17 +133,17 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
     model = model.to(mb.target_device(config))
     if mesh_context is not None:
         if meta.get("covered", {}).get("sharding_plan") is True:
-            _check_plan_covers(model, module, artifact_dir)
+            _check_plan_covers(model, module, bundle_dir)
             module.hyper_parallelize(model, mesh_context)
         else:  # the bundle carries no plan: plan at run time, as the hf backend does
             mb.parallelize_with_planner(model, config, mesh_context, workspace_root=workspace_root)
     return apply_model_infrastructure(model, config, mesh_context)
 
 
-def prepare_codegen_artifact(config: TrainerConfig, *, rank: int | None = None, timeout_s: float | None = None,
+def prepare_bundle(config: TrainerConfig, *, rank: int | None = None, timeout_s: float | None = None,
                              workspace_root: str | os.PathLike | None = None) -> tuple[Path, Any, dict[str, Any]]:
     """Rank 0 generates or reuses the bundle, the others wait for it; then every rank
-    preflights and imports it. Returns (artifact dir, modeling module, meta)."""
+    preflights and imports it. Returns (bundle dir, modeling module, meta)."""
     from hyper_parallel.codegen.check.drift import fix_command
     from hyper_parallel.codegen.check.preflight import preflight_integrity_check
     from hyper_parallel.codegen.loader import load_generated_module
@@ -153,13 +153,13 @@ def prepare_codegen_artifact(config: TrainerConfig, *, rank: int | None = None, 
 
     spec = ensure_codegen_artifact(config, rank=rank, workspace_root=workspace_root,
                                    timeout_s=DEFAULT_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
-    report = preflight_integrity_check(spec.artifact_dir, expected_signature=signature_from_spec(spec),
+    report = preflight_integrity_check(spec.bundle_dir, expected_signature=signature_from_spec(spec),
                                        fix=fix_command(spec))
-    _check_digests_agree(report["digest"], spec.artifact_dir, fix_command(spec))
-    return spec.artifact_dir, load_generated_module(spec.artifact_dir), load_codegen_meta(spec.artifact_dir)
+    _check_digests_agree(report["digest"], spec.bundle_dir, fix_command(spec))
+    return spec.bundle_dir, load_generated_module(spec.bundle_dir), load_codegen_meta(spec.bundle_dir)
 
 
-def _check_digests_agree(digest: str, artifact_dir: Path, fix: str) -> None:
+def _check_digests_agree(digest: str, bundle_dir: Path, fix: str) -> None:
     """Every rank imports the same bytes: a rank that sees another bundle (a stale copy on
     a node-local disk) fails the start, named."""
     import torch.distributed as dist
@@ -172,17 +172,17 @@ def _check_digests_agree(digest: str, artifact_dir: Path, fix: str) -> None:
     dist.all_gather_object(digests, digest)
     differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
     if differing:
-        raise PreflightError(f"{artifact_dir}: bundle digest differs across ranks: rank 0 has {digests[0][:12]}, "
+        raise PreflightError(f"{bundle_dir}: bundle digest differs across ranks: rank 0 has {digests[0][:12]}, "
                              f"rank(s) {differing} have {[digests[r][:12] for r in differing]}\n  fix: {fix} "
                              f"and make the folder the same on every node")
 
 
-def _check_plan_covers(model: nn.Module, module: Any, artifact_dir: Path) -> None:
+def _check_plan_covers(model: nn.Module, module: Any, bundle_dir: Path) -> None:
     from hyper_parallel.codegen.check.preflight import PreflightError, uncovered_parameters
 
     uncovered = uncovered_parameters(model, module.HYPER_PARALLEL_PLAN["modules"])
     if uncovered:
-        raise PreflightError(f"{artifact_dir}: the frozen plan has no entry for parameter(s) "
+        raise PreflightError(f"{bundle_dir}: the frozen plan has no entry for parameter(s) "
                              f"{', '.join(uncovered[:5])}; run `doit generate`")
 
 

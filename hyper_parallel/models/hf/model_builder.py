@@ -202,11 +202,11 @@ def build_hf_model(hf_config: Any, config: TrainerConfig, *, with_weights: bool)
     return model.train()
 
 
-def generated_model_class(module: ModuleType, meta: dict[str, Any], artifact_dir: Path) -> type:
+def generated_model_class(module: ModuleType, meta: dict[str, Any], bundle_dir: Path) -> type:
     name = meta.get("model", {}).get("model_class")
     model_class = getattr(module, name, None) if name else None
     if not isinstance(model_class, type):
-        raise ModelBuildError(f"{artifact_dir / 'codegen_meta.json'}: model.model_class is {name!r}, but "
+        raise ModelBuildError(f"{bundle_dir / 'codegen_meta.json'}: model.model_class is {name!r}, but "
                               f"{module.__name__} defines no such class; run `doit generate`")
     return model_class
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from hyper_parallel.codegen import artifact
-from hyper_parallel.codegen.artifact import ArtifactError, write_bundle_atomic
+from hyper_parallel.codegen import bundle_folder
+from hyper_parallel.codegen.bundle_folder import BundleError, write_bundle_atomic
 from hyper_parallel.codegen.manager import clean_recipe, load_spec, run_pipeline
 from hyper_parallel.codegen.spec.types import STAGES
 from hyper_parallel.config import RecipeError
@@ -22,17 +22,17 @@ def test_install_refuses_a_folder_holding_other_files(tmp_path):
     target = tmp_path / "mine"
     target.mkdir()
     (target / "notes.txt").write_text("keep me")
-    with pytest.raises(ArtifactError, match="codegen did not write"):
+    with pytest.raises(BundleError, match="codegen did not write"):
         write_bundle_atomic(target, {"modeling_x.py": b"X = 1\n"}, b"{}")
     assert (target / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no staging left behind
 
 
-@pytest.mark.parametrize("artifact_dir", [".", "..", "models", "models/tiny-qwen3-moe"])
-def test_artifact_dir_overlapping_recipe_or_model_is_rejected(project, artifact_dir):
+@pytest.mark.parametrize("bundle_dir", [".", "..", "models", "models/tiny-qwen3-moe"])
+def test_bundle_dir_overlapping_recipe_or_model_is_rejected(project, bundle_dir):
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
-    data["model"]["codegen_artifact_dir"] = artifact_dir
+    data["model"]["codegen_artifact_dir"] = bundle_dir
     recipe.write_text(yaml.safe_dump(data))
     with pytest.raises(RecipeError, match=r"model\.codegen_artifact_dir: .* would contain or overlap"):
         load_spec(recipe, project / "generated")
@@ -40,11 +40,11 @@ def test_artifact_dir_overlapping_recipe_or_model_is_rejected(project, artifact_
 
 def test_clean_leaves_a_foreign_folder_alone(project):
     spec = load_spec(project / TINY_RECIPE, project / "generated")
-    spec.artifact_dir.mkdir()
-    (spec.artifact_dir / "notes.txt").write_text("keep me")
-    with pytest.raises(ArtifactError, match="cannot remove the bundle"):
+    spec.bundle_dir.mkdir()
+    (spec.bundle_dir / "notes.txt").write_text("keep me")
+    with pytest.raises(BundleError, match="cannot remove the bundle"):
         clean_recipe(spec)
-    assert (spec.artifact_dir / "notes.txt").exists()
+    assert (spec.bundle_dir / "notes.txt").exists()
 
 
 def test_installing_over_another_recipes_bundle_warns(project, caplog):
@@ -78,9 +78,9 @@ def test_without_rename_exchange_the_bundle_is_replaced_in_two_renames(tmp_path,
 
     def refuse(a, b):
         calls.append((a, b))
-        raise artifact.ExchangeUnsupported(errno.EINVAL, "Invalid argument")
+        raise bundle_folder.ExchangeUnsupported(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(artifact, "_exchange", refuse)
+    monkeypatch.setattr(bundle_folder, "_exchange", refuse)
     write_bundle_atomic(target, {"modeling_x.py": b"X = 2\n"}, b'{"n": 2}\n')
     assert len(calls) == 1
     assert (target / "modeling_x.py").read_bytes() == b"X = 2\n"

@@ -1,4 +1,5 @@
-"""Installing a bundle atomically (DESIGN §4).
+"""The bundle's folder: installing a bundle atomically (DESIGN §4), and what in the
+folder codegen can prove it wrote (install and clean touch nothing else).
 
 All files are written into a hidden sibling temp directory, ``codegen_meta.json``
 last, then the directory is swapped in. With an existing bundle the swap is one
@@ -27,16 +28,16 @@ _TEMP_PREFIX = ".hp-bundle-"  # only dirs named <prefix><bundle>-<dead pid>-* ar
 _RENAME_EXCHANGE = 2
 
 
-class ArtifactError(OSError, HyperParallelError):
+class BundleError(OSError, HyperParallelError):
     """The bundle directory cannot be written."""
 
     def __str__(self) -> str:
         return self.strerror or super().__str__()  # the message, without an "[Errno N]" prefix
 
 
-def write_bundle_atomic(artifact_dir: str | os.PathLike, files: dict[str, bytes], meta: bytes) -> Path:
-    """Install ``files`` plus ``codegen_meta.json`` as the bundle at ``artifact_dir``."""
-    target = Path(artifact_dir)
+def write_bundle_atomic(bundle_dir: str | os.PathLike, files: dict[str, bytes], meta: bytes) -> Path:
+    """Install ``files`` plus ``codegen_meta.json`` as the bundle at ``bundle_dir``."""
+    target = Path(bundle_dir)
     parent = target.parent
     check_owned(target, "install", files)
     try:
@@ -74,7 +75,7 @@ def remove_stale_staging_dirs(target: Path) -> list[Path]:
     return removed
 
 
-def _cannot_write(target: Path, exc: OSError) -> ArtifactError:
+def _cannot_write(target: Path, exc: OSError) -> BundleError:
     """A one-line reason for an OSError met while creating ``target``'s staging dir."""
     where = exc.filename or target.parent
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -83,7 +84,7 @@ def _cannot_write(target: Path, exc: OSError) -> ArtifactError:
         reason = f"{where} exists and is not a directory"
     else:
         reason = f"{where}: {exc.strerror}"
-    return ArtifactError(exc.errno, f"cannot write the bundle {target}: {reason}; fix the path or set "
+    return BundleError(exc.errno, f"cannot write the bundle {target}: {reason}; fix the path or set "
                                     f"model.codegen_artifact_dir in the recipe")
 
 
@@ -124,16 +125,16 @@ def _only_bytecode(folder: Path) -> bool:
 def check_owned(folder: Path, action: str, installing: Iterable[str] = ()) -> None:
     """Refuse (naming what is in the way) unless ``folder`` is absent or codegen's own."""
     if folder.is_symlink():
-        raise ArtifactError(errno.EEXIST, f"cannot {action} the bundle at {folder}: it is a symbolic link (to "
+        raise BundleError(errno.EEXIST, f"cannot {action} the bundle at {folder}: it is a symbolic link (to "
                                           f"{os.readlink(folder)}); codegen writes only a real folder of its own; "
                                           f"replace the link by a folder or set model.codegen_artifact_dir")
     if folder.exists() and not folder.is_dir():
-        raise ArtifactError(errno.ENOTDIR, f"cannot {action} the bundle at {folder}: it exists and is not a "
+        raise BundleError(errno.ENOTDIR, f"cannot {action} the bundle at {folder}: it exists and is not a "
                                            f"directory; remove it or set model.codegen_artifact_dir in the recipe")
     foreign = foreign_entries(folder, installing)
     if foreign:
         shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" if len(foreign) > 10 else "")
-        raise ArtifactError(errno.EEXIST, f"cannot {action} the bundle at {folder}: it holds {len(foreign)} "
+        raise BundleError(errno.EEXIST, f"cannot {action} the bundle at {folder}: it holds {len(foreign)} "
                                           f"file(s) codegen did not write ({shown}); nothing was changed; move "
                                           f"them out or set model.codegen_artifact_dir to a folder of its own")
 
@@ -145,7 +146,7 @@ def _swap_in(staging: Path, target: Path, installing: Iterable[str]) -> None:
         return
     except OSError as exc:
         if exc.errno == errno.ENOTDIR:  # target is a file: never replace something not a bundle
-            raise ArtifactError(exc.errno, f"cannot install the bundle at {target}: it exists and is "
+            raise BundleError(exc.errno, f"cannot install the bundle at {target}: it exists and is "
                                            f"not a directory; remove it or set "
                                            f"model.codegen_artifact_dir in the recipe") from None
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR):
@@ -170,7 +171,7 @@ def _exchange(a: Path, b: Path) -> None:
         err = ctypes.get_errno()
         if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
             raise ExchangeUnsupported(err, os.strerror(err))
-        raise ArtifactError(err, f"cannot swap the new bundle into {b}: {os.strerror(err)}")
+        raise BundleError(err, f"cannot swap the new bundle into {b}: {os.strerror(err)}")
 
 
 def _replace_by_two_renames(staging: Path, target: Path) -> None:
@@ -182,7 +183,7 @@ def _replace_by_two_renames(staging: Path, target: Path) -> None:
         os.rename(staging, target)
     except OSError as exc:
         os.rename(aside, target)  # put the old bundle back
-        raise ArtifactError(exc.errno, f"cannot move the new bundle into {target}: {exc.strerror}") from None
+        raise BundleError(exc.errno, f"cannot move the new bundle into {target}: {exc.strerror}") from None
     shutil.rmtree(aside, ignore_errors=True)
 
 
