@@ -228,10 +228,9 @@ def expected_verified(spec: CodegenSpec) -> dict[str, Any]:
     """What codegen_meta.json says about the verify run: how it runs for this layout, not
     its timings or measured errors (the meta is committed; its bytes must not move with
     float noise from one machine to another). The figures are in the workspace's verify.json."""
-    from hyper_parallel.codegen.check.verify import STEPS, verify_mode
+    from hyper_parallel.codegen.check.verify_mode import verified_record
 
-    world = spec.parallel.world_size
-    return {"mode": verify_mode(world), "world": world, "steps": STEPS}
+    return verified_record(spec.parallel.world_size)
 
 
 def run_install(spec: CodegenSpec) -> None:

@@ -24,7 +24,7 @@ listed in ``REFUSED``.
 
 import pytest
 
-from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
+from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
 from hyper_parallel.families.case import Case, make_project, run_case
 from hyper_parallel.families.tiny import family_dir, save_checkpoint
 

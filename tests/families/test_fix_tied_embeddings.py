@@ -19,7 +19,7 @@ import transformers
 import yaml
 from safetensors import safe_open
 
-from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
+from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
 from hyper_parallel.config import load_training_config
 from hyper_parallel.models.hf.model_builder import build_generated_model_sharded
 from hyper_parallel.trainer.reference import reference_training

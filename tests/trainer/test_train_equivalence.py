@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from hyper_parallel.config import load_training_config
 from hyper_parallel.trainer.data import global_batch, micro_batches
-from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
+from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import TINY_RECIPE
 

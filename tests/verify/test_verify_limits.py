@@ -3,7 +3,7 @@ and a cap that is not a positive integer is an error, not a default."""
 
 import pytest
 
-from hyper_parallel.codegen.check.verify import (
+from hyper_parallel.codegen.check.verify_mode import (
     MAX_PROCS_ENV,
     MAX_SIMULATED_RANKS,
     VerifyError,

@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from hyper_parallel.codegen.check.verify import MAX_PROCS_ENV
+from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
 from tests.project_fixtures import TINY_RECIPE, cli, verify_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -78,7 +78,7 @@ def run_torchrun_preflight(spec: CodegenSpec) -> dict[str, Any]:
     """Run the preflight worker on ``world_size`` ranks with torchrun (gloo on CPU); above
     verify's process cap, in this one process (``preflight_in_process``). Each rank reports
     on its own; the bundle digests are compared here, so a silent rank is named."""
-    from hyper_parallel.codegen.check.verify import max_processes
+    from hyper_parallel.codegen.check.verify_mode import max_processes
 
     world = spec.parallel.world_size
     if world > max_processes():

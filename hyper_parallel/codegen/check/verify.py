@@ -22,7 +22,6 @@ threaded process group (``verify_worker``): never more processes than the cap.
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -40,9 +39,9 @@ from hyper_parallel.codegen.check.launch import (
     scratch_dir,
     wait_for_ranks,
 )
-from hyper_parallel.codegen.check.verify_worker import LR, STEPS, brief_entry, seed_step
+from hyper_parallel.codegen.check.verify_mode import STEPS, VerifyError, verify_mode
+from hyper_parallel.codegen.check.verify_worker import LR, brief_entry, seed_step
 from hyper_parallel.codegen.spec.types import CodegenSpec
-from hyper_parallel.errors import HyperParallelError
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -53,41 +52,8 @@ GRAD_ATOL = 1e-6
 GRAD_SCALE_ATOL = 1e-5
 OUTPUT_RTOL, OUTPUT_ATOL = 1e-4, 1e-5
 LAUNCH_TIMEOUT_S = 900
-MAX_PROCS_ENV = "HYPER_PARALLEL_VERIFY_MAX_PROCS"
 
 _LOG = logging.getLogger(__name__)
-
-
-class VerifyError(RuntimeError, HyperParallelError):
-    """The generated model does not train like one device; the message says where."""
-
-
-def max_processes() -> int:
-    """The most rank processes verify starts on this host (above it: threads)."""
-    raw = os.environ.get(MAX_PROCS_ENV)
-    if raw is None:
-        return 2 * (os.cpu_count() or 1)
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise VerifyError(f"${MAX_PROCS_ENV}: expected a positive integer, got {raw!r}")
-    return value
-
-
-MAX_SIMULATED_RANKS = 4096  # threads of one process: each holds a probe model and a stack
-
-
-def verify_mode(world: int) -> str:
-    """torchrun processes up to the cap (also from a training job's rank 0), threads above it."""
-    if world <= max_processes():
-        return "torchrun"
-    if world > MAX_SIMULATED_RANKS:
-        raise VerifyError(f"world size {world}: verify simulates at most {MAX_SIMULATED_RANKS} ranks in one process "
-                          f"(and starts at most {max_processes()} processes, ${MAX_PROCS_ENV}); this layout cannot "
-                          f"be verified here")
-    return "threads"
 
 
 @dataclass

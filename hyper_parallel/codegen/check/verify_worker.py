@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.check.launch import RankFiles
+from hyper_parallel.codegen.check.verify_mode import STEPS
 from hyper_parallel.distributed.rank_exit import exit_rank
 
-STEPS = 2
 LR = 1e-3
 
 
