@@ -34,7 +34,7 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from hyper_parallel.components.modules.grouped_experts import replace_qwen3_moe_grouped_experts
+from hyper_parallel.models.qwen3_moe.adapter.replacements import replace_qwen3_moe_grouped_experts
 from hyper_parallel.components.modules.routed_experts import ExpertRoutes
 
 GOAL_SPEEDUP = 2.0

@@ -1,6 +1,6 @@
 """Replacement factories that count their calls (recipes name them by dotted path)."""
 
-from hyper_parallel.components.modules.grouped_experts import replace_qwen3_moe_grouped_experts
+from hyper_parallel.models.qwen3_moe.adapter.replacements import replace_qwen3_moe_grouped_experts
 from hyper_parallel.models.qwen3_moe.adapter.replacements import replace_qwen3_moe_flash_attention
 
 CALLS = {"attention": 0, "experts": 0}

@@ -9,7 +9,7 @@ import yaml
 from tests.project_fixtures import REPO, TINY_RECIPE, make_project
 
 TINY_MODEL_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
-GROUPED_EXPERTS_FACTORY = "hyper_parallel.components.modules.grouped_experts.replace_qwen3_moe_grouped_experts"
+GROUPED_EXPERTS_FACTORY = "hyper_parallel.models.qwen3_moe.adapter.replacements.replace_qwen3_moe_grouped_experts"
 
 
 def tiny_project_recipe(dest: Path, **changes) -> Path:

@@ -6,15 +6,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoePreTrainedModel
 
-from hyper_parallel.components.modules.grouped_experts import (
-    GroupedExperts,
-    GroupedQwen3MoeExperts,
-    grouped_experts_class_for,
-    replace_qwen3_moe_grouped_experts,
-)
 from hyper_parallel.components.modules import routed_experts
+from hyper_parallel.components.modules.grouped_experts import GroupedExperts, grouped_experts_class_for
 from hyper_parallel.components.modules.routed_experts import ExpertRoutes, ExpertRows
 from hyper_parallel.distributed.roles import is_packed_experts
+from hyper_parallel.models.qwen3_moe.adapter.replacements import (
+    GroupedQwen3MoeExperts,
+    replace_qwen3_moe_grouped_experts,
+)
 from tests.models.model_helpers import TINY_MODEL_DIR
 
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
@@ -150,7 +149,7 @@ def test_factory_on_meta_stays_on_meta_and_rejects_bad_input(config):
     assert grouped.gate_up_proj.is_meta and grouped.gate_up_proj.shape == reference.gate_up_proj.shape
     with pytest.raises(TypeError, match="unknown static argument"):
         replace_qwen3_moe_grouped_experts(reference, capacity=2)
-    with pytest.raises(TypeError, match="expected a Qwen3MoeExperts"):
+    with pytest.raises(TypeError, match="expected packed experts"):
         replace_qwen3_moe_grouped_experts(torch.nn.Linear(4, 4))
 
 

@@ -1,9 +1,11 @@
 """All experts of an MoE layer in one batched computation.
 
-``GroupedExperts`` is a drop-in replacement for transformers' ``Qwen3MoeExperts``:
-the same parameters (``gate_up_proj`` [E, 2I, H] packing gate and up along dim 1,
-``down_proj`` [E, H, I]), the same forward ``(hidden_states, top_k_index,
-top_k_weights)`` and the same result. HF's eager forward loops over the experts in
+``GroupedExperts`` is a drop-in replacement for transformers' packed experts (the
+layout of ``Qwen3MoeExperts`` and the other families whose experts are one module with
+``gate_up_proj`` [E, 2I, H] packing gate and up along dim 1, ``down_proj`` [E, H, I] and
+an ``act_fn``): the same parameters, the same forward ``(hidden_states, top_k_index,
+top_k_weights)`` and the same result. A model's adapter names it as its
+``replace_module`` target (``models/qwen3_moe/adapter/replacements.py``). HF's eager forward loops over the experts in
 Python, gathers each expert's tokens with ``torch.where`` and slices the stacked
 weights per expert (whose backward allocates a full-size gradient per expert).
 Here the (token, expert) pairs are sorted by expert once and the experts run as
@@ -18,14 +20,13 @@ the same way, ``down_proj`` [E, H, I/tp]) and the same code computes the local p
 Expert ids outside ``[0, E)`` (an expert-parallel sentinel) select nothing.
 
 The replacement factory returns an instance of a subclass of both ``GroupedExperts``
-and the replaced class (HF's ``Qwen3MoeExperts`` or a generated file's copy), so the
-model's own ``_init_weights`` initializes it exactly as it did the original.
+and the replaced class (say HF's ``Qwen3MoeExperts`` or a generated file's copy), so
+the model's own ``_init_weights`` initializes it exactly as it did the original.
 """
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from hyper_parallel.components.modules.routed_experts import ExpertRoutes, ExpertRows, routed_experts
 
@@ -125,25 +126,23 @@ def grouped_experts_class_for(experts_class: type[nn.Module]) -> type[GroupedExp
 
 
 _GROUPED_CLASSES: dict[type, type] = {}
-# transformers' own, importable by name.
-GroupedQwen3MoeExperts = grouped_experts_class_for(Qwen3MoeExperts)
 
 
-def replace_qwen3_moe_grouped_experts(module: nn.Module, **kwargs) -> GroupedExperts:
+def replace_with_grouped_experts(module: nn.Module, **kwargs) -> GroupedExperts:
     """``replace_module`` factory: a ``GroupedExperts`` that is also a ``type(module)``
     (see :func:`grouped_experts_class_for`), on ``module``'s device and dtype, with its
-    weights unless they are on the meta device. ``module`` is a ``Qwen3MoeExperts`` (HF's
-    or a generated copy); sizes come from its tensors, so local shards work too.
+    weights unless they are on the meta device. ``module`` is a packed-experts module
+    (HF's class or a generated copy); sizes come from its tensors, so local shards work too.
     ``kwargs``: ``max_padding_ratio``, ``layout`` (``auto``, ``packed``, ``padded``)."""
     unknown = sorted(set(kwargs) - {"max_padding_ratio", "layout"})
     if unknown:
-        raise TypeError(f"replace_qwen3_moe_grouped_experts: unknown static argument(s) {unknown}; "
+        raise TypeError(f"replace_with_grouped_experts: unknown static argument(s) {unknown}; "
                         f"expected only 'max_padding_ratio' and 'layout'")
     params = dict(module.named_parameters(recurse=False))
     if set(params) != {"gate_up_proj", "down_proj"} or not hasattr(module, "act_fn"):
-        raise TypeError(f"replace_qwen3_moe_grouped_experts: {type(module).__name__} has parameters "
-                        f"{sorted(params)} (act_fn: {hasattr(module, 'act_fn')}); expected a Qwen3MoeExperts "
-                        f"with gate_up_proj, down_proj and act_fn")
+        raise TypeError(f"replace_with_grouped_experts: {type(module).__name__} has parameters "
+                        f"{sorted(params)} (act_fn: {hasattr(module, 'act_fn')}); expected packed experts "
+                        f"(as Qwen3MoeExperts) with gate_up_proj, down_proj and act_fn")
     gate_up, down = params["gate_up_proj"], params["down_proj"]
     _check_shapes(gate_up, down)
     config = getattr(module, "config", None)
@@ -173,5 +172,5 @@ def replace_qwen3_moe_grouped_experts(module: nn.Module, **kwargs) -> GroupedExp
 def _check_shapes(gate_up: torch.Tensor, down: torch.Tensor) -> None:
     experts, packed, hidden = gate_up.shape
     if down.dim() != 3 or packed % 2 or down.shape != (experts, hidden, packed // 2):
-        raise ValueError(f"replace_qwen3_moe_grouped_experts: gate_up_proj {tuple(gate_up.shape)} and "
+        raise ValueError(f"replace_with_grouped_experts: gate_up_proj {tuple(gate_up.shape)} and "
                          f"down_proj {tuple(down.shape)} do not fit; expected [E, 2I, H] and [E, H, I]")

@@ -1,5 +1,9 @@
 """Module replacements for Qwen3-MoE, used as recipe ``replace_module`` targets.
 
+``replace_qwen3_moe_grouped_experts`` swaps ``Qwen3MoeExperts`` for the generic grouped
+experts (``components/modules/grouped_experts.py``), which compute the same with grouped
+matmuls and a hand-written backward.
+
 ``replace_qwen3_moe_flash_attention`` swaps ``Qwen3MoeAttention`` for an attention that
 calls the fused kernel of the device: ``torch_npu.npu_fusion_attention`` on Ascend NPUs,
 ``torch.nn.functional.scaled_dot_product_attention`` elsewhere. The new module adopts
@@ -10,10 +14,24 @@ the sharding plan derived on the replaced model is the plan of the original one.
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
-from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, apply_rotary_pos_emb
 
-# The grouped experts replacement lives with the module it builds; recipes may name it here.
-from hyper_parallel.components.modules.grouped_experts import replace_qwen3_moe_grouped_experts  # noqa: F401
+from hyper_parallel.components.modules.grouped_experts import (
+    GroupedExperts,
+    grouped_experts_class_for,
+    replace_with_grouped_experts,
+)
+
+# transformers' own Qwen3MoeExperts as grouped experts, importable by name.
+GroupedQwen3MoeExperts = grouped_experts_class_for(Qwen3MoeExperts)
+
+
+def replace_qwen3_moe_grouped_experts(module: nn.Module, **kwargs) -> GroupedExperts:
+    """``replace_module`` target for ``Qwen3MoeExperts`` (HF's or a generated file's copy):
+    the grouped experts, which are also a ``type(module)``; ``kwargs`` as
+    :func:`replace_with_grouped_experts` takes them (``max_padding_ratio``, ``layout``)."""
+    return replace_with_grouped_experts(module, **kwargs)
+
 
 _ADOPTED_CHILDREN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _ADOPTED_ATTRIBUTES = ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling",
