@@ -13,10 +13,12 @@ and ``Function`` sit above it without an import cycle.
 """
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
-from hyper_parallel.protocols.placements import placement_from_text, placement_to_text
+from hyper_parallel.protocols.placements import placement_from_text
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, MeshAxisName, ShardingConfig
+from hyper_parallel.protocols.sharding_json import sharding_config_from_json, sharding_config_to_json
 
 TARGET = "_target_"
 
@@ -91,42 +93,34 @@ def import_path(path: str) -> Any:
 # --- ShardingConfig -------------------------------------------------------------------
 
 def _sharding_to_dict(config: ShardingConfig) -> dict:
-    out: dict = {TARGET: path_of(ShardingConfig),
-                 "state_shardings": {name: _named_to_text(named)
-                                     for name, named in config.state_shardings.items()}}
+    """The entry codec's JSON (``sharding_json``), without the plan's ``role``; an input or
+    output given as one mapping (not a tuple) stays one, so the config round-trips equal."""
+    entry = sharding_config_to_json(config, where="ShardingConfig")
+    del entry["role"]
     for name in IO_PLACEMENT_FIELDS:
-        out[name] = _io_to_text(getattr(config, name))
-    out["local_map"] = config.local_map
-    return out
+        if isinstance(getattr(config, name), Mapping):
+            entry[name] = entry[name][0]
+    return {TARGET: path_of(ShardingConfig), **entry}
 
 
 def _sharding_from_dict(fields: dict) -> ShardingConfig:
+    """Read by the entry codec, then typed back: mesh axes as ``MeshAxisName`` where they
+    are one, placements as torch placements (what the config held before ``to_dict``)."""
+    text = sharding_config_from_json(fields, where="ShardingConfig")
     return ShardingConfig(
-        state_shardings={name: _named_from_text(named)
-                         for name, named in fields.get("state_shardings", {}).items()},
-        **{name: _io_from_text(fields.get(name)) for name in IO_PLACEMENT_FIELDS},
-        local_map=bool(fields.get("local_map", False)),
+        state_shardings={name: _named_from_text(named) for name, named in text.state_shardings.items()},
+        **{name: _io_from_text(getattr(text, name), single=isinstance(fields.get(name), Mapping))
+           for name in IO_PLACEMENT_FIELDS},
+        local_map=text.local_map,
     )
 
 
-def _io_to_text(io: Any) -> Any:
+def _io_from_text(io: Any, *, single: bool) -> Any:
     if io is None:
         return None
-    if isinstance(io, tuple):
-        return [None if named is None else _named_to_text(named) for named in io]
-    return _named_to_text(io)
-
-
-def _io_from_text(io: Any) -> Any:
-    if io is None:
-        return None
-    if isinstance(io, list):
-        return tuple(None if named is None else _named_from_text(named) for named in io)
-    return _named_from_text(io)
-
-
-def _named_to_text(named: dict) -> dict[str, str]:
-    return {str(axis): placement_to_text(p) for axis, p in named.items()}
+    if single:
+        return _named_from_text(io[0])
+    return tuple(None if named is None else _named_from_text(named) for named in io)
 
 
 def _named_from_text(named: dict) -> dict:

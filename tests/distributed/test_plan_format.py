@@ -9,7 +9,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.plan_format import (
     PlanFormatError,
-    compact_entry,
     plan_from_json,
     plan_modules_from_json,
     plan_modules_to_json,
@@ -19,6 +18,7 @@ from hyper_parallel.distributed.plan_format import (
 )
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.protocols.sharding import ShardingConfig
+from hyper_parallel.protocols.sharding_json import compact_entry
 
 REPO = Path(__file__).resolve().parents[2]
 

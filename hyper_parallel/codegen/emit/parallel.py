@@ -5,7 +5,8 @@ import textwrap
 from typing import Any
 
 from hyper_parallel.codegen.emit.literal import render_literal
-from hyper_parallel.distributed.plan_format import compact_entry, plan_from_json
+from hyper_parallel.distributed.plan_format import plan_from_json
+from hyper_parallel.protocols.sharding_json import compact_entry
 from hyper_parallel.distributed.role_legend import legend_lines
 
 

@@ -17,13 +17,8 @@ from typing import Any
 
 from hyper_parallel.distributed.name_match import names_matching
 from hyper_parallel.distributed.plan_format import PLAN_FORMAT_VERSION
-from hyper_parallel.protocols.placement_text import (
-    PlacementTextError,
-    normalize_io_placements,
-    normalize_named_placement,
-)
 from hyper_parallel.errors import HyperParallelError
-from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS
+from hyper_parallel.protocols.sharding_json import PlanFormatError, sharding_config_from_json, sharding_config_to_json
 
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
@@ -117,16 +112,10 @@ def _selects_exactly(pattern: str, members: list[str], module_names: list[str]) 
 
 
 def _normalize_entry(fqn: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry through the one entry codec, both ways: checked, keys in order, placement
+    text normalized (so equal entries are equal dicts, which compression relies on)."""
     try:
-        out = {
-            "role": str(entry.get("role", "")),
-            "state_shardings": {
-                name: normalize_named_placement(named, where=f"{fqn}.{name}")
-                for name, named in sorted(entry.get("state_shardings", {}).items())},
-        }
-        for key in IO_PLACEMENT_FIELDS:
-            out[key] = normalize_io_placements(entry.get(key), where=f"{fqn}: {key}")
-    except PlacementTextError as exc:
+        config = sharding_config_from_json(entry, where=fqn)
+        return sharding_config_to_json(config, str(entry.get("role", "")), where=fqn)
+    except PlanFormatError as exc:
         raise FreezeError(str(exc)) from None
-    out["local_map"] = bool(entry.get("local_map", False))
-    return out
