@@ -2,8 +2,8 @@
 
 Launched under torchrun (``python -m hyper_parallel.trainer --config X.yaml``) it
 trains the recipe's ``training`` section on synthetic tokens or a local text file and
-logs loss and tokens/s per step.
-"""
+logs loss and tokens/s per step; with ``training.checkpoint`` it saves checkpoints and a
+restarted run resumes from the newest complete one (trainer/checkpoint.py)."""
 
 import json
 import logging
