@@ -9,6 +9,7 @@ PROCESS_TESTS = frozenset({
     "tests/pipeline/test_bundle_integrity.py", "tests/pipeline/test_ownership.py",
     "tests/pipeline/test_bad_recipe_corpus.py", "tests/pipeline/test_kill_trials.py",
     "tests/codegen/test_launch_guard.py", "tests/verify/test_verify_silent_rank.py",
+    "tests/trainer/test_checkpoint_kill.py",
 })
 
 

@@ -145,12 +145,29 @@ def _validate_training(config: TrainerConfig, where: str) -> None:
     if training.max_grad_norm is not None and not training.max_grad_norm > 0:
         raise RecipeError(f"{where}: training.max_grad_norm: expected a number > 0 (or null: no clipping), "
                           f"got {training.max_grad_norm}")
+    _validate_checkpoint(config, where)
     if not optimizer.lr > 0:
         raise RecipeError(f"{where}: optimizer.lr: expected a number > 0, got {optimizer.lr}")
     if optimizer.weight_decay < 0:
         raise RecipeError(f"{where}: optimizer.weight_decay: expected a number >= 0, got {optimizer.weight_decay}")
     if len(optimizer.betas) != 2 or not all(0 <= beta < 1 for beta in optimizer.betas):
         raise RecipeError(f"{where}: optimizer.betas: expected two numbers in [0, 1), got {optimizer.betas}")
+
+
+def _validate_checkpoint(config: TrainerConfig, where: str) -> None:
+    """``training.checkpoint``: values only; whether ``dir`` is usable is the trainer's
+    check (generate never touches checkpoints)."""
+    checkpoint = config.training.checkpoint
+    key = "training.checkpoint"
+    if checkpoint.dir is not None and not checkpoint.dir.strip():
+        raise RecipeError(f"{where}: {key}.dir: expected a folder path (relative to the recipe's folder), got an "
+                          f"empty string; name a folder, or leave {key} out to save no checkpoints")
+    if checkpoint.every_steps < 1:
+        raise RecipeError(f"{where}: {key}.every_steps: expected an integer >= 1, got {checkpoint.every_steps}; "
+                          f"e.g. every_steps: 100 saves after steps 100, 200, ... and after the last step")
+    if checkpoint.keep_last < 0:
+        raise RecipeError(f"{where}: {key}.keep_last: expected an integer >= 0 (0 keeps every checkpoint), "
+                          f"got {checkpoint.keep_last}")
 
 
 def _validate_dataset(config: TrainerConfig, where: str) -> None:
@@ -168,7 +185,8 @@ def _build(cls: type, data: Any, where: str, key: str) -> Any:
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: {key or 'top level'}: expected a mapping, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    yaml_names = getattr(cls, "YAML_NAMES", {})  # field -> recipe key, where the key is no Python name
+    fields = {yaml_names.get(f.name, f.name): f for f in dataclasses.fields(cls) if not f.name.startswith("_")}
     unknown = sorted(k for k in data if k not in fields)
     if unknown:
         full = f"{key}.{unknown[0]}" if key else unknown[0]
@@ -177,7 +195,7 @@ def _build(cls: type, data: Any, where: str, key: str) -> Any:
     for name, fld in fields.items():
         sub = f"{key}.{name}" if key else name
         if name in data:
-            values[name] = _convert(hints[name], data[name], where, sub)
+            values[fld.name] = _convert(hints[fld.name], data[name], where, sub)
         elif fld.default is dataclasses.MISSING and fld.default_factory is dataclasses.MISSING:
             raise RecipeError(f"{where}: missing required key {sub!r}")
     return cls(**values)

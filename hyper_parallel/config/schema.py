@@ -5,7 +5,7 @@ layout. Field defaults are the values a key takes when the recipe leaves it out.
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.config.plan_override import PlanOverride
@@ -58,6 +58,23 @@ class AcceleratorConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """``training.checkpoint``: where and how often the trainer saves (DCP), and whether a
+    restarted run resumes from the latest complete checkpoint."""
+
+    # The checkpoints' folder (one ``step_<N>/`` per checkpoint), relative to the recipe's
+    # folder; null: the trainer saves nothing and resumes from nothing.
+    dir: str | None = None
+    every_steps: int = 100  # save after every this many steps (and after the last step)
+    keep_last: int = 3  # complete checkpoints kept, newest first; 0 keeps all
+    async_: bool = False  # YAML key ``async``: save in the background (dcp.async_save), training goes on
+    resume: bool = True  # a run resumes from the dir's latest complete checkpoint
+
+    # Recipe keys that are not Python names.
+    YAML_NAMES: ClassVar[dict[str, str]] = {"async_": "async"}
+
+
+@dataclass
 class TrainingConfig:
     steps: int = 10
     global_batch_size: int = 8
@@ -68,6 +85,7 @@ class TrainingConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     max_grad_norm: float | None = None  # clip the global gradient norm to this; None: no clipping
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
 from hyper_parallel.trainer.base import BaseTrainer, write_metrics
+from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
 from hyper_parallel.trainer.data import DataError, text_dataset_file
 
 
@@ -25,6 +26,10 @@ section sets steps, global_batch_size, micro_batch_size, seq_len, seed, log_ever
 activation_checkpointing, compile and max_grad_norm; optimizer sets AdamW's lr, betas
 and weight_decay; dataset is synthetic tokens or a local text file (kind: text, path).
 Rank 0 prints one line per log_every steps: loss, gradient norm, tokens/s.
+
+training.checkpoint: {dir, every_steps, keep_last, async, resume} saves step_<N>/
+folders under dir (relative to the recipe's folder); a restarted run resumes from the
+newest complete one unless --no-resume (or resume: false) says otherwise.
 """
 
 
@@ -34,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Train a recipe under torchrun (gloo on CPU, nccl/hccl on accelerators).",
         epilog=EPILOG)
     parser.add_argument("--config", required=True, help="the training recipe (YAML)")
-    parser.add_argument("--metrics", help="rank 0 writes per-step loss, gradient norm and tokens/s here (JSON)")
+    parser.add_argument("--metrics", help="rank 0 writes per-step loss, gradient norm and tokens/s here (JSON); "
+                                          "a resumed run lists the steps it ran")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start from the model's weights even when training.checkpoint.dir holds a checkpoint")
     args = parser.parse_args(argv)
     try:
         config = load_training_config(args.config)
@@ -47,17 +55,18 @@ def main(argv: list[str] | None = None) -> int:
               f"per node); run: python -m torch.distributed.run --nproc_per_node={world} "
               f"-m hyper_parallel.trainer --config {args.config}", file=sys.stderr)
         return 2
-    if config.dataset.kind == "text":
-        try:
+    try:
+        if config.dataset.kind == "text":
             text_dataset_file(config.dataset, config.training.global_batch_size * config.training.seq_len,
                               config._yaml_path or args.config)
-        except DataError as exc:
-            if os.environ.get("RANK") == "0":  # one line, not one per rank
-                print(f"error: {exc}", file=sys.stderr)
-            return 2
+        checkpoint_root(config, config._yaml_path or args.config)
+    except (DataError, CheckpointError) as exc:
+        if os.environ.get("RANK") == "0":  # one line, not one per rank
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
     # The step lines; the codegen progress under it stays quiet (its warnings still show).
     configure_console_logging(logger="hyper_parallel.trainer")
-    trainer = BaseTrainer(config)
+    trainer = BaseTrainer(config, resume=not args.no_resume)
     records = trainer.train()
     if args.metrics and trainer.rank == 0:
         write_metrics(records, args.metrics)

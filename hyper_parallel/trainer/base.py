@@ -2,8 +2,8 @@
 
 Launched under torchrun (``python -m hyper_parallel.trainer --config X.yaml``) it
 trains the recipe's ``training`` section on synthetic tokens or a local text file and
-logs loss and tokens/s per step.
-"""
+logs loss and tokens/s per step; with ``training.checkpoint`` it saves checkpoints and a
+restarted run resumes from the newest complete one (trainer/checkpoint.py)."""
 
 import json
 import logging
@@ -21,6 +21,7 @@ from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
 from hyper_parallel.models.hf.model_builder import runtime_device_type
+from hyper_parallel.trainer.checkpoint import Checkpointer
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens, seed_step
 
 _LOG = logging.getLogger(__name__)
@@ -36,8 +37,11 @@ class StepRecord:
 
 
 class BaseTrainer:
-    def __init__(self, config: TrainerConfig):
+    def __init__(self, config: TrainerConfig, resume: bool = True):
+        """``resume``: False starts from the model's weights even when
+        ``training.checkpoint.dir`` holds a checkpoint (``--no-resume``)."""
         self.config = config
+        self.resume = resume and config.training.checkpoint.resume
         check_launch_world_size(config)
         acc = config.accelerator
         self.dims = acc.parallel_dims
@@ -46,6 +50,7 @@ class BaseTrainer:
         torch.manual_seed(config.training.seed)
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
+        self.checkpointer = Checkpointer(config, self.model, self.optimizer, config._yaml_path or "<recipe>")
 
     def _build_model(self) -> torch.nn.Module:
         """The recipe's model through HyperAutoModel (seed §10's ``config.model.build(...)``,
@@ -76,7 +81,12 @@ class BaseTrainer:
         dp_rank, dp_size = self._dp_coordinates()
         records = []
         self.model.train()
-        for step in range(training.steps):
+        resumed = self.checkpointer.resume(self.resume)
+        first = resumed.step if resumed else 0
+        if resumed and self.rank == 0:
+            _LOG.info(f"steps {first + 1}..{training.steps} follow" if first < training.steps
+                      else f"nothing to train: the checkpoint is at step {first}, training.steps is {training.steps}")
+        for step in range(first, training.steps):
             start = time.perf_counter()
             batch = global_batch(step, training, dataset, vocab, text)
             seed_step(step, training)
@@ -102,6 +112,8 @@ class BaseTrainer:
                 _LOG.info(f"step {record.step}/{training.steps} | loss {record.loss:.6f} | "
                           f"grad norm {record.grad_norm:.4f} | "
                           f"{record.tokens_per_s:,.0f} tok/s | {seconds:.2f}s")
+            self.checkpointer.maybe_save(record.step, last=record.step == training.steps)
+        self.checkpointer.finish()
         return records
 
 

@@ -1,0 +1,332 @@
+"""Checkpoints of a training run (``training.checkpoint``): saved with
+``torch.distributed.checkpoint`` (DCP), atomically, and loaded back for an exact resume.
+
+A checkpoint is the folder ``<dir>/step_<N>/``:
+
+- DCP's files: ``{"model": ..., "optim": ...}`` from ``get_state_dict`` (DTensor and
+  FSDP2 shards saved as shards, each rank writing its own);
+- ``rng/rank_<r>.pt``: that rank's torch CPU RNG state;
+- ``COMPLETE.json``, written last by rank 0: the step, the data position, the layout.
+
+Every rank writes into ``step_<N>.tmp-<id>/``; after all ranks finished (a barrier)
+rank 0 writes the marker and renames the folder to ``step_<N>/``. A run killed during a
+save leaves only a ``.tmp-`` folder (or, at worst, a folder without its marker): the
+next start ignores and removes it and resumes from the newest folder with a marker.
+The folder must be one every rank sees (a shared file system across nodes).
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.errors import HyperParallelError
+
+_LOG = logging.getLogger(__name__)
+
+MARKER = "COMPLETE.json"
+FORMAT = 1  # the marker's format version
+_COMPLETE_NAME = re.compile(r"^step_(\d+)$")
+_PARTIAL_NAME = re.compile(r"^step_\d+\.tmp-")
+
+
+class CheckpointError(ValueError, HyperParallelError):
+    """A checkpoint folder the trainer cannot use; names the recipe key."""
+
+
+@dataclass
+class Resumed:
+    """Where a resumed run starts: the checkpoint folder and the steps already done."""
+
+    path: Path
+    step: int
+
+
+def checkpoint_root(config: TrainerConfig, where: str) -> Path | None:
+    """The recipe's ``training.checkpoint.dir`` as a path (relative paths start at the
+    recipe's folder, as every recipe path does), or None when checkpoints are off.
+    Checked before any rank builds a model, so a file in its place is one line."""
+    folder = config.training.checkpoint.dir
+    if folder is None:
+        return None
+    path = Path(folder)
+    if not path.is_absolute():
+        path = Path(config._yaml_path or where).parent / path
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{where}: training.checkpoint.dir: {path} is a file; expected a folder for the "
+                              f"checkpoints (relative paths start at the recipe's folder); fix training.checkpoint.dir")
+    return path
+
+
+def scan(root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
+    """The complete checkpoints under ``root`` (oldest first) and the partial ones: a
+    ``step_<N>.tmp-*`` folder, or a ``step_<N>`` without its marker. Other entries are
+    the user's and are left alone."""
+    complete, partial = [], []
+    if not root.is_dir():
+        return complete, partial
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir():
+            continue
+        match = _COMPLETE_NAME.match(entry.name)
+        if match and (entry / MARKER).is_file():
+            complete.append((int(match.group(1)), entry))
+        elif match or _PARTIAL_NAME.match(entry.name):
+            partial.append(entry)
+    complete.sort(key=lambda item: item[0])
+    return complete, partial
+
+
+def remove_partial(root: Path) -> list[Path]:
+    """Remove the partial checkpoints a killed save left (rank 0, at start): they can
+    never be loaded, and a later save of the same step must not find them."""
+    _, partial = scan(root)
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+        _LOG.info(f"removed partial checkpoint {path} (a save that did not finish)")
+    return partial
+
+
+def latest_complete(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    complete, _ = scan(root)
+    return complete[-1][1] if complete else None
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Remove all but the ``keep_last`` newest complete checkpoints (0 keeps all)."""
+    complete, _ = scan(root)
+    if keep_last == 0 or len(complete) <= keep_last:
+        return []
+    removed = [path for _, path in complete[:-keep_last]]
+    for path in removed:
+        # Renamed to a partial name first: a kill during the removal leaves a folder the
+        # next start cleans, never a complete-looking folder with files missing.
+        doomed = path.with_name(f"{path.name}.tmp-removed-{uuid.uuid4().hex[:8]}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        _LOG.info(f"removed checkpoint {path} (keep_last {keep_last})")
+    return removed
+
+
+@dataclass
+class _Part:
+    """One block of a ``_StridedShard`` tensor, stored under a key of its own."""
+
+    local: torch.Tensor  # the rank's whole local tensor (the block is copied back into it on load)
+    dim: int
+    start: int
+    length: int
+    saved: DTensor  # the block as a plain ``Shard(dim)`` DTensor (a copy)
+
+
+def _split_strided(key: str, tensor: DTensor) -> dict[str, _Part]:
+    """A DTensor placed ``_StridedShard(dim, split_factor=s)`` (a fused gate_up or qkv
+    projection split over tp: each rank holds one chunk of each of the ``s`` packed
+    blocks) as ``s`` DTensors placed ``Shard(dim)``, one per block. DCP describes a shard
+    by one offset per dimension, so it cannot save a rank's non-contiguous rows; each
+    block's rows on a rank are contiguous. Keys: ``<key>@part<k>of<s>``."""
+    placements = list(tensor.placements)
+    strided = [i for i, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    placement = placements[strided[0]]
+    dim = placement.dim
+    others = [p for i, p in enumerate(placements) if i != strided[0] and isinstance(p, (Shard, _StridedShard))]
+    local = tensor.to_local()
+    blocks = placement.split_factor
+    pieces = tensor.device_mesh.size(strided[0])
+    if len(strided) > 1 or any(p.dim == dim for p in others) or tensor.shape[dim] % (blocks * pieces):
+        raise CheckpointError(f"cannot checkpoint {key}: placements {tuple(tensor.placements)} over shape "
+                              f"{tuple(tensor.shape)} are not supported by the checkpointer yet (one strided "
+                              f"shard per dimension, dividing it evenly)")
+    length = local.shape[dim] // blocks
+    placements[strided[0]] = Shard(dim)
+    shape = list(tensor.shape)
+    shape[dim] //= blocks
+    parts = {}
+    for k in range(blocks):
+        block = local.narrow(dim, k * length, length).detach().clone(memory_format=torch.contiguous_format)
+        saved = DTensor.from_local(block, tensor.device_mesh, placements, run_check=False,
+                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        parts[f"{key}@part{k}of{blocks}"] = _Part(local, dim, k * length, length, saved)
+    return parts
+
+
+def _dcp_view(state: dict, prefix: str = "") -> tuple[dict, list[_Part]]:
+    """``state`` as DCP saves it: the same nesting and tensors, with each strided-shard
+    DTensor replaced by its blocks (``_split_strided``). Returns the view and the blocks,
+    which ``_restore_parts`` copies back after a load."""
+    view, parts = {}, []
+    for name, value in state.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            view[name], inner = _dcp_view(value, f"{key}.")
+            parts.extend(inner)
+        elif isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
+            for part_key, part in _split_strided(key, value).items():
+                view[part_key[len(prefix):]] = part.saved
+                parts.append(part)
+        else:
+            view[name] = value
+    return view, parts
+
+
+@torch.no_grad()
+def _restore_parts(parts: list[_Part]) -> None:
+    """Copy loaded blocks back into their rank's local tensor."""
+    for part in parts:
+        part.local.narrow(part.dim, part.start, part.length).copy_(part.saved.to_local())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (POSIX); a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_marker(folder: Path, record: dict) -> None:
+    """The completion marker, written whole (temp file, fsync, rename): its presence
+    means every rank's files are in ``folder``."""
+    part = folder / (MARKER + ".part")
+    with open(part, "w") as handle:
+        handle.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(part, folder / MARKER)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished ``step_<N>.tmp-<id>`` to ``step_<N>``; an older folder of the
+    same step (a run started with resume off) is moved aside and removed first."""
+    if final.exists():
+        aside = final.with_name(f"{final.name}.tmp-replaced-{uuid.uuid4().hex[:8]}")
+        os.replace(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+class Checkpointer:
+    """Saves and loads one run's checkpoints; every rank holds one and calls it at the
+    same points (its methods run collectives)."""
+
+    def __init__(self, config: TrainerConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 where: str):
+        self.settings = config.training.checkpoint
+        self.config = config
+        self.model, self.optimizer = model, optimizer
+        self.root = checkpoint_root(config, where)
+        self.rank = dist.get_rank()
+        # An async save runs its collectives in a background thread; on a group of its own
+        # they never interleave with the training step's collectives on the default group.
+        self._async_group = dist.new_group(backend="gloo") if self.root and self.settings.async_ else None
+        self._pending = None  # (future, tmp, final, record) of an async save not yet published
+
+    @property
+    def enabled(self) -> bool:
+        return self.root is not None
+
+    def _state(self) -> dict:
+        """Model and optimizer state as DCP saves and loads it: sharded (DTensor/FSDP2
+        shards stay on their ranks), named by the model's own parameter names."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def resume(self, wanted: bool) -> Resumed | None:
+        """At start: rank 0 removes partial checkpoints and picks the newest complete one;
+        when ``wanted``, every rank loads it. Returns where the run resumes, or None."""
+        if not self.enabled:
+            return None
+        choice = [None]
+        if self.rank == 0:
+            remove_partial(self.root)
+            latest = latest_complete(self.root) if wanted else None
+            choice = [str(latest) if latest else None]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        path = Path(choice[0])
+        record = json.loads((path / MARKER).read_text())
+        state = self._state()
+        view, parts = _dcp_view(state)
+        dcp.load(view, checkpoint_id=str(path))
+        _restore_parts(parts)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng = path / "rng" / f"rank_{self.rank}.pt"
+        if rng.is_file():
+            torch.set_rng_state(torch.load(rng, weights_only=True))
+        if self.rank == 0:
+            _LOG.info(f"resumed from checkpoint {path} (step {record['step']})")
+        return Resumed(path, int(record["step"]))
+
+    def maybe_save(self, step: int, last: bool) -> None:
+        """After ``step`` steps: save when ``every_steps`` divides it, or after the last step."""
+        if self.enabled and (step % self.settings.every_steps == 0 or last):
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """Save the state after ``step`` steps into ``step_<step>/``, atomically."""
+        self.finish()  # an earlier async save is published first: checkpoints appear in step order
+        token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        final = self.root / f"step_{step}"
+        tmp = self.root / f"step_{step}.tmp-{token[0]}"
+        (tmp / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(torch.get_rng_state(), tmp / "rng" / f"rank_{self.rank}.pt")
+        dims = self.config.accelerator
+        record = {
+            "format": FORMAT,
+            "step": step,
+            # Batches are a function of the step index (trainer/data.py global_batch): the
+            # next step's batch is where the data resumes.
+            "data": {"kind": self.config.dataset.kind, "next_step": step},
+            "lr_schedule": None,  # the trainer has a constant lr (it sits in the optimizer's state)
+            "world_size": dist.get_world_size(),
+            "layout": {k: getattr(dims, f"{k}_size") for k in ("dp", "tp", "cp", "ep", "pp")},
+        }
+        if self.settings.async_:
+            view, _ = _dcp_view(self._state())
+            future = dcp.async_save(view, checkpoint_id=str(tmp), process_group=self._async_group)
+            self._pending = (future, tmp, final, record)
+            return
+        view, _ = _dcp_view(self._state())
+        dcp.save(view, checkpoint_id=str(tmp))
+        self._publish(tmp, final, record)
+
+    def finish(self) -> None:
+        """Wait for an async save in flight and publish it (before the next save, and at
+        the end of training)."""
+        if self._pending is None:
+            return
+        future, tmp, final, record = self._pending
+        self._pending = None
+        future.result()
+        self._publish(tmp, final, record)
+
+    def _publish(self, tmp: Path, final: Path, record: dict) -> None:
+        """After every rank wrote its part: rank 0 marks the folder complete, renames it
+        into place and prunes old checkpoints; the others wait for it."""
+        dist.barrier()
+        if self.rank == 0:
+            _write_marker(tmp, record)
+            _publish(tmp, final)
+            _LOG.info(f"saved checkpoint {final}")
+            prune(self.root, self.settings.keep_last)
+        dist.barrier()

@@ -1,0 +1,85 @@
+"""Checkpoints under torchrun (gloo, CPU): a run saves every 2 steps and keeps the last
+2; its last checkpoint is then made partial (marker gone, as a kill between the ranks'
+writes and the rename would leave it) and a killed save's ``.tmp-`` folder is planted;
+the restarted run removes both, resumes from step 4 and trains steps 5 and 6 to exactly
+the losses and gradient norms of the uninterrupted run.
+
+Two launches per layout (one uninterrupted run with checkpoints, one resumed run), plus
+one ``--no-resume`` launch at tp2: the tiny model trains in seconds."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from tests.launch import assert_ran, torchrun
+from tests.pipeline.pipeline_helpers import copy_project, generated_tiny_project
+from tests.project_fixtures import TINY_RECIPE, make_project
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+QWEN3_MOE_MODELING = "transformers.models.qwen3_moe.modeling_qwen3_moe"  # imported once, before the ranks fork
+
+LAYOUTS = {
+    # tp2 shards the fused gate_up_proj as _StridedShard: saved as one block per part.
+    "tp2": {"accelerator": {"nproc_per_node": 2, "tp_size": 2}, "async": False},
+    # FSDP2 over dp2, saved in the background (dcp.async_save).
+    "dp2_fsdp2_async": {"accelerator": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1}, "async": True},
+}
+
+
+def _train(project, recipe, metrics, *args):
+    proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics", str(metrics), *args],
+                    project, nproc=2, preload=(QWEN3_MOE_MODELING,))
+    assert_ran(proc)
+    return proc, json.loads(metrics.read_text())
+
+
+def _assert_same_steps(got, want):
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-7), (got, want)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-7), (got, want)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_resumed_run_continues_exactly(tmp_path_factory, tmp_path, layout):
+    if layout == "tp2":  # the tiny recipe's own layout: the suite's generated copy (training is no codegen input)
+        project = copy_project(generated_tiny_project(tmp_path_factory), tmp_path / "project")
+    else:
+        project = make_project(tmp_path / "project")
+    recipe = project / TINY_RECIPE
+    data = yaml.safe_load(recipe.read_text())
+    data["accelerator"].update(LAYOUTS[layout]["accelerator"])
+    data["training"].update(steps=6, global_batch_size=4, micro_batch_size=2, seq_len=12, checkpoint={
+        "dir": "checkpoints", "every_steps": 2, "keep_last": 2, "async": LAYOUTS[layout]["async"]})
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    root = recipe.parent / "checkpoints"
+
+    proc, whole = _train(project, recipe, tmp_path / "whole.json")
+    assert [r["step"] for r in whole] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]  # keep_last 2 removed step_2
+    marker = json.loads((root / "step_4" / "COMPLETE.json").read_text())
+    assert marker["step"] == 4 and marker["data"]["next_step"] == 4 and marker["world_size"] == 2
+
+    (root / "step_6" / "COMPLETE.json").unlink()  # saved but never marked complete
+    (root / "step_5.tmp-0123abcd").mkdir()  # a save killed midway
+    (root / "step_5.tmp-0123abcd" / "__0_0.distcp").write_bytes(b"partial")
+    proc, resumed = _train(project, recipe, tmp_path / "resumed.json")
+    assert f"resumed from checkpoint {root / 'step_4'} (step 4)" in proc.stdout
+    assert f"removed partial checkpoint {root / 'step_6'}" in proc.stdout
+    assert f"removed partial checkpoint {root / 'step_5.tmp-0123abcd'}" in proc.stdout
+    assert "step 4/6" not in proc.stdout and "step 5/6" in proc.stdout
+    _assert_same_steps(resumed, whole[4:])  # the metrics list only the steps this run ran
+    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]
+    assert (root / "step_6" / "COMPLETE.json").is_file()
+
+    if layout == "tp2":  # --no-resume starts from the model's weights, checkpoints or not
+        data["training"]["steps"] = 2
+        recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+        proc, fresh = _train(project, recipe, tmp_path / "fresh.json", "--no-resume")
+        assert "resumed from" not in proc.stdout
+        _assert_same_steps(fresh, whole[:2])
+        # step_2 saved again; keep_last 2 keeps the newest steps, 4 and 6
+        assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]
