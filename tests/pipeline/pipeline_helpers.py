@@ -1,23 +1,24 @@
-"""Shared by the pipeline tests: one generated tiny project per pytest run, copied
-into each test that changes it, and a small synthetic bundle for loader tests."""
+"""Shared by the pipeline tests: generated tiny projects built once per pytest run, copied
+into each test that changes them, and a small synthetic bundle for loader tests."""
 
 import fcntl
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from hyper_parallel.codegen.bundle_folder import write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes
 from hyper_parallel.codegen.meta import META_SCHEMA_VERSION, REQUIRED_META_FIELDS
-from tests.project_fixtures import REPO, TINY_RECIPE, cli, make_project
+from tests.project_fixtures import REPO, TINY_RECIPE, cli, doit, make_project
 
 # The package is not installed: subprocesses started in a project copy find it here.
 ENV = {"PYTHONPATH": str(REPO)}
 BUNDLE = Path("recipes/tiny_cpu/generated")
 MODELING_FILE = "modeling_Qwen3_Moe_gen_cpu.py"
 
-_generated: list[Path] = []  # the one project generated in this pytest run
+_generated: dict[str, Path] = {}  # the projects generated in this pytest run, by name
 
 
 def generated_tiny_project(tmp_path_factory) -> Path:
@@ -25,19 +26,42 @@ def generated_tiny_project(tmp_path_factory) -> Path:
     Built once per pytest run, also under pytest-xdist: the first worker to ask builds it
     under a lock in the run's shared temp folder, the others wait and reuse it. Treat it
     as read-only and copy it to change it."""
-    if not _generated:
+    def build(project: Path) -> str:
+        proc = cli(project, "generate", "--config", TINY_RECIPE, "--skip-preflight", env=ENV)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout + proc.stderr
+
+    return _built_once(tmp_path_factory, "generated-tiny", build)[0]
+
+
+def doit_generated_tiny_project(tmp_path_factory) -> tuple[Path, str]:
+    """A project whose tiny recipe ``doit generate`` built from nothing, through the torchrun
+    preflight (doit's state database included), and that run's output. Built once per
+    pytest run like generated_tiny_project; read-only: copy it (symlinks kept) to change or
+    to run doit in it."""
+    def build(project: Path) -> str:
+        proc = doit(project, "generate", f"config={TINY_RECIPE}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout + proc.stderr
+
+    return _built_once(tmp_path_factory, "doit-generated-tiny", build)
+
+
+def _built_once(tmp_path_factory, name: str, build: Callable[[Path], str]) -> tuple[Path, str]:
+    """``build`` run once per pytest run in a fresh project (dodo.py and recipes/) named
+    ``name``, under a lock in the run's shared temp folder; the project and the output
+    ``build`` returned."""
+    if name not in _generated:
         root = _run_temp(tmp_path_factory)
-        project, done = root / "generated-tiny" / "project", root / "generated-tiny.done"
-        with open(root / "generated-tiny.lock", "w") as lock:
+        project, done = root / name / "project", root / f"{name}.done"
+        with open(root / f"{name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not done.exists():
                 shutil.rmtree(project.parent, ignore_errors=True)  # a failed build's remains
                 make_project(project)
-                proc = cli(project, "generate", "--config", TINY_RECIPE, "--skip-preflight", env=ENV)
-                assert proc.returncode == 0, proc.stdout + proc.stderr
-                done.touch()
-        _generated.append(project)
-    return _generated[0]
+                done.write_text(build(project))
+        _generated[name] = project
+    return _generated[name], (_run_temp(tmp_path_factory) / f"{name}.done").read_text()
 
 
 def _run_temp(tmp_path_factory) -> Path:

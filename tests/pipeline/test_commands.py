@@ -1,9 +1,11 @@
 """doit list / clean and the CLI's help and clean: the front doors besides generate."""
 
+import shutil
 import sys
 
 import pytest
 
+from tests.pipeline.pipeline_helpers import doit_generated_tiny_project
 from tests.project_fixtures import TINY_RECIPE, cli, doit, make_project, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -31,8 +33,9 @@ def test_a_full_disk_is_one_line_before_doit_opens_its_database(tmp_path):
     assert not (project / "generated").exists()
 
 
-def test_doit_clean_removes_bundle_and_workspace(project):
-    assert doit(project, "install", f"config={TINY_RECIPE}").returncode == 0
+def test_doit_clean_removes_bundle_and_workspace(tmp_path_factory, tmp_path):
+    # A copy of the run's shared project that doit generated (through the preflight).
+    project = shutil.copytree(doit_generated_tiny_project(tmp_path_factory)[0], tmp_path / "project", symlinks=True)
     bundle, workspace = project / "recipes/tiny_cpu/generated", project / "generated/recipes+tiny_cpu+qwen3_moe_tiny"
     assert bundle.is_dir() and workspace.is_dir()
     proc = doit(project, "clean", f"config={TINY_RECIPE}", forbid_torch=True)

@@ -10,17 +10,17 @@ import transformers
 from safetensors.torch import save_file
 
 from tests.launch import assert_ran, torchrun
-from tests.project_fixtures import REPO, TINY_RECIPE, cli
+from tests.pipeline.pipeline_helpers import BUNDLE, generated_tiny_project
+from tests.project_fixtures import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
 
-def test_generated_bundle_at_tp2_equals_single_process_hf(project, tmp_path):
-    gen = cli(project, "generate", "--config", TINY_RECIPE, "--skip-preflight")
-    assert gen.returncode == 0, gen.stderr
-    bundle = project / "recipes/tiny_cpu/generated"
+def test_generated_bundle_at_tp2_equals_single_process_hf(tmp_path_factory, tmp_path):
+    # The run's shared tiny project, generated through install (read only here).
+    bundle = generated_tiny_project(tmp_path_factory) / BUNDLE
 
     config = transformers.AutoConfig.from_pretrained(CONFIG_DIR)
     torch.manual_seed(4321)

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from hyper_parallel.codegen.source.resolver import transformers_root
-from tests.project_fixtures import TINY_RECIPE, bundle_bytes, doit, make_project, tasks_ran, tasks_skipped
+from tests.pipeline.pipeline_helpers import doit_generated_tiny_project, generated_tiny_project
+from tests.project_fixtures import TINY_RECIPE, bundle_bytes, doit, tasks_ran, tasks_skipped
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -24,16 +25,22 @@ def _ok(proc):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    project = make_project(tmp_path_factory.mktemp("built") / "project")
-    out = _ok(doit(project, "generate", f"config={TINY_RECIPE}"))
+    """A project where ``doit generate`` ran every stage from nothing: the run's shared one
+    (tests/verify/test_verify_refuses.py starts from it too), copied so the tests here may
+    run doit in it."""
+    shared, out = doit_generated_tiny_project(tmp_path_factory)
     assert tasks_ran(out) == ALL_STAGES
-    return project
+    return shutil.copytree(shared, tmp_path_factory.mktemp("built") / "project", symlinks=True)
 
 
 @pytest.fixture
-def built_copy(built, tmp_path):
-    """A copy of ``built`` to change: every stage up to date, as after a first install."""
-    return shutil.copytree(built, tmp_path / "copy", symlinks=True)
+def built_copy(tmp_path_factory, tmp_path):
+    """A copy of the project ``built`` copies, to change: every stage up to date, as after a
+    first install. Not of ``built`` itself, so the tests that change a copy are free to run
+    on either pytest-xdist worker (``built`` keeps its users on one: tests/conftest.py)."""
+    shared, out = doit_generated_tiny_project(tmp_path_factory)
+    assert tasks_ran(out) == ALL_STAGES
+    return shutil.copytree(shared, tmp_path / "copy", symlinks=True)
 
 
 def test_first_generate_writes_the_bundle(built):
@@ -62,9 +69,12 @@ def test_non_codegen_fields_rerun_nothing(built):
         recipe.write_text(original)
 
 
-def test_generating_twice_gives_identical_bytes(built, tmp_path):
-    other = make_project(tmp_path / "elsewhere" / "checkout")
-    _ok(doit(other, "install", f"config={TINY_RECIPE}"))
+def test_generating_twice_gives_identical_bytes(tmp_path_factory):
+    # Two generations from nothing in two checkouts: doit's (``built``'s source) and the
+    # CLI's (the run's shared --skip-preflight project; both run the same stage functions).
+    built, _ = doit_generated_tiny_project(tmp_path_factory)
+    other = generated_tiny_project(tmp_path_factory)
+    assert built != other
     assert bundle_bytes(other / BUNDLE) == bundle_bytes(built / BUNDLE)
     # Stage records too: install depends on them by content, so a second run that wrote
     # other bytes (a timing) would make a concurrent generate redo install.
@@ -79,9 +89,8 @@ def _stage_records(project: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for name in names for path in (project / "generated").glob(f"*/{name}.json")}
 
 
-def test_copied_checkout_keeps_the_bundle_valid(built, tmp_path):
-    moved = tmp_path / "moved"
-    shutil.copytree(built, moved, symlinks=True)
+def test_copied_checkout_keeps_the_bundle_valid(built_copy):
+    moved = built_copy  # the built project, copied to another folder
     out = _ok(doit(moved, "generate", f"config={TINY_RECIPE}", forbid_torch=True))
     assert tasks_ran(out) == []
     out = _ok(doit(moved, "check", f"config={TINY_RECIPE}"))

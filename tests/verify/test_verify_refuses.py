@@ -6,7 +6,8 @@ import shutil
 import pytest
 import yaml
 
-from tests.project_fixtures import REPO, TINY_RECIPE, bundle_bytes, doit, make_project, tasks_ran
+from tests.pipeline.pipeline_helpers import doit_generated_tiny_project
+from tests.project_fixtures import REPO, TINY_RECIPE, bundle_bytes, doit, tasks_ran
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -40,16 +41,11 @@ BROKEN = {
 }
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    project = make_project(tmp_path_factory.mktemp("verify") / "project")
-    proc = doit(project, "generate", f"config={TINY_RECIPE}")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return project
-
-
 @pytest.mark.parametrize("case", sorted(BROKEN))
-def test_verify_refuses_a_broken_plan_and_keeps_the_old_bundle(installed, tmp_path, case):
+def test_verify_refuses_a_broken_plan_and_keeps_the_old_bundle(tmp_path_factory, tmp_path, case):
+    # A project ``doit generate`` built through the preflight (once per run, shared with
+    # tests/pipeline/test_incremental.py).
+    installed, _ = doit_generated_tiny_project(tmp_path_factory)
     project = tmp_path / "project"
     shutil.copytree(installed, project, symlinks=True)
     before = bundle_bytes(project / BUNDLE)
