@@ -15,6 +15,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 ALL_STAGES = ["resolve", "derive", "freeze", "emit", "diff", "verify", "install", "preflight"]
 THROUGH_INSTALL = ALL_STAGES[:-1]
+# A new source or transformers reruns every stage whose input changed; derive's plan of the
+# same model comes out byte-identical, so freeze is cut off (early cutoff on content).
+EVERY_STAGE_BUT_FREEZE = [stage for stage in THROUGH_INSTALL if stage != "freeze"]
 BUNDLE = Path("recipes/tiny_cpu/generated")
 
 
@@ -147,7 +150,7 @@ def test_modeling_source_change_reruns_everything(built_copy, tmp_path):
     project = built_copy
     shadow = _shadow_transformers(tmp_path / "shadow")
     out = _ok(doit(project, "install", f"config={TINY_RECIPE}", env={"PYTHONPATH": str(shadow)}))
-    assert tasks_ran(out) == THROUGH_INSTALL
+    assert tasks_ran(out) == EVERY_STAGE_BUT_FREEZE
     generated = (project / BUNDLE / "modeling_Qwen3_Moe_gen_cpu.py").read_text()
     assert "# one more line" in generated  # the bundle is built from the changed source
 
@@ -156,5 +159,5 @@ def test_transformers_version_change_reruns_everything(built_copy, tmp_path):
     project = built_copy
     fake = _fake_transformers_version(tmp_path / "fake", "5.99.0")
     out = _ok(doit(project, "install", f"config={TINY_RECIPE}", env={"PYTHONPATH": str(fake)}))
-    assert tasks_ran(out) == THROUGH_INSTALL
+    assert tasks_ran(out) == EVERY_STAGE_BUT_FREEZE
     assert '"transformers_version": "5.99.0"' in (project / BUNDLE / "codegen_meta.json").read_text()

@@ -44,7 +44,7 @@ def test_check_fails_on_an_edited_file_with_a_matching_meta(project):
     _edit_modeling_file_and_its_hash(project)
     proc = cli(project, "check", "--config", TINY_RECIPE, env=ENV)
     assert proc.returncode != 0
-    assert f"{MODELING_FILE}: differs from what generate writes now" in proc.stderr, proc.stderr
+    assert f"{MODELING_FILE}: stale (differs from what generate writes now)" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("stage_file", ["plan.json", "frozen.json"])
