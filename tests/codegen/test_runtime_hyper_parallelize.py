@@ -64,7 +64,7 @@ def frozen_tp2_plan() -> dict:
 
 def test_generated_hyper_parallelize_matches_hf_under_torchrun(tmp_path):
     plan = frozen_tp2_plan()
-    assert "model.layers.*.self_attn.q_proj" in plan["modules"]
+    assert "model.layers.*.self_attn.[qkv]_proj" in plan["modules"]  # q, k and v: one class key
     source = Path(importlib.util.find_spec(SOURCE_MODULE).origin).read_text(encoding="utf-8")
     banner = {"recipe": "recipes/tiny_cpu/qwen3_moe_tiny.yaml", "signature": "test", "source_sha256": "test",
               "transformers_version": transformers.__version__, "parallel_dims": {"tp": 2}}
