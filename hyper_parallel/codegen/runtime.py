@@ -84,7 +84,8 @@ def hyper_parallelize(model: nn.Module, mesh_context: Any, plan: Mapping[str, An
 
     document = plan_from_json(plan, where="HYPER_PARALLEL_PLAN")
     check_plan_mesh(document.mesh_axes, document.mesh_sizes, mesh_context)
-    apply_sharding_plan(model, document.modules, mesh_context)
+    apply_sharding_plan(model, document.modules, mesh_context, context_parallel=document.context_parallel,
+                        roles=document.roles)
     return model
 
 

@@ -12,6 +12,7 @@ import yaml
 from hyper_parallel.config.parallel_dims import ParallelDimsError
 from hyper_parallel.config.plan_override import PlanOverride, PlanOverrideError, parse_plan_overrides, trusted_packages
 from hyper_parallel.config.schema import (
+    CP_ALGORITHMS,
     DATASET_KINDS,
     DEVICE_TYPES,
     MAX_SEQ_LEN,
@@ -109,6 +110,7 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
         raise RecipeError(
             f"{where}: accelerator: dp_size*cp_size*tp_size*pp_size = {acc.world_size} must equal "
             f"nproc_per_node*nnodes = {launched}")
+    _validate_context_parallel(config, where)
     if config.modeling_backend is not None and config.modeling_backend not in MODELING_BACKENDS:
         raise RecipeError(f"{where}: modeling_backend: expected one of {', '.join(MODELING_BACKENDS)}, "
                           f"got {config.modeling_backend!r}")
@@ -117,6 +119,18 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
                           f"got {config.model.torch_dtype!r}")
     _validate_training(config, where)
     _validate_dataset(config, where)
+
+
+def _validate_context_parallel(config: TrainerConfig, where: str) -> None:
+    """``accelerator.context_parallel``: a known algorithm, one this version implements."""
+    key = "accelerator.context_parallel.algorithm"
+    algorithm = config.accelerator.context_parallel.algorithm
+    if algorithm not in CP_ALGORITHMS:
+        raise RecipeError(f"{where}: {key}: expected one of {', '.join(CP_ALGORITHMS)}, got {algorithm!r}; "
+                          f"e.g. algorithm: allgather_kv")
+    if algorithm == "ulysses":
+        raise RecipeError(f"{where}: {key}: 'ulysses' is not implemented yet; use allgather_kv (K and V gathered "
+                          f"over cp) or gather_sequence (each cp rank computes the whole sequence's attention)")
 
 
 def _plan_overrides(data: Any, model: ModelConfig, where: str) -> tuple[PlanOverride, ...]:

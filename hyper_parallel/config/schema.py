@@ -15,6 +15,13 @@ MODELING_BACKENDS = ("hf", "custom", "gen")
 TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
 DATASET_KINDS = ("synthetic", "text")
 MAX_SEQ_LEN = 1 << 24  # 16M tokens a sequence: beyond any model's context
+# accelerator.context_parallel.algorithm: how attention runs when cp_size > 1.
+#   gather_sequence: every cp rank gathers the block's input and computes the whole
+#     sequence's attention (exact; attention work and activations not split);
+#   allgather_kv: each rank keeps its tokens; K and V are all-gathered over cp;
+#   ulysses: all-to-all between sequence and heads (not implemented yet: refused).
+CP_ALGORITHMS = ("gather_sequence", "allgather_kv", "ulysses")
+DEFAULT_CP_ALGORITHM = "gather_sequence"
 
 
 @dataclass
@@ -32,6 +39,16 @@ class ModelConfig:
 
 
 @dataclass
+class ContextParallelConfig:
+    """``accelerator.context_parallel``: how attention is split when ``cp_size > 1``.
+    ``load_balance``: (allgather_kv) the sequence is cut into 2*cp chunks and rank r
+    holds chunks r and 2*cp-1-r, so every rank has the same causal-attention work."""
+
+    algorithm: str = DEFAULT_CP_ALGORITHM
+    load_balance: bool = True
+
+
+@dataclass
 class AcceleratorConfig:
     device_type: str = "cpu"
     dp_size: int = 1
@@ -41,6 +58,7 @@ class AcceleratorConfig:
     pp_size: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     nproc_per_node: int = 1
     nnodes: int = 1
     # verify's and preflight's collectives give up after this long; the error names the

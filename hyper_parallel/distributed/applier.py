@@ -31,6 +31,12 @@ For each planned module:
 - when the output embedding's logits stay sharded (vocab: loss parallel; sequence:
   cp), the model's ``loss_function`` becomes the matching sharded cross entropy
   (``sharded_loss``), so HF's ``forward(labels=...)`` returns the exact loss.
+- ``context_parallel`` (the plan document's): with allgather_kv the blocks planned
+  ``kv_gathered_attention`` gather K/V over cp inside their attention function
+  (``context_parallel.install_context_parallel``); with load balance every conversion
+  that splits the sequence over cp permutes it first and every one that gathers it
+  restores the order after (``_redistribute``), and the sharded loss slices its labels
+  the same way.
 """
 
 from collections.abc import Mapping
@@ -40,6 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.boundary_collectives import (
     SharedInputReductions,
     all_reduce_in_forward,
@@ -48,6 +55,7 @@ from hyper_parallel.distributed.boundary_collectives import (
     output_reductions,
     output_shares,
 )
+from hyper_parallel.distributed.context_parallel import SequenceOrder, install_context_parallel
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
@@ -60,6 +68,8 @@ from hyper_parallel.protocols.placements import as_placement
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
 EP_AXIS = "ep"
+CP_AXIS = "cp"
+KV_GATHERED_ATTENTION = "kv_gathered_attention"  # the role sequence_layout gives allgather_kv's blocks
 
 
 class PlanApplyError(ValueError, HyperParallelError):
@@ -67,15 +77,21 @@ class PlanApplyError(ValueError, HyperParallelError):
 
 
 def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig | Mapping], mesh, *,
-                        single_rank_axes: bool = False) -> nn.Module:
+                        single_rank_axes: bool = False, context_parallel: ContextParallel | None = None,
+                        roles: Mapping[str, str] | None = None) -> nn.Module:
     """Shard ``model`` in place as ``modules`` says. An axis of one rank places nothing and
     is left out (``single_rank_axes``: keep it, so one process can exercise the DTensor
     machinery): a dp-only or cp-only run then has no tp DTensors, which model code reading
-    a parameter outside its module's forward (DBRX's experts) would meet."""
+    a parameter outside its module's forward (DBRX's experts) would meet.
+    ``context_parallel`` and ``roles`` (by plan key): the plan document's; without them
+    attention gathers the sequence as its entries say (gather_sequence)."""
     device_mesh = mesh.device_mesh if isinstance(mesh, MeshContext) else mesh
     mesh_axes = tuple(device_mesh.mesh_dim_names or ())
     if not mesh_axes:
         raise PlanApplyError("apply_sharding_plan needs a DeviceMesh with mesh_dim_names")
+    cp_size = device_mesh.size(mesh_axes.index(CP_AXIS)) if CP_AXIS in mesh_axes else 1
+    order = SequenceOrder(cp_size) if context_parallel is not None and context_parallel.load_balance \
+        and cp_size > 1 else None
     sub_meshes: dict[tuple[str, ...], object] = {}
     sharded: dict[int, nn.Parameter] = {}  # id(original parameter) -> DTensor parameter (tied weights)
     shared = SharedInputReductions()
@@ -97,12 +113,24 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
         if key not in sub_meshes:
             sub_meshes[key] = owner[axes[0]] if len(axes) == 1 else owner[axes]
         _shard_states(module, fqn, config, sub_meshes[key], axes, sharded)
-        _install_hooks(module, fqn, config, sub_meshes[key], axes, shared, block=fqn in blocks)
+        _install_hooks(module, fqn, config, sub_meshes[key], axes, shared, block=fqn in blocks, order=order)
         if _shards_states_on(config, EP_AXIS):
             install_expert_dispatch(module, fqn, owner.get_group(EP_AXIS), owner.size(owner_axes.index(EP_AXIS)))
         if module is output_embeddings(model):
-            _install_sharded_loss(model, fqn, config, sub_meshes[key], axes)
+            _install_sharded_loss(model, fqn, config, sub_meshes[key], axes, order)
+    if context_parallel is not None and context_parallel.splits_attention and cp_size > 1:
+        attention = _kv_gathered_attention(model, modules, roles or {})
+        if not attention:
+            raise PlanApplyError("context_parallel.algorithm allgather_kv: the plan has no kv_gathered_attention "
+                                 "entry (pass the plan document's roles); regenerate the bundle")
+        install_context_parallel(model, attention, device_mesh, order)
     return model
+
+
+def _kv_gathered_attention(model: nn.Module, modules: Mapping, roles: Mapping[str, str]) -> list[str]:
+    """The FQNs of the blocks the plan keeps on the rank's tokens through attention."""
+    matches = match_plan_keys((name for name, _ in model.named_modules()), modules)
+    return sorted(name for name, key in matches.applied.items() if roles.get(key) == KV_GATHERED_ATTENTION)
 
 
 def _planned_ancestors(targets: Mapping[str, ShardingConfig]) -> set[str]:
@@ -283,7 +311,7 @@ def _chunk(tensor: torch.Tensor, dim: int, pieces: int, index: int) -> torch.Ten
 
 
 def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes,
-                   shared: SharedInputReductions, *, block: bool = False) -> None:
+                   shared: SharedInputReductions, *, block: bool = False, order: SequenceOrder | None = None) -> None:
     in_pairs = _pairs(config.in_src, config.in_dst)
     out_pairs = _pairs(config.out_src, config.out_dst)
     arg_names = positional_names(module)
@@ -304,11 +332,11 @@ def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh
             value = where[key]
             if isinstance(value, torch.Tensor):
                 where[key] = _convert_input(value, src, dst, sub_mesh, axes, config.local_map, input_split_axes,
-                                            f"{fqn or '<root>'} input {index}", shared)
+                                            f"{fqn or '<root>'} input {index}", shared, order)
         return tuple(args), kwargs
 
     def post_hook(mod, args, kwargs, output):
-        return _convert_outputs(output, out_pairs, sub_mesh, axes, fqn or "<root>")
+        return _convert_outputs(output, out_pairs, sub_mesh, axes, fqn or "<root>", order)
 
     if config.local_map:
         _install_local_parameter_swap(module, config, axes, split_axes)
@@ -341,7 +369,7 @@ def _grad_placements(placements, axes, split_axes) -> tuple:
 
 
 def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes, where: str,
-                   shared: SharedInputReductions):
+                   shared: SharedInputReductions, order: SequenceOrder | None = None):
     ndim = value.dim()
     if local_map and src is not None and not isinstance(value, DTensor):
         src_placements = _placements(src, axes, ndim)
@@ -355,7 +383,7 @@ def _convert_input(value, src, dst, sub_mesh, axes, local_map: bool, split_axes,
             raise PlanApplyError(f"{where} has in_dst {dst} but no in_src, and arrived as a plain tensor")
         value = DTensor.from_local(value, sub_mesh, _placements(src, axes, ndim), run_check=False)
     if dst is not None:
-        value = _redistribute(value, sub_mesh, _placements(dst, axes, ndim), axes, where)
+        value = _redistribute(value, sub_mesh, _placements(dst, axes, ndim), axes, where, order)
     if local_map:
         return value.to_local(grad_placements=_grad_placements(value.placements, axes, split_axes))
     return value
@@ -365,9 +393,35 @@ def _groups(sub_mesh, mesh_dims) -> list:
     return [sub_mesh.get_group(dim) for dim in mesh_dims if sub_mesh.size(dim) > 1]
 
 
-def _redistribute(value: DTensor, sub_mesh, placements, axes, where: str) -> DTensor:
+def _redistribute(value: DTensor, sub_mesh, placements, axes, where: str,
+                  order: SequenceOrder | None = None) -> DTensor:
     _check_even_split(tuple(value.shape), placements, sub_mesh, axes, where)
-    return value.redistribute(sub_mesh, placements)
+    if order is None or CP_AXIS not in axes:
+        return value.redistribute(sub_mesh, placements)
+    index = axes.index(CP_AXIS)
+    was_split, splits = _on_sequence(value.placements[index]), _on_sequence(placements[index])
+    if not was_split and splits:  # the whole sequence split over cp: into the balanced order first
+        value = _reordered(value, order.permute, where)
+    value = value.redistribute(sub_mesh, placements)
+    if was_split and not splits:  # gathered over cp: back into the natural order
+        value = _reordered(value, order.restore, where)
+    return value
+
+
+def _on_sequence(placement) -> bool:
+    return isinstance(placement, Shard) and placement.dim == 1
+
+
+def _reordered(value: DTensor, reorder, where: str) -> DTensor:
+    """``value`` with its sequence dim (1) reordered, which no mesh dim may split here."""
+    if any(isinstance(p, (Shard, _StridedShard)) and p.dim == 1 for p in value.placements):
+        raise PlanApplyError(f"{where}: load-balanced context parallel reorders the whole sequence where it is "
+                             f"split or gathered over cp, but it is split over another axis too "
+                             f"({list(value.placements)}); set accelerator.context_parallel.load_balance: false")
+    grads = tuple(Replicate() if isinstance(p, Partial) else p for p in value.placements)
+    local = reorder(value.to_local(grad_placements=grads), 1)
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
 
 
 def _check_even_split(shape, placements, sub_mesh, axes, where: str) -> None:
@@ -388,17 +442,17 @@ def _check_even_split(shape, placements, sub_mesh, axes, where: str) -> None:
                                  f"must be divisible by {sizes}={count}, over which the plan splits it")
 
 
-def _convert_outputs(output, out_pairs, sub_mesh, axes, where: str):
+def _convert_outputs(output, out_pairs, sub_mesh, axes, where: str, order: SequenceOrder | None = None):
     if isinstance(output, (tuple, list)):
         pairs = out_pairs + [(None, None)] * (len(output) - len(out_pairs))
-        converted = [_convert_output(item, src, dst, sub_mesh, axes, f"{where} output {index}")
+        converted = [_convert_output(item, src, dst, sub_mesh, axes, f"{where} output {index}", order)
                      for index, (item, (src, dst)) in enumerate(zip(output, pairs))]
         return converted if isinstance(output, list) else tuple(converted)
     src, dst = out_pairs[0]
-    return _convert_output(output, src, dst, sub_mesh, axes, f"{where} output 0")
+    return _convert_output(output, src, dst, sub_mesh, axes, f"{where} output 0", order)
 
 
-def _convert_output(value, src, dst, sub_mesh, axes, where: str):
+def _convert_output(value, src, dst, sub_mesh, axes, where: str, order: SequenceOrder | None = None):
     if not isinstance(value, torch.Tensor) or (src is None and dst is None):
         return value
     ndim = value.dim()
@@ -415,7 +469,7 @@ def _convert_output(value, src, dst, sub_mesh, axes, where: str):
             return first_rank_share(value, sub_mesh.get_coordinate(), shares)
         value = DTensor.from_local(value, sub_mesh, src_placements, run_check=False)
     if dst is not None:
-        value = _redistribute(value, sub_mesh, _placements(dst, axes, ndim), axes, where)
+        value = _redistribute(value, sub_mesh, _placements(dst, axes, ndim), axes, where, order)
     # A partial sum handed on as a local tensor: its gradient is the sum's, on every rank.
     grads = tuple(Replicate() if isinstance(p, Partial) else p for p in value.placements)
     local = value.to_local(grad_placements=grads)
@@ -504,7 +558,8 @@ def _partial_parameter(param: DTensor, mesh_dims: tuple[int, ...], grads: tuple)
 # --- loss on sharded logits ------------------------------------------------------------------
 
 
-def _install_sharded_loss(model: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes) -> None:
+def _install_sharded_loss(model: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes,
+                          order: SequenceOrder | None = None) -> None:
     """Logits left sharded (vocab and/or sequence) go into a loss that knows it."""
     outputs = _io_list(config.out_dst) or _io_list(config.out_src)
     if not outputs or outputs[0] is None:
@@ -515,7 +570,7 @@ def _install_sharded_loss(model: nn.Module, fqn: str, config: ShardingConfig, su
     if not hasattr(model, "loss_function"):
         raise PlanApplyError(f"plan entry {fqn!r} leaves the logits sharded {placements}, but "
                              f"{type(model).__name__} has no loss_function to make sharding-aware")
-    model.loss_function = make_sharded_loss(sub_mesh, axes, placements)
+    model.loss_function = make_sharded_loss(sub_mesh, axes, placements, order=order)
 
 
 def reinstall_grad_hooks(model: nn.Module) -> int:

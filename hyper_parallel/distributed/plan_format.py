@@ -6,6 +6,7 @@ A plan document::
      "mesh": {"axes": [...], "sizes": [...]},
      "applied_axes": ["tp"],
      "recorded_axes": {"cp": "<why not applied yet>", ...},
+     "context_parallel": {"algorithm": "allgather_kv", "load_balance": true},  (only with cp)
      "modules": {FQN_or_glob: ENTRY}}
 
 and ENTRY as ``protocols.sharding_json`` writes and reads it (the one entry codec, which
@@ -18,6 +19,7 @@ hold torch placements are converted through ``placements`` (imported only then).
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.protocols.sharding import ShardingConfig
 from hyper_parallel.protocols.sharding_json import PlanFormatError, sharding_config_from_json, sharding_config_to_json
 
@@ -33,6 +35,7 @@ class PlanDocument:
     recorded_axes: dict[str, str]
     modules: dict[str, ShardingConfig]
     roles: dict[str, str] = field(default_factory=dict)
+    context_parallel: ContextParallel | None = None  # how attention is split over cp; None: no cp
 
 
 def plan_modules_to_json(modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None) -> dict:
@@ -52,12 +55,14 @@ def plan_roles_from_json(modules: Mapping) -> dict[str, str]:
 
 
 def plan_to_json(*, mesh_axes, mesh_sizes, applied_axes, recorded_axes: Mapping[str, str],
-                 modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None) -> dict:
+                 modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None,
+                 context_parallel: ContextParallel | None = None) -> dict:
     return {
         "format": PLAN_FORMAT_VERSION,
         "mesh": {"axes": list(mesh_axes), "sizes": [int(s) for s in mesh_sizes]},
         "applied_axes": list(applied_axes),
         "recorded_axes": {str(k): str(v) for k, v in sorted(recorded_axes.items())},
+        **({"context_parallel": context_parallel.as_json()} if context_parallel is not None else {}),
         "modules": plan_modules_to_json(modules, roles),
     }
 
@@ -81,4 +86,18 @@ def plan_from_json(document: Mapping, *, where: str = "plan") -> PlanDocument:
         recorded_axes=dict(document["recorded_axes"]),
         modules=plan_modules_from_json(document["modules"]),
         roles=plan_roles_from_json(document["modules"]),
+        context_parallel=_context_parallel(document, where),
     )
+
+
+def _context_parallel(document: Mapping, where: str) -> ContextParallel | None:
+    """The document's context parallel settings; a plan written before they existed
+    (no key) split nothing but the sequence: gather_sequence."""
+    data = document.get("context_parallel")
+    if data is None:
+        return None
+    try:
+        return ContextParallel.from_json(dict(data) if isinstance(data, Mapping) else data,
+                                         where=f"{where}.context_parallel")
+    except ValueError as exc:
+        raise PlanFormatError(str(exc)) from None

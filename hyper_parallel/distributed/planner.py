@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.plan_override import PlanOverride
 from hyper_parallel.distributed.config_keys import layer_views
 from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, StandIns, roles_for
@@ -105,6 +106,8 @@ class PlanResult:
     roles: dict[str, str] = field(default_factory=dict)
     dataflow_error: str = ""  # why the planner went without the dataflow (its trace failed)
     notes: tuple[str, ...] = ()  # decisions a reader of the plan should know (derive prints them)
+    # how attention is split over cp (None without cp); the plan document records it
+    context_parallel: ContextParallel | None = None
 
 
 class UnclassifiedModule(PlanError):
@@ -137,8 +140,10 @@ class ShardingPlanner:
     def __init__(self, model: nn.Module, *, dims: ParallelDims, mesh: OfflineMesh,
                  sequence_parallel: bool = False, loss_parallel: bool = False, hints: dict | None = None,
                  overrides: Iterable[PlanOverride] | None = None, dataflow: Dataflow | None = None,
-                 dataflow_error: str = ""):
+                 dataflow_error: str = "", context_parallel: ContextParallel | None = None):
         self.model = model
+        chosen = context_parallel or ContextParallel()
+        self.context_parallel = ContextParallel.effective(chosen.algorithm, chosen.load_balance, dims.cp)
         self.dataflow, self.dataflow_error = dataflow, dataflow_error
         self.flow_roles: dict[str, str] = {}  # blocks the names and hints do not classify whole
         self.flow_fallback: dict[str, str] = {}  # where names and hints give no role
@@ -218,7 +223,8 @@ class ShardingPlanner:
                                       "heads cannot be split" for part in self._attention_parts()})
         notes = self._replicate_layer_parts(whole_parts, modules, roles, overridden)
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel, traced=self._traced_facts())
+                              loss_parallel=self.loss_parallel, traced=self._traced_facts(),
+                              split_attention=self.context_parallel.splits_attention)
         apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
@@ -229,7 +235,8 @@ class ShardingPlanner:
         applied = self._applied_axes(modules)
         return PlanResult(modules=modules, applied_axes=applied,
                           recorded_axes=self._recorded_axes(applied), roles=roles, dataflow_error=self.dataflow_error,
-                          notes=tuple(notes))
+                          notes=tuple(notes),
+                          context_parallel=self.context_parallel if self.dims.cp > 1 else None)
 
     def _layer_part(self, fqn: str, *, strictly_inside: bool = False) -> str | None:
         """The decoder layer's child holding ``fqn`` (``model.layers.3.self_attn`` for

@@ -42,8 +42,17 @@ the router (Qwen2-MoE's ``sigmoid(shared_expert_gate(x)) * shared_out``): on a p
 the last projections reduce to replicate and the block's output is a slice. Inside an MLP block, the cp split of the tokens is written on
 every entry so that replicated weights get their gradients summed over cp.
 
-Attention under CP gathers its input hidden states over cp and computes on the whole
-sequence on each cp rank (exact, but the attention work itself is not split over cp).
+Attention under CP, as ``accelerator.context_parallel.algorithm`` says:
+
+- ``gather_sequence``: the block gathers its input hidden states over cp and computes on
+  the whole sequence on each cp rank (exact, but the attention work itself is not split);
+- ``allgather_kv`` (``split_attention``): the block keeps the rank's tokens (role
+  ``kv_gathered_attention``; its members' entries name the cp token split, like an MLP
+  block's, so their replicated weights get gradients summed over cp); the applier's
+  ``context_parallel`` module gathers K and V inside the attention function and slices
+  the rotary position embeddings to the rank's tokens. Refused for a block whose code
+  does not call transformers' attention interface (its attention could not see the
+  gathered K/V) or that adds the stream itself.
 """
 
 from dataclasses import dataclass, field
@@ -122,16 +131,19 @@ class TracedFacts:
 
 
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
-                          cp: bool, sp: bool, loss_parallel: bool, traced: TracedFacts = TracedFacts()) -> None:
+                          cp: bool, sp: bool, loss_parallel: bool, traced: TracedFacts = TracedFacts(),
+                          split_attention: bool = False) -> None:
     """Rewrite ``modules``/``roles`` in place for the requested sequence layout, with what
-    the dataflow trace saw (``traced``)."""
+    the dataflow trace saw (``traced``); ``split_attention``: cp keeps each rank's tokens
+    through attention (allgather_kv) instead of gathering the block's input."""
     sharded_loss = loss_goes_through_loss_function(model)
     if loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
                         f"through self.loss_function, so the logits cannot reach it sharded over the vocabulary; "
                         f"set loss_parallel: false")
     if cp or sp:
-        _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss, traced=traced)
+        _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss, traced=traced,
+                        split_attention=cp and split_attention)
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
     if loss_parallel:
@@ -186,7 +198,7 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 
 def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
-                    traced: TracedFacts) -> None:
+                    traced: TracedFacts, split_attention: bool = False) -> None:
     found = decoder_layers(model)
     if found is None:
         raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
@@ -225,6 +237,10 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             if _is_flat_member(fqn, child, roles):
                 _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
                              flat=fqn in traced.flat_inputs)
+            elif is_attention(fqn, child, roles, attention_inputs) and split_attention:
+                _refuse_kv_gather(fqn, child, streams=streams, adds_stream=adds_stream, outputs=outputs)
+                _attention_block(fqn, child, modules, roles, residual, cp=cp, reads=traced.reads,
+                                 role="kv_gathered_attention")
             elif is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads,
                                  adds_stream=adds_stream, outputs=outputs)
@@ -353,8 +369,10 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams:
     inner_entries = _inner_entries(fqn, block, modules)
     hand_on_partial = _has_partial_sums(inner_entries, roles) and not adds_stream and not _reads_partial_sums(
         fqn, block, inner_entries, roles, reads)
-    full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
-    block_out = {**({CP: Replicate()} if cp else {}), TP: Partial() if hand_on_partial else Replicate()}
+    keep_tokens = role == "kv_gathered_attention"  # allgather_kv: the rank's tokens stay split over cp
+    seq = {CP: Shard(1) if keep_tokens else Replicate()} if cp else {}
+    full = {**seq, TP: Replicate()}
+    block_out = {**seq, TP: Partial() if hand_on_partial else Replicate()}
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. GPT-OSS's sinks
     modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
                                   in_dst=_per_input(streams, full),
@@ -364,6 +382,50 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams:
     for inner in inner_entries:
         if roles[inner] in _PARTIAL_OUTPUT_ROLES and hand_on_partial:
             modules[inner].out_dst = modules[inner].out_src
+        if keep_tokens:
+            _add_token_split(modules[inner], Shard(1))
+
+
+# The call every transformers attention makes to its attention function: a block whose
+# code has none computes attention itself, where gathered K/V cannot reach.
+_ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+# A module class of the project's own that gathers K/V itself (the fused attention
+# replacement) says so with this class attribute.
+KV_GATHER_MARK = "hyper_gathers_kv_over_cp"
+
+
+def _refuse_kv_gather(fqn: str, block: nn.Module, *, streams: tuple[int, ...], adds_stream: bool,
+                      outputs: tuple[int, ...]) -> None:
+    """allgather_kv needs the block's attention to go through the attention interface (or
+    the project's own gathering attention) and a block with one stream in and out: the
+    applier gathers K/V in the attention function and slices the rotary embeddings the
+    block is handed; anything else would see only the rank's keys."""
+    key = "accelerator.context_parallel.algorithm"
+    fix = f"set {key}: gather_sequence (every cp rank computes the whole sequence's attention)"
+    if streams != (0,) or adds_stream or outputs != (0,):
+        raise PlanError(f"{key}: allgather_kv: {fqn} ({type(block).__name__}) takes or hands on more than one "
+                        f"stream (it adds the residual itself, or returns several), which allgather_kv cannot "
+                        f"place yet; {fix}")
+    if any(getattr(type(module), KV_GATHER_MARK, False) for module in block.modules()):
+        return
+    sources = [_forward_source(module) for module in block.modules()]
+    if not any(_ATTENTION_INTERFACE in source for source in sources):
+        raise PlanError(f"{key}: allgather_kv: {fqn} ({type(block).__name__}) computes attention in its own code, "
+                        f"not through transformers' attention interface ({_ATTENTION_INTERFACE}), so its keys "
+                        f"and values cannot be gathered over cp; {fix}")
+    if any("alibi" in source for source in sources):
+        raise PlanError(f"{key}: allgather_kv: {fqn} ({type(block).__name__}) takes ALiBi position biases "
+                        f"computed for the whole sequence, which allgather_kv does not slice; {fix}")
+
+
+def _forward_source(module: nn.Module) -> str:
+    """The source of the module class's forward ('' when unreadable)."""
+    import inspect
+
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def _attention_outputs(outputs: tuple[int, ...], placement: dict) -> tuple:

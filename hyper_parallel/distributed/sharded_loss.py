@@ -31,22 +31,23 @@ def is_vocab_dim(placement, ndim: int = 3) -> bool:
     return isinstance(placement, Shard) and placement.dim % ndim == ndim - 1
 
 
-def make_sharded_loss(sub_mesh, axes: tuple[str, ...], placements: tuple) -> "functools.partial":
-    """The loss for logits laid out as ``placements`` (one per axis of ``sub_mesh``)."""
+def make_sharded_loss(sub_mesh, axes: tuple[str, ...], placements: tuple, *, order=None) -> "functools.partial":
+    """The loss for logits laid out as ``placements`` (one per axis of ``sub_mesh``);
+    ``order``: the load-balanced sequence order of the cp split (``context_parallel``)."""
     seq_axes = tuple(axis for axis, p in zip(axes, placements) if is_sequence_dim(p))
     vocab_axes = tuple(axis for axis, p in zip(axes, placements) if is_vocab_dim(p))
     if len(vocab_axes) > 1:
         raise ValueError(f"logits sharded over the vocab on several axes {vocab_axes}; one is supported")
     return functools.partial(sharded_causal_lm_loss, sub_mesh=sub_mesh, axes=axes, seq_axes=seq_axes,
-                             vocab_axis=vocab_axes[0] if vocab_axes else None)
+                             vocab_axis=vocab_axes[0] if vocab_axes else None, order=order)
 
 
 def sharded_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index: int = -100,
-                           shift_labels=None, *, sub_mesh, axes, seq_axes, vocab_axis, **kwargs):
+                           shift_labels=None, *, sub_mesh, axes, seq_axes, vocab_axis, order=None, **kwargs):
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     denominator = num_items_in_batch if num_items_in_batch is not None else (shift_labels != ignore_index).sum()
-    shift_labels = _local_sequence(shift_labels.to(logits.device), sub_mesh, axes, seq_axes)
+    shift_labels = _local_sequence(shift_labels.to(logits.device), sub_mesh, axes, seq_axes, order)
     logits = logits.float()
     if vocab_axis is None:
         per_token = F.cross_entropy(logits.flatten(0, -2), shift_labels.flatten(), ignore_index=ignore_index,
@@ -60,10 +61,13 @@ def sharded_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, 
     return total / denominator
 
 
-def _local_sequence(labels: torch.Tensor, sub_mesh, axes, seq_axes) -> torch.Tensor:
-    """This rank's piece of dim 1, split over ``seq_axes`` in mesh order (DTensor's nesting)."""
+def _local_sequence(labels: torch.Tensor, sub_mesh, axes, seq_axes, order=None) -> torch.Tensor:
+    """This rank's piece of dim 1, split over ``seq_axes`` in mesh order (DTensor's nesting);
+    over cp in the load-balanced ``order`` when given (the logits' order)."""
     for axis in axes:
         if axis in seq_axes:
+            if axis == "cp" and order is not None:
+                labels = order.permute(labels, 1)
             size, coord = sub_mesh.size(axes.index(axis)), sub_mesh.get_local_rank(axis)
             if labels.shape[1] % size:
                 raise ValueError(f"sequence length {labels.shape[1]} of the labels is not divisible by "

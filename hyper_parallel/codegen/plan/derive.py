@@ -142,7 +142,8 @@ def plan_model(model, spec: CodegenSpec):
     flow, flow_error = trace_dataflow(spec)
     result = ShardingPlanner(model, dims=dims, mesh=mesh, sequence_parallel=p.sequence_parallel,
                              loss_parallel=p.loss_parallel, overrides=spec.plan_overrides,
-                             dataflow=flow, dataflow_error=flow_error).plan()
+                             dataflow=flow, dataflow_error=flow_error,
+                             context_parallel=p.context_parallel).plan()
     return result, mesh
 
 
@@ -208,5 +209,6 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
         "notes": list(result.notes),
         "module_names": [name for name, _ in model.named_modules()],
         "plan": plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
-                             recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles),
+                             recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
+                             context_parallel=result.context_parallel),
     }

@@ -14,6 +14,7 @@ from hyper_parallel.codegen.hash import implementation_sha256, sha256_file, sha2
 from hyper_parallel.codegen.source.resolver import SourceError, SourceLocation, locate_source, read_model_config
 from hyper_parallel.codegen.spec.types import CodegenSpec, ParallelSpec
 from hyper_parallel.codegen.stage_table import WORKSPACE_DIR, WORKSPACE_ENV, stage_row
+from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.loading import RecipeError
 from hyper_parallel.config.schema import TrainerConfig
 
@@ -72,7 +73,10 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     model_config = read_model_config(model_dir, recipe=where, key="model.pretrained_model_name_or_path")
     acc = config.accelerator
     parallel = ParallelSpec(dims=acc.parallel_dims, sequence_parallel=acc.sequence_parallel,
-                            loss_parallel=acc.loss_parallel, device_type=acc.device_type)
+                            loss_parallel=acc.loss_parallel, device_type=acc.device_type,
+                            context_parallel=ContextParallel.effective(acc.context_parallel.algorithm,
+                                                                       acc.context_parallel.load_balance,
+                                                                       acc.parallel_dims.cp))
     bundle_link = Path(os.path.abspath(yaml_dir / (config.model.codegen_artifact_dir or "generated")))
     _refuse_symlink(bundle_link, where, "model.codegen_artifact_dir", "the bundle folder")
     bundle_dir = bundle_link.resolve()

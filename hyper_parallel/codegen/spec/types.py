@@ -7,6 +7,7 @@ from typing import Any
 
 from hyper_parallel.codegen.source.resolver import ModelSource, SourceLocation, hash_source
 from hyper_parallel.codegen.stage_table import STAGES
+from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.config.plan_override import PlanOverride, replacement_entries
 
@@ -21,6 +22,7 @@ class ParallelSpec:
     sequence_parallel: bool
     loss_parallel: bool
     device_type: str
+    context_parallel: ContextParallel = ContextParallel()  # effective for this cp size
 
     dp = property(lambda self: self.dims.dp)
     cp = property(lambda self: self.dims.cp)
@@ -33,8 +35,12 @@ class ParallelSpec:
         return self.dims.world_size
 
     def as_dict(self) -> dict[str, Any]:
+        """The layout as signatures, the meta and the banner write it; the context parallel
+        keys only where cp splits something (a cp 1 bundle signs as before they existed)."""
+        cp_keys = {"cp_algorithm": self.context_parallel.algorithm,
+                   "cp_load_balance": self.context_parallel.load_balance} if self.cp > 1 else {}
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "pp": self.pp,
-                "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel,
+                "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel, **cp_keys,
                 "device_type": self.device_type, "world_size": self.world_size}
 
 

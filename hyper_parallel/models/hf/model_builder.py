@@ -235,7 +235,8 @@ def parallelize_with_planner(model: nn.Module, config: TrainerConfig, mesh_conte
     spec = project_codegen_spec(config, workspace_root=workspace_root)
     hyper_apply_replacements(model, spec.replacements)
     result, _ = plan_model(model, spec)
-    return apply_sharding_plan(model, result.modules, mesh_context)
+    return apply_sharding_plan(model, result.modules, mesh_context, context_parallel=result.context_parallel,
+                               roles=result.roles)
 
 
 def parallelize_custom(custom_module: ModuleType, model: nn.Module, config: TrainerConfig,

@@ -1,0 +1,44 @@
+"""The context parallel settings as codegen and the planner carry them (torch-free).
+
+``ContextParallel`` is the effective form of the recipe's ``accelerator.context_parallel``
+for a layout: with ``cp_size`` 1 there is nothing to split, and ``gather_sequence`` has
+no load balance (every rank computes the whole sequence), so both normalize to
+``load_balance: False``; two recipes that split the same way then sign the same.
+"""
+
+from dataclasses import dataclass
+
+from hyper_parallel.config.schema import CP_ALGORITHMS, DEFAULT_CP_ALGORITHM
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    algorithm: str = DEFAULT_CP_ALGORITHM
+    load_balance: bool = False
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in CP_ALGORITHMS:
+            raise ValueError(f"accelerator.context_parallel.algorithm: expected one of {', '.join(CP_ALGORITHMS)}, "
+                             f"got {self.algorithm!r}")
+
+    @classmethod
+    def effective(cls, algorithm: str, load_balance: bool, cp: int) -> "ContextParallel":
+        """The settings as they act at ``cp`` ranks (see the module docstring)."""
+        if cp <= 1:
+            return cls()
+        return cls(algorithm, bool(load_balance) and algorithm != "gather_sequence")
+
+    @property
+    def splits_attention(self) -> bool:
+        """Each cp rank keeps only its own queries through attention."""
+        return self.algorithm == "allgather_kv"
+
+    def as_json(self) -> dict:
+        return {"algorithm": self.algorithm, "load_balance": self.load_balance}
+
+    @classmethod
+    def from_json(cls, data, where: str = "context_parallel") -> "ContextParallel":
+        if not isinstance(data, dict) or set(data) != {"algorithm", "load_balance"} or not isinstance(
+                data["load_balance"], bool):
+            raise ValueError(f"{where}: expected {{'algorithm': str, 'load_balance': bool}}, got {data!r}")
+        return cls(data["algorithm"], data["load_balance"])

@@ -1,0 +1,266 @@
+"""Context parallel attention that splits the attention work: ``allgather_kv``.
+
+With ``accelerator.context_parallel.algorithm: allgather_kv`` the plan keeps each cp
+rank's tokens through the whole decoder block (``sequence_layout``: role
+``kv_gathered_attention``). This module makes the attention itself right on them:
+
+- the attention function: every module that calls transformers' attention interface
+  (``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``) is routed through
+  ``hyper_cp_sdpa`` / ``hyper_cp_eager`` (registered with ``AttentionInterface``, and with
+  ``AttentionMaskInterface`` so ``create_causal_mask`` builds the same full-sequence mask
+  it builds for sdpa / eager). On a module of a planned attention block the wrapper
+  gathers K and V over cp (``gather_kv``: all-gather forward, the matching reduce-scatter
+  backward), takes the mask rows of the rank's own global query positions (building the
+  causal rows itself where sdpa would have used ``is_causal``), and calls the inner
+  implementation: transformers' sdpa, or the model file's own ``eager_attention_forward``.
+  The project's own attention modules call ``gather_kv`` directly (class attribute
+  ``hyper_gathers_kv_over_cp``).
+- the rotary position embeddings (``position_embeddings`` = (cos, sin)) and
+  ``position_ids`` the model computed for the whole sequence are sliced to the rank's
+  tokens as they enter the block (a forward pre-hook).
+- load balance (``SequenceOrder``): causal attention gives the last tokens the most work,
+  so the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r. The cp
+  split operates on the *permuted* sequence (c0, c_{2cp-1}, c1, c_{2cp-2}, ...): a
+  contiguous Shard(1) over cp of it gives each rank its two chunks, and every per-token
+  module works unchanged. The applier permutes where the plan splits the sequence over cp
+  and restores the order where it gathers it; the positions, mask rows, gathered K/V and
+  the sharded loss's labels use the same permutation (``balanced_order``).
+"""
+
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyper_parallel.errors import HyperParallelError
+
+logger = logging.getLogger(__name__)
+
+CP_AXIS = "cp"
+ATTENTION_NAMES = {"sdpa": "hyper_cp_sdpa", "eager": "hyper_cp_eager"}
+CONTEXT_ATTRIBUTE = "_hyper_cp_attention"
+
+
+class ContextParallelError(ValueError, HyperParallelError):
+    """A model or input the context parallel attention cannot run on; names what to change."""
+
+
+def balanced_order(length: int, cp: int) -> torch.Tensor:
+    """The natural position of each position of the load-balanced sequence: chunks
+    c0, c_{2cp-1}, c1, c_{2cp-2}, ... of ``length / (2*cp)`` tokens each."""
+    if length % (2 * cp):
+        raise ContextParallelError(f"sequence length {length} must be divisible by 2*cp_size = {2 * cp} for "
+                                   f"accelerator.context_parallel.load_balance (each rank holds two chunks); "
+                                   f"change training.seq_len or set load_balance: false")
+    chunks = torch.arange(length).chunk(2 * cp)
+    return torch.cat([piece for rank in range(cp) for piece in (chunks[rank], chunks[2 * cp - 1 - rank])])
+
+
+class SequenceOrder:
+    """The load-balanced order of the sequence over ``cp`` ranks: ``permute`` puts a whole
+    sequence (dim ``dim``) into it before a split, ``restore`` puts a gathered one back."""
+
+    def __init__(self, cp: int):
+        self.cp = cp
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def indices(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, inverse) for ``length`` on ``device``, made once."""
+        key = (length, str(device))
+        if key not in self._cache:
+            order = balanced_order(length, self.cp)
+            self._cache[key] = (order.to(device), torch.argsort(order).to(device))
+        return self._cache[key]
+
+    def permute(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return tensor.index_select(dim, self.indices(tensor.shape[dim], tensor.device)[0])
+
+    def restore(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return tensor.index_select(dim, self.indices(tensor.shape[dim], tensor.device)[1])
+
+    def local_positions(self, length: int, rank: int, device) -> torch.Tensor:
+        """The natural positions of rank ``rank``'s tokens of a ``length``-token sequence."""
+        local = length // self.cp
+        return self.indices(length, device)[0][rank * local:(rank + 1) * local]
+
+
+class _GatherOverCp(torch.autograd.Function):
+    """All-gather along ``dim`` over ``group``; backward sums every rank's gradient of the
+    whole and hands each rank its piece (reduce-scatter; on gloo, which has none, an
+    all-reduce and a slice)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group, dim: int):
+        ctx.group, ctx.dim = group, dim
+        size = dist.get_world_size(group)
+        pieces = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=group)
+        return torch.cat(pieces, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group, dim = ctx.group, ctx.dim
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if dist.get_backend(group) == "gloo":
+            total = grad.contiguous().clone()
+            dist.all_reduce(total, group=group)
+            return total.chunk(size, dim=dim)[rank].contiguous(), None, None
+        moved = grad.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+        dist.reduce_scatter_tensor(out, moved, group=group)
+        return out.movedim(0, dim).contiguous(), None, None
+
+
+def gather_over_cp(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return _GatherOverCp.apply(tensor, group, dim)
+
+
+class CpAttention:
+    """What one attention block's modules need at run time: the cp group, this rank's
+    index in it, the load-balanced order (or None) and the inner implementation's name."""
+
+    def __init__(self, group, size: int, rank: int, order: SequenceOrder | None, inner: str):
+        self.group, self.size, self.rank, self.order, self.inner = group, size, rank, order, inner
+        self.calls = 0  # attention calls that gathered K/V (tests read it: the work was split)
+        self.query_lengths: list[int] = []  # the local query lengths seen (tests: S / cp)
+
+    def local_positions(self, length: int, device) -> torch.Tensor:
+        """The natural (global) positions of this rank's tokens of a ``length``-token sequence."""
+        if self.order is not None:
+            return self.order.local_positions(length, self.rank, device)
+        local = length // self.size
+        return torch.arange(self.rank * local, (self.rank + 1) * local, device=device)
+
+
+def gather_kv(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask, *, sliding_window: int | None = None, additive: bool = False):
+    """K and V ([batch, kv heads, local tokens, dim]) gathered over cp in natural order,
+    and the mask rows of this rank's queries: (key, value, mask). Without a planned cp
+    context on ``module``, everything as given."""
+    context: CpAttention | None = getattr(module, CONTEXT_ATTRIBUTE, None)
+    if context is None:
+        return key, value, attention_mask
+    key = gather_over_cp(key, context.group, 2)
+    value = gather_over_cp(value, context.group, 2)
+    if context.order is not None:
+        key, value = context.order.restore(key, 2), context.order.restore(value, 2)
+    length = key.shape[2]
+    positions = context.local_positions(length, query.device)
+    if query.shape[2] != positions.numel():
+        raise ContextParallelError(f"{type(module).__name__}: {query.shape[2]} local queries, expected "
+                                   f"{positions.numel()} (sequence {length} over cp={context.size})")
+    context.calls += 1
+    context.query_lengths.append(int(query.shape[2]))
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise ContextParallelError(f"{type(module).__name__}: attention mask of type {type(attention_mask).__name__}"
+                                   "; allgather_kv takes tensor masks (sdpa, eager)")
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, :length]
+        if mask.shape[2] != 1:
+            mask = mask.index_select(2, positions)
+        return key, value, mask
+    if not getattr(module, "is_causal", True):
+        return key, value, None
+    columns = torch.arange(length, device=query.device)
+    keep = columns[None, :] <= positions[:, None]
+    if sliding_window:
+        keep &= positions[:, None] - columns[None, :] < sliding_window
+    keep = keep[None, None]
+    if additive:
+        return key, value, torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~keep, torch.finfo(query.dtype).min)
+    return key, value, keep
+
+
+def _eager_function(module: nn.Module):
+    """The model file's own eager attention (softcapping, sinks and such are in it)."""
+    function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if function is None:
+        raise ContextParallelError(f"{type(module).__module__} has no eager_attention_forward for "
+                                   f"{type(module).__name__}; run allgather_kv with attn_implementation: sdpa")
+    return function
+
+
+def _make_wrapper(inner: str):
+    """The attention function registered as ``ATTENTION_NAMES[inner]``."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if inner == "eager":
+            function = _eager_function(module)
+        else:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as function
+        key, value, attention_mask = gather_kv(module, query, key, value, attention_mask,
+                                               sliding_window=kwargs.get("sliding_window"),
+                                               additive=inner == "eager")
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = f"{ATTENTION_NAMES[inner]}_attention_forward"
+    return attention
+
+
+_registered = False
+
+
+def register_attention_functions() -> None:
+    """Register the wrappers and their mask functions with transformers (once)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    masks = {"sdpa": sdpa_mask, "eager": eager_mask}
+    for inner, name in ATTENTION_NAMES.items():
+        AttentionInterface.register(name, _make_wrapper(inner))
+        AttentionMaskInterface.register(name, masks[inner])
+    _registered = True
+
+
+def _slice_positions(context: CpAttention):
+    """The forward pre-hook of a planned attention block: the rotary (cos, sin) and the
+    position ids made for the whole sequence, cut to this rank's tokens."""
+
+    def pre_hook(module, args, kwargs):
+        embeddings = kwargs.get("position_embeddings")
+        if isinstance(embeddings, (tuple, list)) and embeddings and isinstance(embeddings[0], torch.Tensor):
+            length = embeddings[0].shape[-2]
+            positions = context.local_positions(length, embeddings[0].device)
+            kwargs["position_embeddings"] = type(embeddings)(
+                part.index_select(part.dim() - 2, positions) if isinstance(part, torch.Tensor) else part
+                for part in embeddings)
+        ids = kwargs.get("position_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            kwargs["position_ids"] = ids.index_select(1, context.local_positions(ids.shape[1], ids.device))
+        return args, kwargs
+
+    return pre_hook
+
+
+def install_context_parallel(model: nn.Module, attention_blocks: list[str], device_mesh,
+                             order: SequenceOrder | None) -> list[CpAttention]:
+    """Make the planned attention blocks (``attention_blocks``, FQNs) gather K/V over the
+    mesh's cp axis; returns their contexts (one per block)."""
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    inner = next((name for name, wrapper in ATTENTION_NAMES.items() if current in (name, wrapper)), None)
+    if inner is None:
+        raise ContextParallelError(f"accelerator.context_parallel.algorithm: allgather_kv runs on attention "
+                                   f"implementation sdpa or eager, the model has {current!r}; set "
+                                   f"model.attn_implementation: sdpa (or eager), or algorithm: gather_sequence")
+    register_attention_functions()
+    config._attn_implementation = ATTENTION_NAMES[inner]
+    group = device_mesh.get_group(CP_AXIS)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    contexts = []
+    for fqn in attention_blocks:
+        block = model.get_submodule(fqn)
+        context = CpAttention(group, size, rank, order, inner)
+        for module in block.modules():
+            setattr(module, CONTEXT_ATTRIBUTE, context)
+        block.register_forward_pre_hook(_slice_positions(context), with_kwargs=True)
+        contexts.append(context)
+    logger.info("context parallel: allgather_kv on %d attention blocks (cp=%d, inner %s, load balance %s)",
+                len(contexts), size, inner, order is not None)
+    return contexts

@@ -1,0 +1,114 @@
+"""torchrun worker: context parallel (``accelerator.context_parallel``) on a tiny dense
+decoder (Qwen3: q/k norms, GQA; or Llama with tied embeddings) vs the single-process HF
+model with the same weights.
+
+Run from the repo root::
+
+    python -m torch.distributed.run --nproc_per_node=2 -m tests.distributed.context_parallel_worker \
+        --out OUT_DIR --cp 2 --algorithm allgather_kv --load-balance --attn sdpa
+
+Every rank builds the reference model, plans a copy on the meta device, writes the plan
+document (with its ``context_parallel`` key) as JSON, reads it back and applies it the
+way a generated file does (``runtime.hyper_parallelize``), trains three AdamW steps on
+both and writes ``OUT_DIR/rank<N>.json``: losses, every gradient compared, and the
+local query lengths the attention function saw.
+"""
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from hyper_parallel.codegen.runtime import hyper_parallelize
+from hyper_parallel.config.context_parallel import ContextParallel
+from hyper_parallel.distributed.context_parallel import CONTEXT_ATTRIBUTE
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
+from hyper_parallel.distributed.plan_format import plan_to_json
+from hyper_parallel.distributed.planner import ShardingPlanner
+from tests.distributed.tp_equivalence_worker import compare_grads, train_steps
+from tests.rank_exit import leave_after_barrier
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 128, 64, 4, 2, 16, 2
+
+
+def tiny_config(family: str, attn: str):
+    """A two-layer model small enough for CPU, with GQA (4 query heads, 2 kv heads)."""
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                  max_position_embeddings=256, attention_dropout=0.0)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    else:
+        config = transformers.Qwen3Config(**common, tie_word_embeddings=False)
+    config._attn_implementation = attn
+    return config
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--algorithm", default="allgather_kv")
+    parser.add_argument("--load-balance", action="store_true")
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--family", default="qwen3")
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    dims = ParallelDims(cp=args.cp, tp=args.tp)
+    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    rank = dist.get_rank()
+    config = tiny_config(args.family, args.attn)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn,
+                                                              dtype=torch.float32)
+    parallel = copy.deepcopy(reference)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn,
+                                                             dtype=torch.float32)
+    settings = ContextParallel(args.algorithm, args.load_balance)
+    result = ShardingPlanner(meta, dims=dims, mesh=build_offline_mesh(dims), sequence_parallel=args.sp,
+                             context_parallel=settings).plan()
+    mesh = build_offline_mesh(dims)
+    document = json.loads(json.dumps(plan_to_json(
+        mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
+        recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
+        context_parallel=result.context_parallel)))
+    hyper_parallelize(parallel, mesh_context, document)
+
+    batch = torch.randint(0, VOCAB, (2, args.seq_len), generator=torch.Generator().manual_seed(7))
+    trained = train_steps(reference, parallel, batch, args.steps)
+    contexts = {id(c): c for m in parallel.modules() if (c := getattr(m, CONTEXT_ATTRIBUTE, None)) is not None}
+    with torch.no_grad():
+        logits_shape = list(parallel(input_ids=batch).logits.shape)
+    out = {
+        "rank": rank,
+        "context_parallel": document.get("context_parallel"),
+        "roles": sorted(set(result.roles.values())),
+        "losses": trained["losses"],
+        "grad_failures": trained["grad_failures"],
+        "grads_checked": trained["grads_checked"],
+        "param_count": sum(1 for _ in parallel.parameters()),
+        "attention_blocks": len(contexts),
+        "query_lengths": sorted({n for c in contexts.values() for n in c.query_lengths}),
+        "attention_calls": sum(c.calls for c in contexts.values()),
+        "attn_implementation": parallel.config._attn_implementation,
+        "reference_attn_implementation": reference.config._attn_implementation,
+        "local_logits_shape": logits_shape,
+    }
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out, indent=1))
+    leave_after_barrier(dist)
+
+
+if __name__ == "__main__":
+    main()
