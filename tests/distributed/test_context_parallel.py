@@ -80,3 +80,72 @@ def test_balanced_order_gives_rank_r_chunks_r_and_mirror():
 def test_balanced_order_refuses_indivisible_length():
     with pytest.raises(ValueError, match=r"sequence length 10 must be divisible by 2\*cp_size = 4.*load_balance"):
         balanced_order(10, 2)
+
+
+def test_allgather_kv_refuses_attention_outside_the_attention_interface():
+    # Bloom's attention takes the residual and ALiBi biases and computes attention in its
+    # own code: K/V cannot be gathered there; the error names the key and the fix.
+    from transformers import BloomConfig
+
+    from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.distributed.mesh import ParallelDims
+    from hyper_parallel.distributed.plan_lint import PlanError
+    from tests.distributed.test_dataflow import _planned
+
+    config = BloomConfig(hidden_size=64, n_head=4, n_layer=1, vocab_size=128)
+    with pytest.raises(PlanError, match=r"accelerator\.context_parallel\.algorithm: allgather_kv: "
+                                        r"transformer\.h\.0\.self_attention \(BloomAttention\).*gather_sequence"):
+        _planned(config, ParallelDims(cp=2), context_parallel=ContextParallel("allgather_kv", True))
+    # the baseline still plans it (whole-sequence attention on every cp rank)
+    result = _planned(config, ParallelDims(cp=2), context_parallel=ContextParallel("gather_sequence", False))
+    assert result.roles["transformer.h.0.self_attention"] == "attention_block"
+
+
+def test_allgather_kv_plan_keeps_tokens_split_through_attention():
+    from transformers import MistralConfig
+
+    from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.protocols.placements import placement_to_text
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dims = ParallelDims(cp=2, tp=2)
+    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims),
+                             context_parallel=ContextParallel("allgather_kv", True)).plan()
+    assert result.context_parallel == ContextParallel("allgather_kv", True)
+    block = result.modules["model.layers.1.self_attn"]
+    assert result.roles["model.layers.1.self_attn"] == "kv_gathered_attention"
+    text = lambda named: {axis: placement_to_text(p) for axis, p in named.items()}  # noqa: E731
+    assert text(block.in_dst[0]) == {"cp": "shard(1)", "tp": "replicate"}
+    assert text(block.out_src[0]) == {"cp": "shard(1)", "tp": "partial"}
+    for member in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        entry = result.modules[f"model.layers.1.self_attn.{member}"]
+        assert text(entry.in_src[0])["cp"] == "shard(1)", member  # weight gradients summed over cp
+    # without cp nothing is recorded
+    plain = ShardingPlanner(model, dims=ParallelDims(tp=2), mesh=build_offline_mesh(ParallelDims(tp=2)),
+                            context_parallel=ContextParallel("allgather_kv", True)).plan()
+    assert plain.context_parallel is None
+
+
+def test_context_parallel_in_spec_signature_only_with_cp():
+    from hyper_parallel.codegen.spec.types import ParallelSpec
+    from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.distributed.mesh import ParallelDims
+
+    def spec(cp, algorithm, balance):
+        return ParallelSpec(dims=ParallelDims(cp=cp), sequence_parallel=False, loss_parallel=False,
+                            device_type="cpu", context_parallel=ContextParallel.effective(algorithm, balance, cp))
+
+    assert "cp_algorithm" not in spec(1, "allgather_kv", True).as_dict()
+    assert spec(1, "allgather_kv", True).as_dict() == spec(1, "gather_sequence", False).as_dict()
+    kv = spec(2, "allgather_kv", True).as_dict()
+    assert (kv["cp_algorithm"], kv["cp_load_balance"]) == ("allgather_kv", True)
+    assert spec(2, "allgather_kv", False).as_dict() != kv
+    # gather_sequence has no load balance: both spellings sign the same
+    assert spec(2, "gather_sequence", True).as_dict() == spec(2, "gather_sequence", False).as_dict()
