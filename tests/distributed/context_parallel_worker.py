@@ -60,7 +60,18 @@ def parse_args():
     parser.add_argument("--family", default="qwen3")
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--fused", action="store_true", help="the project's fused attention replacement")
     return parser.parse_args()
+
+
+def fused(model):
+    """Every attention replaced by the project's fused attention (the recipe's
+    ``replace_module: replace_qwen3_moe_flash_attention``), on the reference too."""
+    from hyper_parallel.codegen.runtime import hyper_apply_replacements
+
+    target = "hyper_parallel.models.qwen3_moe.adapter.replacements.replace_qwen3_moe_flash_attention"
+    hyper_apply_replacements(model, [{"match": "model.layers.*.self_attn", "target": target}])
+    return model
 
 
 def main() -> None:
@@ -72,10 +83,14 @@ def main() -> None:
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn,
                                                               dtype=torch.float32)
+    if args.fused:
+        fused(reference)
     parallel = copy.deepcopy(reference)
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn,
                                                              dtype=torch.float32)
+    if args.fused:
+        fused(meta)
     settings = ContextParallel(args.algorithm, args.load_balance)
     result = ShardingPlanner(meta, dims=dims, mesh=build_offline_mesh(dims), sequence_parallel=args.sp,
                              context_parallel=settings).plan()

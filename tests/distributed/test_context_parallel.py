@@ -22,6 +22,7 @@ CASES = {
     "cp2_eager_tied_balanced": (2, ["--cp", "2", "--attn", "eager", "--load-balance", "--family", "llama"]),
     "tp2_cp2_sdpa_balanced": (4, ["--cp", "2", "--tp", "2", "--attn", "sdpa", "--load-balance"]),
     "tp2_cp2_eager": (4, ["--cp", "2", "--tp", "2", "--attn", "eager"]),
+    "cp2_fused_balanced": (2, ["--cp", "2", "--attn", "sdpa", "--load-balance", "--fused"]),
 }
 
 

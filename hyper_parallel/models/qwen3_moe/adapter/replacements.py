@@ -9,6 +9,9 @@ calls the fused kernel of the device: ``torch_npu.npu_fusion_attention`` on Asce
 ``torch.nn.functional.scaled_dot_product_attention`` elsewhere. The new module adopts
 the old one's projections and norms (same objects, so same FQNs, shapes and weights):
 the sharding plan derived on the replaced model is the plan of the original one.
+Under context parallel with ``allgather_kv`` it gathers its K/V over cp itself
+(``distributed.context_parallel.gather_kv``; a no-op without cp), as transformers'
+attention functions do through the applier's wrapper.
 """
 
 import torch
@@ -21,6 +24,7 @@ from hyper_parallel.components.modules.grouped_experts import (
     grouped_experts_class_for,
     replace_with_grouped_experts,
 )
+from hyper_parallel.distributed.context_parallel import gather_kv
 
 # transformers' own Qwen3MoeExperts as grouped experts, importable by name.
 GroupedQwen3MoeExperts = grouped_experts_class_for(Qwen3MoeExperts)
@@ -46,6 +50,9 @@ class Qwen3MoeFusedAttention(nn.Module):
     """``Qwen3MoeAttention`` with a fused attention kernel; same parameters and forward
     signature, returns ``(attn_output, None)`` (fused kernels give no weights)."""
 
+    # allgather_kv may plan it: forward gathers K/V over cp (sequence_layout.KV_GATHER_MARK)
+    hyper_gathers_kv_over_cp = True
+
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
         for name in _ADOPTED_ATTRIBUTES:
@@ -68,6 +75,9 @@ class Qwen3MoeFusedAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        # context parallel (allgather_kv): every rank's K/V, and the mask rows of this rank's queries
+        key, value, attention_mask = gather_kv(self, query, key, value, attention_mask,
+                                               sliding_window=self.sliding_window)
 
         # Grouped-query attention: each key/value head serves num_key_value_groups query heads.
         key = repeat_kv(key, self.num_key_value_groups)
