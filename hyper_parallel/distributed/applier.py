@@ -124,6 +124,11 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
             raise PlanApplyError("context_parallel.algorithm allgather_kv: the plan has no kv_gathered_attention "
                                  "entry (pass the plan document's roles); regenerate the bundle")
         install_context_parallel(model, attention, device_mesh, order)
+    elif cp_size > 1 and KV_GATHERED_ATTENTION in (roles or {}).values():
+        # attention on local queries and local K/V only would be silently wrong
+        raise PlanApplyError("the plan keeps each cp rank's tokens through attention (kv_gathered_attention) but "
+                             "no context_parallel allgather_kv settings came with it; pass the plan document's "
+                             "context_parallel to apply_sharding_plan")
     return model
 
 
