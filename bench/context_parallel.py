@@ -1,0 +1,189 @@
+"""Context parallel attention: what allgather_kv saves per rank against gather_sequence.
+
+    python bench/context_parallel.py --json /tmp/cp.json            # seq 4096, cp 2
+    python bench/context_parallel.py --seq-len 1024 --repeats 2     # quicker
+
+On CPU (gloo, two ranks under torchrun), one decoder layer's attention block of a tiny
+Llama (hidden 64, 4 query heads, 2 kv heads, head_dim 16, sdpa), sequence ``--seq-len``.
+The block is called directly, as its decoder layer calls it (the rank's hidden states,
+the whole sequence's rotary embeddings, no mask: causal), forward then backward of its
+output's sum, per rank, for:
+
+- ``cp1``: the plain model on one rank (the whole sequence; no communication);
+- ``gather_sequence``: cp2, the block gathers its input and computes the whole sequence's
+  attention on each rank (today's method before issue 15);
+- ``allgather_kv``: cp2, each rank its own tokens, K/V all-gathered (``--no-balance``
+  rows: contiguous halves; else load-balanced chunks).
+
+Per mode and rank: the median fwd+bwd seconds of ``--repeats`` runs and the bytes the
+forward saved for backward (autograd's saved tensors, unique storages: the block's
+activation memory; CPU has no allocator peak to read). The JSON has
+``time_ratio`` and ``memory_ratio`` (allgather_kv balanced over gather_sequence, the
+slowest / largest rank of each), the same against cp1 (``*_vs_cp1``), and ``balance``:
+min over max of the causal (query, key) pairs each rank's queries attend to, with and
+without load balance (1.0 is even). The CPU sdpa kernel computes a masked score anyway,
+so on CPU the balanced and unbalanced times differ little; ``balance`` is the work a
+kernel that skips masked blocks (flash attention on a device) would do.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
+
+
+def _config(transformers):
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                      max_position_embeddings=1 << 16)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _parallel(model, config, algorithm: str, balance: bool, mesh_context, dims):
+    """``model`` parallelized at cp2 with ``algorithm`` as a generated file would."""
+    import torch
+    import transformers
+
+    from hyper_parallel.codegen.runtime import hyper_parallelize
+    from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.distributed.mesh import build_offline_mesh
+    from hyper_parallel.distributed.plan_format import plan_to_json
+    from hyper_parallel.distributed.planner import ShardingPlanner
+
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    mesh = build_offline_mesh(dims)
+    result = ShardingPlanner(meta, dims=dims, mesh=mesh,
+                             context_parallel=ContextParallel(algorithm, balance)).plan()
+    document = plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
+                            recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
+                            context_parallel=result.context_parallel)
+    return hyper_parallelize(model, mesh_context, json.loads(json.dumps(document)))
+
+
+def _measure(model, seq_len: int, local: int, rank: int, repeats: int) -> dict:
+    """Median fwd+bwd seconds of the layer's attention block and the bytes it saved."""
+    import torch
+
+    attention = model.model.layers[0].self_attn
+    hidden = torch.randn(1, seq_len, HIDDEN, generator=torch.Generator().manual_seed(0))
+    hidden = hidden[:, rank * local:(rank + 1) * local] if local < seq_len else hidden
+    positions = torch.arange(seq_len).unsqueeze(0)
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    times, saved = [], 0
+    for repeat in range(repeats + 1):
+        x = hidden.clone().requires_grad_(True)
+        storages: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
+        out.sum().backward()
+        elapsed = time.perf_counter() - start
+        if repeat:  # the first run warms up
+            times.append(elapsed)
+            saved = sum(storages.values())
+    return {"seconds": statistics.median(times), "saved_bytes": saved, "local_queries": int(out.shape[1])}
+
+
+def _pairs(seq_len: int, cp: int, balance: bool) -> list[int]:
+    """Causal (query, key) pairs per rank: query at position p attends to p + 1 keys."""
+    import torch
+
+    from hyper_parallel.distributed.context_parallel import balanced_order
+
+    order = balanced_order(seq_len, cp) if balance else torch.arange(seq_len)
+    local = seq_len // cp
+    return [int((order[rank * local:(rank + 1) * local] + 1).sum()) for rank in range(cp)]
+
+
+def worker(args) -> None:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+
+    torch.set_num_threads(1)
+    dims = ParallelDims(cp=2)
+    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    rank = dist.get_rank()
+    config = _config(transformers)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    results = {"cp1": _measure(copy.deepcopy(base), args.seq_len, args.seq_len, 0, args.repeats)}
+    dist.barrier()
+    for name, algorithm, balance in (("gather_sequence", "gather_sequence", False),
+                                     ("allgather_kv", "allgather_kv", True),
+                                     ("allgather_kv_unbalanced", "allgather_kv", False)):
+        model = _parallel(copy.deepcopy(base), config, algorithm, balance, mesh_context, dims)
+        results[name] = _measure(model, args.seq_len, args.seq_len // 2, rank, args.repeats)
+        dist.barrier()
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarize(ranks: list[dict], seq_len: int) -> dict:
+    """The JSON the bench writes: per mode and rank, and the ratios (see the docstring)."""
+    modes = list(ranks[0])
+    worst = {mode: {"seconds": max(r[mode]["seconds"] for r in ranks),
+                    "saved_bytes": max(r[mode]["saved_bytes"] for r in ranks)} for mode in modes}
+    kv, gathered, whole = worst["allgather_kv"], worst["gather_sequence"], worst["cp1"]
+    balanced, unbalanced = _pairs(seq_len, 2, True), _pairs(seq_len, 2, False)
+    return {
+        "seq_len": seq_len, "cp": 2, "layer": f"Llama attention hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} kv, sdpa",
+        "per_rank": {mode: [r[mode] for r in ranks] for mode in modes},
+        "time_ratio": kv["seconds"] / gathered["seconds"],
+        "memory_ratio": kv["saved_bytes"] / gathered["saved_bytes"],
+        "time_ratio_vs_cp1": kv["seconds"] / whole["seconds"],
+        "memory_ratio_vs_cp1": kv["saved_bytes"] / whole["saved_bytes"],
+        "balance": min(balanced) / max(balanced),
+        "balance_without_load_balance": min(unbalanced) / max(unbalanced),
+        "causal_pairs_per_rank": {"load_balance": balanced, "contiguous": unbalanced},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="write the summary here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   __file__, "--worker", "--out", out, "--seq-len", str(args.seq_len), "--repeats",
+                   str(args.repeats)]
+        subprocess.run(command, check=True, env=env, timeout=3600)
+        ranks = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(2)]
+    summary = summarize(ranks, args.seq_len)
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
