@@ -2,9 +2,11 @@
 
     python bench/context_parallel.py --json /tmp/cp.json            # seq 4096, cp 2
     python bench/context_parallel.py --seq-len 1024 --repeats 2     # quicker
+    python bench/context_parallel.py --attn eager --json /tmp/cp_eager.json
 
 On CPU (gloo, two ranks under torchrun), one decoder layer's attention block of a tiny
-Llama (hidden 64, 4 query heads, 2 kv heads, head_dim 16, sdpa), sequence ``--seq-len``.
+Llama (hidden 64, 4 query heads, 2 kv heads, head_dim 16, ``--attn`` sdpa or eager),
+sequence ``--seq-len``.
 The block is called directly, as its decoder layer calls it (the rank's hidden states,
 the whole sequence's rotary embeddings, no mask: causal), forward then backward of its
 output's sum, per rank, for:
@@ -39,12 +41,12 @@ from pathlib import Path
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 
 
-def _config(transformers):
+def _config(transformers, attn: str):
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=128,
                                       num_hidden_layers=1, num_attention_heads=HEADS,
                                       num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                                       max_position_embeddings=1 << 16)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     return config
 
 
@@ -60,7 +62,7 @@ def _parallel(model, config, algorithm: str, balance: bool, mesh_context, dims):
     from hyper_parallel.distributed.planner import ShardingPlanner
 
     with torch.device("meta"):
-        meta = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        meta = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
     mesh = build_offline_mesh(dims)
     result = ShardingPlanner(meta, dims=dims, mesh=mesh,
                              context_parallel=ContextParallel(algorithm, balance)).plan()
@@ -124,9 +126,9 @@ def worker(args) -> None:
     dims = ParallelDims(cp=2)
     mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
     rank = dist.get_rank()
-    config = _config(transformers)
+    config = _config(transformers, args.attn)
     torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn, dtype=torch.float32)
     results = {"cp1": _measure(copy.deepcopy(base), args.seq_len, args.seq_len, 0, args.repeats)}
     dist.barrier()
     for name, algorithm, balance in (("gather_sequence", "gather_sequence", False),
@@ -140,7 +142,7 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def summarize(ranks: list[dict], seq_len: int) -> dict:
+def summarize(ranks: list[dict], seq_len: int, attn: str) -> dict:
     """The JSON the bench writes: per mode and rank, and the ratios (see the docstring)."""
     modes = list(ranks[0])
     worst = {mode: {"seconds": max(r[mode]["seconds"] for r in ranks),
@@ -148,7 +150,7 @@ def summarize(ranks: list[dict], seq_len: int) -> dict:
     kv, gathered, whole = worst["allgather_kv"], worst["gather_sequence"], worst["cp1"]
     balanced, unbalanced = _pairs(seq_len, 2, True), _pairs(seq_len, 2, False)
     return {
-        "seq_len": seq_len, "cp": 2, "layer": f"Llama attention hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} kv, sdpa",
+        "seq_len": seq_len, "cp": 2, "layer": f"Llama attention hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} kv, {attn}",
         "per_rank": {mode: [r[mode] for r in ranks] for mode in modes},
         "time_ratio": kv["seconds"] / gathered["seconds"],
         "memory_ratio": kv["saved_bytes"] / gathered["saved_bytes"],
@@ -164,6 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
     parser.add_argument("--json", help="write the summary here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -175,10 +178,10 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                    __file__, "--worker", "--out", out, "--seq-len", str(args.seq_len), "--repeats",
-                   str(args.repeats)]
+                   str(args.repeats), "--attn", args.attn]
         subprocess.run(command, check=True, env=env, timeout=3600)
         ranks = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(2)]
-    summary = summarize(ranks, args.seq_len)
+    summary = summarize(ranks, args.seq_len, args.attn)
     text = json.dumps(summary, indent=1)
     print(text)
     if args.json:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.distributed import causal_blocks
 from hyper_parallel.errors import HyperParallelError
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,14 @@ class CpAttention:
         self.group, self.size, self.rank, self.order, self.inner = group, size, rank, order, inner
         self.calls = 0  # attention calls that gathered K/V (tests read it: the work was split)
         self.query_lengths: list[int] = []  # the local query lengths seen (tests: S / cp)
+        self.mask_free_calls = 0  # of them, by mask-free chunks (``causal_blocks``)
+
+    def chunks(self) -> tuple[int, ...]:
+        """The global chunks this rank's tokens are, in their local order: r and 2*cp-1-r
+        of 2*cp with load balance, else r of cp."""
+        if self.order is not None:
+            return (self.rank, 2 * self.size - 1 - self.rank)
+        return (self.rank,)
 
     def local_positions(self, length: int, device) -> torch.Tensor:
         """The natural (global) positions of this rank's tokens of a ``length``-token sequence."""
@@ -142,17 +151,8 @@ def gather_kv(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     context: CpAttention | None = getattr(module, CONTEXT_ATTRIBUTE, None)
     if context is None:
         return key, value, attention_mask
-    key = gather_over_cp(key, context.group, 2)
-    value = gather_over_cp(value, context.group, 2)
-    if context.order is not None:
-        key, value = context.order.restore(key, 2), context.order.restore(value, 2)
+    key, value, positions = _gathered(module, context, query, key, value)
     length = key.shape[2]
-    positions = context.local_positions(length, query.device)
-    if query.shape[2] != positions.numel():
-        raise ContextParallelError(f"{type(module).__name__}: {query.shape[2]} local queries, expected "
-                                   f"{positions.numel()} (sequence {length} over cp={context.size})")
-    context.calls += 1
-    context.query_lengths.append(int(query.shape[2]))
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise ContextParallelError(f"{type(module).__name__}: attention mask of type {type(attention_mask).__name__}"
                                    "; allgather_kv takes tensor masks (sdpa, eager)")
@@ -174,6 +174,42 @@ def gather_kv(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     return key, value, keep
 
 
+def _gathered(module: nn.Module, context: CpAttention, query, key, value):
+    """K and V gathered over cp in natural order, and this rank's queries' positions."""
+    key = gather_over_cp(key, context.group, 2)
+    value = gather_over_cp(value, context.group, 2)
+    if context.order is not None:
+        key, value = context.order.restore(key, 2), context.order.restore(value, 2)
+    length = key.shape[2]
+    positions = context.local_positions(length, query.device)
+    if query.shape[2] != positions.numel():
+        raise ContextParallelError(f"{type(module).__name__}: {query.shape[2]} local queries, expected "
+                                   f"{positions.numel()} (sequence {length} over cp={context.size})")
+    context.calls += 1
+    context.query_lengths.append(int(query.shape[2]))
+    return key, value, positions
+
+
+# attention function arguments the mask-free causal path does not do
+_SPECIAL_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks")
+
+
+def causal_without_mask(module: nn.Module, query, key, value, attention_mask, *, dropout: float = 0.0,
+                        scaling: float | None = None, **kwargs):
+    """sdpa's plain causal case (no mask) on this rank's queries, by mask-free chunks
+    (``causal_blocks``): the attention output [batch, local tokens, heads, dim], or None
+    where that path does not apply (then the caller gathers K/V with ``gather_kv``)."""
+    context: CpAttention | None = getattr(module, CONTEXT_ATTRIBUTE, None)
+    if (context is None or attention_mask is not None or not getattr(module, "is_causal", True)
+            or not causal_blocks.usable(query, dropout) or any(kwargs.get(k) is not None for k in _SPECIAL_KWARGS)):
+        return None
+    key, value, _ = _gathered(module, context, query, key, value)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    context.mask_free_calls += 1
+    out = causal_blocks.chunked_causal_attention(query, key, value, context.chunks(), scale)
+    return out.transpose(1, 2).contiguous()
+
+
 def _eager_function(module: nn.Module):
     """The model file's own eager attention (softcapping, sinks and such are in it)."""
     function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
@@ -187,6 +223,10 @@ def _make_wrapper(inner: str):
     """The attention function registered as ``ATTENTION_NAMES[inner]``."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        if inner == "sdpa":
+            out = causal_without_mask(module, query, key, value, attention_mask, **kwargs)
+            if out is not None:
+                return out, None
         if inner == "eager":
             function = _eager_function(module)
         else:

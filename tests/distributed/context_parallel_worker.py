@@ -117,6 +117,7 @@ def main() -> None:
         "attention_blocks": len(contexts),
         "query_lengths": sorted({n for c in contexts.values() for n in c.query_lengths}),
         "attention_calls": sum(c.calls for c in contexts.values()),
+        "mask_free_calls": sum(c.mask_free_calls for c in contexts.values()),
         "attn_implementation": parallel.config._attn_implementation,
         "reference_attn_implementation": reference.config._attn_implementation,
         "local_logits_shape": logits_shape,

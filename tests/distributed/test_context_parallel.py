@@ -52,6 +52,11 @@ def test_allgather_kv_matches_single_process(case, tmp_path):
         assert result["attention_blocks"] == 2
         assert result["query_lengths"] == [SEQ // 2]
         assert result["attention_calls"] >= 2 * 3
+        # sdpa's causal case on CPU runs by mask-free chunks; eager takes the mask rows
+        if "--attn" in flags and flags[flags.index("--attn") + 1] == "sdpa":
+            assert result["mask_free_calls"] == result["attention_calls"]
+        else:
+            assert result["mask_free_calls"] == 0
         assert result["attn_implementation"].startswith("hyper_cp_")
         assert not result["reference_attn_implementation"].startswith("hyper_cp_")
         assert result["local_logits_shape"] == [2, SEQ // 2, 128]  # logits stay split into the sharded loss
@@ -150,3 +155,28 @@ def test_context_parallel_in_spec_signature_only_with_cp():
     assert spec(2, "allgather_kv", False).as_dict() != kv
     # gather_sequence has no load balance: both spellings sign the same
     assert spec(2, "gather_sequence", True).as_dict() == spec(2, "gather_sequence", False).as_dict()
+
+
+@pytest.mark.parametrize("chunks", [(0, 3), (1, 2), (2,), (3,)])
+def test_mask_free_chunks_equal_causal_sdpa_with_gqa(chunks):
+    # a rank's query chunks against the whole sequence's K/V (2 kv heads for 4 query
+    # heads): output and every gradient equal sdpa's is_causal on the whole sequence
+    import torch.nn.functional as F
+
+    from hyper_parallel.distributed.causal_blocks import chunked_causal_attention
+
+    generator = torch.Generator().manual_seed(0)
+    size, length = 8, 32
+    q, k, v = (torch.randn(2, heads, length, 16, generator=generator) for heads in (4, 2, 2))
+    grad = torch.randn(2, 4, length, 16, generator=generator)
+    rows = torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+    ours = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    theirs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = chunked_causal_attention(ours[0][:, :, rows], ours[1], ours[2], chunks, 16 ** -0.5)
+    out.backward(grad[:, :, rows])
+    ref = F.scaled_dot_product_attention(theirs[0], theirs[1].repeat_interleave(2, 1),
+                                         theirs[2].repeat_interleave(2, 1), is_causal=True)[:, :, rows]
+    ref.backward(grad[:, :, rows])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for mine, reference in zip(ours, theirs):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-5, atol=1e-6)

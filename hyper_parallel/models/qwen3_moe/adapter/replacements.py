@@ -24,7 +24,7 @@ from hyper_parallel.components.modules.grouped_experts import (
     grouped_experts_class_for,
     replace_with_grouped_experts,
 )
-from hyper_parallel.distributed.context_parallel import gather_kv
+from hyper_parallel.distributed.context_parallel import causal_without_mask, gather_kv
 
 # transformers' own Qwen3MoeExperts as grouped experts, importable by name.
 GroupedQwen3MoeExperts = grouped_experts_class_for(Qwen3MoeExperts)
@@ -75,14 +75,19 @@ class Qwen3MoeFusedAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        # context parallel (allgather_kv): every rank's K/V, and the mask rows of this rank's queries
+        dropout = self.attention_dropout if self.training else 0.0
+        # context parallel (allgather_kv) on CPU, causal: mask-free chunks against every rank's K/V
+        out = causal_without_mask(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
+                                  sliding_window=self.sliding_window)
+        if out is not None:
+            return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+        # else every rank's K/V, and the mask rows of this rank's queries
         key, value, attention_mask = gather_kv(self, query, key, value, attention_mask,
                                                sliding_window=self.sliding_window)
 
         # Grouped-query attention: each key/value head serves num_key_value_groups query heads.
         key = repeat_kv(key, self.num_key_value_groups)
         value = repeat_kv(value, self.num_key_value_groups)
-        dropout = self.attention_dropout if self.training else 0.0
         if query.device.type == "npu":
             out = _npu_attention(query, key, value, attention_mask, self.scaling, dropout)
         else:

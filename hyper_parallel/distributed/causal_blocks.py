@@ -1,0 +1,109 @@
+"""Causal attention of a rank's query chunks against the gathered keys, without a mask.
+
+Under ``allgather_kv`` a rank's queries are one or two chunks of the sequence (chunk c:
+positions c*C .. (c+1)*C-1). A query of chunk c sees every key before the chunk and,
+causally, the keys of its own chunk. Handing sdpa the mask rows for that materializes an
+[L, S] mask, which the CPU kernel turns into a float bias and keeps for backward: more
+activation memory than the whole-sequence attention it replaces, whose ``is_causal``
+needs none. Instead each chunk is two mask-free flash-attention calls, merged by their
+log-sum-exp (the ring-attention decomposition):
+
+- the keys before the chunk, no mask (absent for chunk 0);
+- the chunk's own keys, ``is_causal`` (equal lengths: top-left causal is the true one).
+
+Backward runs the flash backward of each call with the *merged* output and log-sum-exp,
+which gives each call's exact share of the gradient (softmax over the union of keys).
+Only where the fused CPU kernel is there (``_scaled_dot_product_flash_attention_for_cpu``)
+and the attention is plain causal (no mask, softcap, window, sinks, dropout); the caller
+falls back to the mask rows otherwise.
+"""
+
+import torch
+
+
+def usable(query: torch.Tensor, dropout: float) -> bool:
+    """Whether the mask-free path runs here: CPU tensors of a float type, no dropout."""
+    return (query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and not dropout and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
+
+
+def _parts(chunk: int, size: int) -> list[tuple[int, int, bool]]:
+    """(key start, key end, causal) of the calls for global chunk ``chunk`` of ``size``."""
+    parts = [(0, chunk * size, False)] if chunk else []
+    return parts + [(chunk * size, (chunk + 1) * size, True)]
+
+
+def _repeat(tensor: torch.Tensor, groups: int) -> torch.Tensor:
+    """[batch, kv heads, S, dim] -> [batch, kv heads * groups, S, dim] (transformers' repeat_kv)."""
+    if groups == 1:
+        return tensor
+    batch, heads, length, dim = tensor.shape
+    return tensor[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
+
+
+def _summed(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``_repeat``: each kv head's query-head group summed."""
+    if groups == 1:
+        return grad
+    batch, heads, length, dim = grad.shape
+    return grad.view(batch, heads // groups, groups, length, dim).sum(2)
+
+
+class _ChunkedCausal(torch.autograd.Function):
+    """Saves the kv heads as gathered (not repeated per query head): grouped-query
+    attention keeps a kv-head-sized copy of the whole sequence's K/V for backward."""
+
+    @staticmethod
+    def forward(ctx, query, kv_key, kv_value, chunks: tuple[int, ...], size: int, scale: float):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        groups = query.shape[1] // kv_key.shape[1]
+        key, value = _repeat(kv_key, groups), _repeat(kv_value, groups)
+        outputs, sums = [], []
+        for index, chunk in enumerate(chunks):
+            q = query[:, :, index * size:(index + 1) * size]
+            merged_out, merged_lse = None, None
+            for start, end, causal in _parts(chunk, size):
+                out, lse = flash(q, key[:, :, start:end], value[:, :, start:end], 0.0, causal, scale=scale)
+                if merged_out is None:
+                    merged_out, merged_lse = out.float(), lse
+                    continue
+                total = torch.logaddexp(merged_lse, lse)
+                merged_out = (merged_out * torch.exp(merged_lse - total).unsqueeze(-1)
+                              + out.float() * torch.exp(lse - total).unsqueeze(-1))
+                merged_lse = total
+            outputs.append(merged_out.to(query.dtype))
+            sums.append(merged_lse)
+        out = torch.cat(outputs, dim=2)
+        ctx.save_for_backward(query, kv_key, kv_value, out, torch.cat(sums, dim=2))
+        ctx.chunks, ctx.size, ctx.scale, ctx.groups = chunks, size, scale, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, kv_key, kv_value, out, lse = ctx.saved_tensors
+        size, scale, groups = ctx.size, ctx.scale, ctx.groups
+        key, value = _repeat(kv_key, groups), _repeat(kv_value, groups)
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        d_query, d_key, d_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for index, chunk in enumerate(ctx.chunks):
+            rows = slice(index * size, (index + 1) * size)
+            for start, end, causal in _parts(chunk, size):
+                dq, dk, dv = backward(grad[:, :, rows].contiguous(), query[:, :, rows].contiguous(),
+                                      key[:, :, start:end].contiguous(), value[:, :, start:end].contiguous(),
+                                      out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), 0.0, causal,
+                                      scale=scale)
+                d_query[:, :, rows] += dq
+                d_key[:, :, start:end] += dk
+                d_value[:, :, start:end] += dv
+        return d_query, _summed(d_key, groups), _summed(d_value, groups), None, None, None
+
+
+def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: tuple[int, ...],
+                             scale: float) -> torch.Tensor:
+    """Causal attention of ``query`` ([batch, heads, len(chunks)*C, dim], its rows the
+    global chunks ``chunks`` of C tokens, in that order) against the whole sequence's
+    ``key``/``value`` ([batch, kv heads, S, dim], natural order; kv heads divide heads)."""
+    size = query.shape[2] // len(chunks)
+    return _ChunkedCausal.apply(query.contiguous(), key.contiguous(), value.contiguous(), tuple(chunks), size,
+                                float(scale))
