@@ -6,7 +6,8 @@ A plan document::
      "mesh": {"axes": [...], "sizes": [...]},
      "applied_axes": ["tp"],
      "recorded_axes": {"cp": "<why not applied yet>", ...},
-     "context_parallel": {"algorithm": "allgather_kv", "load_balance": true},  (only with cp)
+     "context_parallel": {"algorithm": "allgather_kv", "load_balance": true},
+       (only where cp splits attention otherwise than gather_sequence: absent means that)
      "modules": {FQN_or_glob: ENTRY}}
 
 and ENTRY as ``protocols.sharding_json`` writes and reads it (the one entry codec, which
@@ -62,7 +63,8 @@ def plan_to_json(*, mesh_axes, mesh_sizes, applied_axes, recorded_axes: Mapping[
         "mesh": {"axes": list(mesh_axes), "sizes": [int(s) for s in mesh_sizes]},
         "applied_axes": list(applied_axes),
         "recorded_axes": {str(k): str(v) for k, v in sorted(recorded_axes.items())},
-        **({"context_parallel": context_parallel.as_json()} if context_parallel is not None else {}),
+        **({"context_parallel": context_parallel.as_json()}
+           if context_parallel is not None and context_parallel.algorithm != "gather_sequence" else {}),
         "modules": plan_modules_to_json(modules, roles),
     }
 

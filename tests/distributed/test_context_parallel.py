@@ -67,7 +67,7 @@ def test_allgather_kv_matches_single_process(case, tmp_path):
 def test_gather_sequence_keeps_whole_sequence_attention(tmp_path):
     """The explicit baseline: the block gathers its input, no attention wrapper is installed."""
     for result in run_worker(2, ["--cp", "2", "--algorithm", "gather_sequence", "--load-balance"], tmp_path):
-        assert result["context_parallel"] == {"algorithm": "gather_sequence", "load_balance": False}
+        assert result["context_parallel"] is None  # the document's default: absent means gather_sequence
         assert "attention_block" in result["roles"]
         assert result["attention_blocks"] == 0
         assert result["grad_failures"] == []
@@ -153,8 +153,10 @@ def test_context_parallel_in_spec_signature_only_with_cp():
     kv = spec(2, "allgather_kv", True).as_dict()
     assert (kv["cp_algorithm"], kv["cp_load_balance"]) == ("allgather_kv", True)
     assert spec(2, "allgather_kv", False).as_dict() != kv
-    # gather_sequence has no load balance: both spellings sign the same
+    # gather_sequence has no load balance: both spellings sign the same, as bundles made
+    # before the key existed do
     assert spec(2, "gather_sequence", True).as_dict() == spec(2, "gather_sequence", False).as_dict()
+    assert "cp_algorithm" not in spec(2, "gather_sequence", True).as_dict()
 
 
 @pytest.mark.parametrize("chunks", [(0, 3), (1, 2), (2,), (3,)])

@@ -36,9 +36,11 @@ class ParallelSpec:
 
     def as_dict(self) -> dict[str, Any]:
         """The layout as signatures, the meta and the banner write it; the context parallel
-        keys only where cp splits something (a cp 1 bundle signs as before they existed)."""
+        keys only where cp splits attention another way than gather_sequence (the method
+        every bundle had before the keys existed, which therefore signs as it did)."""
         cp_keys = {"cp_algorithm": self.context_parallel.algorithm,
-                   "cp_load_balance": self.context_parallel.load_balance} if self.cp > 1 else {}
+                   "cp_load_balance": self.context_parallel.load_balance} if self.cp > 1 and (
+            self.context_parallel.algorithm != "gather_sequence") else {}
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "pp": self.pp,
                 "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel, **cp_keys,
                 "device_type": self.device_type, "world_size": self.world_size}
