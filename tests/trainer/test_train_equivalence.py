@@ -84,6 +84,12 @@ LAYOUTS = {
     "dp2_cp2_ep2_fsdp2": {"nproc_per_node": 4, "dp_size": 2, "cp_size": 2, "tp_size": 1, "ep_size": 2},
     "tp2_cp2_ep2_sp_lp_replaced": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
                                    "sequence_parallel": True, "loss_parallel": True, "replacements": True},
+    # context parallel splitting attention (K/V all-gathered over cp, load-balanced chunks),
+    # with the fused attention replacement, sequence parallel and the vocab-sharded loss
+    "tp2_cp2_ep2_sp_lp_replaced_allgather_kv": {
+        "nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2, "sequence_parallel": True,
+        "loss_parallel": True, "replacements": True,
+        "context_parallel": {"algorithm": "allgather_kv", "load_balance": True}},
 }
 
 
@@ -110,6 +116,10 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
     if "plan_overrides" in data:  # the generated model applies the replacements
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
         assert "replace_qwen3_moe_grouped_experts" in modeling and "replace_qwen3_moe_flash_attention" in modeling
+    if "context_parallel" in accelerator:  # the bundle splits attention as the recipe says
+        modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
+        assert '"context_parallel": {"algorithm": "allgather_kv", "load_balance": True}' in modeling
+        assert '"role": "kv_gathered_attention"' in modeling
     records = json.loads(metrics.read_text())
     got, got_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
     want, want_norms = _reference_run(recipe)
