@@ -1,8 +1,9 @@
 """The context parallel settings as codegen and the planner carry them (torch-free).
 
 ``ContextParallel`` is the effective form of the recipe's ``accelerator.context_parallel``
-for a layout: with ``cp_size`` 1 there is nothing to split, and ``gather_sequence`` has
-no load balance (every rank computes the whole sequence), so both normalize to
+for a layout: with ``cp_size`` 1 there is nothing to split, and only ``allgather_kv``
+has a load balance (``gather_sequence`` computes the whole sequence on every rank,
+``ulysses`` every head group's whole sequence), so the others normalize to
 ``load_balance: False``; two recipes that split the same way then sign the same.
 """
 
@@ -26,12 +27,12 @@ class ContextParallel:
         """The settings as they act at ``cp`` ranks (see the module docstring)."""
         if cp <= 1:
             return cls()
-        return cls(algorithm, bool(load_balance) and algorithm != "gather_sequence")
+        return cls(algorithm, bool(load_balance) and algorithm == "allgather_kv")
 
     @property
     def splits_attention(self) -> bool:
-        """Each cp rank keeps only its own queries through attention."""
-        return self.algorithm == "allgather_kv"
+        """Each cp rank keeps only its own tokens through the attention block."""
+        return self.algorithm in ("allgather_kv", "ulysses")
 
     def as_json(self) -> dict:
         return {"algorithm": self.algorithm, "load_balance": self.load_balance}

@@ -128,9 +128,6 @@ def _validate_context_parallel(config: TrainerConfig, where: str) -> None:
     if algorithm not in CP_ALGORITHMS:
         raise RecipeError(f"{where}: {key}: expected one of {', '.join(CP_ALGORITHMS)}, got {algorithm!r}; "
                           f"e.g. algorithm: allgather_kv")
-    if algorithm == "ulysses":
-        raise RecipeError(f"{where}: {key}: 'ulysses' is not implemented yet; use allgather_kv (K and V gathered "
-                          f"over cp) or gather_sequence (each cp rank computes the whole sequence's attention)")
     cp, seq_len = config.accelerator.cp_size, config.training.seq_len
     if algorithm == "allgather_kv" and cp > 1 and config.accelerator.context_parallel.load_balance \
             and seq_len % (2 * cp):
@@ -138,8 +135,8 @@ def _validate_context_parallel(config: TrainerConfig, where: str) -> None:
                           f"{2 * cp} chunks, but training.seq_len is {seq_len}; use a multiple of {2 * cp}, or "
                           f"load_balance: false")
     attention = config.model.attn_implementation
-    if algorithm == "allgather_kv" and config.accelerator.cp_size > 1 and attention not in ("eager", "sdpa"):
-        raise RecipeError(f"{where}: {key}: allgather_kv gathers K/V around the eager or sdpa attention, but "
+    if algorithm in ("allgather_kv", "ulysses") and cp > 1 and attention not in ("eager", "sdpa"):
+        raise RecipeError(f"{where}: {key}: {algorithm} wraps the eager or sdpa attention, but "
                           f"model.attn_implementation is {attention!r}; set model.attn_implementation: sdpa (or "
                           f"eager), or {key}: gather_sequence")
 

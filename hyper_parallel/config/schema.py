@@ -19,7 +19,7 @@ MAX_SEQ_LEN = 1 << 24  # 16M tokens a sequence: beyond any model's context
 #   gather_sequence: every cp rank gathers the block's input and computes the whole
 #     sequence's attention (exact; attention work and activations not split);
 #   allgather_kv: each rank keeps its tokens; K and V are all-gathered over cp;
-#   ulysses: all-to-all between sequence and heads (not implemented yet: refused).
+#   ulysses: all-to-all between sequence and heads around the attention function.
 CP_ALGORITHMS = ("gather_sequence", "allgather_kv", "ulysses")
 DEFAULT_CP_ALGORITHM = "gather_sequence"
 

@@ -69,7 +69,8 @@ from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfi
 
 EP_AXIS = "ep"
 CP_AXIS = "cp"
-KV_GATHERED_ATTENTION = "kv_gathered_attention"  # the role sequence_layout gives allgather_kv's blocks
+# the roles sequence_layout gives the attention blocks of allgather_kv and ulysses
+TOKEN_ATTENTION_ROLES = ("kv_gathered_attention", "ulysses_attention")
 
 
 class PlanApplyError(ValueError, HyperParallelError):
@@ -119,23 +120,24 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
         if module is output_embeddings(model):
             _install_sharded_loss(model, fqn, config, sub_meshes[key], axes, order)
     if context_parallel is not None and context_parallel.splits_attention and cp_size > 1:
-        attention = _kv_gathered_attention(model, modules, roles or {})
+        attention = _token_attention(model, modules, roles or {})
         if not attention:
-            raise PlanApplyError("context_parallel.algorithm allgather_kv: the plan has no kv_gathered_attention "
-                                 "entry (pass the plan document's roles); regenerate the bundle")
-        install_context_parallel(model, attention, device_mesh, order)
-    elif cp_size > 1 and KV_GATHERED_ATTENTION in (roles or {}).values():
+            raise PlanApplyError(f"context_parallel.algorithm {context_parallel.algorithm}: the plan has no "
+                                 f"{' or '.join(TOKEN_ATTENTION_ROLES)} entry (pass the plan document's roles); "
+                                 "regenerate the bundle")
+        install_context_parallel(model, attention, device_mesh, order, algorithm=context_parallel.algorithm)
+    elif cp_size > 1 and set(TOKEN_ATTENTION_ROLES) & set((roles or {}).values()):
         # attention on local queries and local K/V only would be silently wrong
-        raise PlanApplyError("the plan keeps each cp rank's tokens through attention (kv_gathered_attention) but "
-                             "no context_parallel allgather_kv settings came with it; pass the plan document's "
-                             "context_parallel to apply_sharding_plan")
+        raise PlanApplyError("the plan keeps each cp rank's tokens through attention but no context_parallel "
+                             "settings came with it; pass the plan document's context_parallel to "
+                             "apply_sharding_plan")
     return model
 
 
-def _kv_gathered_attention(model: nn.Module, modules: Mapping, roles: Mapping[str, str]) -> list[str]:
+def _token_attention(model: nn.Module, modules: Mapping, roles: Mapping[str, str]) -> list[str]:
     """The FQNs of the blocks the plan keeps on the rank's tokens through attention."""
     matches = match_plan_keys((name for name, _ in model.named_modules()), modules)
-    return sorted(name for name, key in matches.applied.items() if roles.get(key) == KV_GATHERED_ATTENTION)
+    return sorted(name for name, key in matches.applied.items() if roles.get(key) in TOKEN_ATTENTION_ROLES)
 
 
 def _planned_ancestors(targets: Mapping[str, ShardingConfig]) -> set[str]:

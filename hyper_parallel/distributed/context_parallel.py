@@ -15,6 +15,11 @@ rank's tokens through the whole decoder block (``sequence_layout``: role
   implementation: transformers' sdpa, or the model file's own ``eager_attention_forward``.
   The project's own attention modules call ``gather_kv`` directly (class attribute
   ``hyper_gathers_kv_over_cp``).
+- ``ulysses`` instead: the wrapper exchanges q, k and v all-to-all over cp from [the
+  rank's tokens, every local head] to [the whole sequence, the rank's group of heads]
+  (``_sequence_to_heads``), calls the inner implementation on the whole sequence with the
+  model's own mask (or sdpa's ``is_causal``), and exchanges the output back; tp*cp must
+  divide the query and kv heads (the planner refuses otherwise).
 - the rotary position embeddings (``position_embeddings`` = (cos, sin)) and
   ``position_ids`` the model computed for the whole sequence are sliced to the rank's
   tokens as they enter the block (a forward pre-hook).
@@ -122,11 +127,15 @@ class CpAttention:
     """What one attention block's modules need at run time: the cp group, this rank's
     index in it, the load-balanced order (or None) and the inner implementation's name."""
 
-    def __init__(self, group, size: int, rank: int, order: SequenceOrder | None, inner: str):
+    def __init__(self, group, size: int, rank: int, order: SequenceOrder | None, inner: str,
+                 algorithm: str = "allgather_kv"):
         self.group, self.size, self.rank, self.order, self.inner = group, size, rank, order, inner
+        self.algorithm = algorithm
         self.calls = 0  # attention calls that gathered K/V (tests read it: the work was split)
         self.query_lengths: list[int] = []  # the local query lengths seen (tests: S / cp)
         self.mask_free_calls = 0  # of them, by mask-free chunks (``causal_blocks``)
+        # (heads, queries) the inner attention computed per call: the work each rank does
+        self.inner_shapes: set[tuple[int, int]] = set()
 
     def chunks(self) -> tuple[int, ...]:
         """The global chunks this rank's tokens are, in their local order: r and 2*cp-1-r
@@ -176,6 +185,9 @@ def gather_kv(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 
 def _gathered(module: nn.Module, context: CpAttention, query, key, value):
     """K and V gathered over cp in natural order, and this rank's queries' positions."""
+    if context.algorithm != "allgather_kv":
+        raise ContextParallelError(f"{type(module).__name__} gathers K/V (allgather_kv), but the plan's "
+                                   f"context_parallel.algorithm is {context.algorithm}")
     key = gather_over_cp(key, context.group, 2)
     value = gather_over_cp(value, context.group, 2)
     if context.order is not None:
@@ -187,6 +199,7 @@ def _gathered(module: nn.Module, context: CpAttention, query, key, value):
                                    f"{positions.numel()} (sequence {length} over cp={context.size})")
     context.calls += 1
     context.query_lengths.append(int(query.shape[2]))
+    context.inner_shapes.add((int(query.shape[1]), int(query.shape[2])))
     return key, value, positions
 
 
@@ -219,10 +232,68 @@ def _eager_function(module: nn.Module):
     return function
 
 
+def _all_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Dim 0 (one slice per cp rank) exchanged: slice j goes to rank j; differentiable."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    tensor = tensor.contiguous()
+    return all_to_all_single(torch.empty_like(tensor), tensor, group=group)
+
+
+def _sequence_to_heads(tensor: torch.Tensor, context: CpAttention) -> torch.Tensor:
+    """[batch, heads, local tokens, dim] -> [batch, heads / cp (this rank's group), whole
+    sequence in natural order, dim]."""
+    batch, heads, local, dim = tensor.shape
+    cp = context.size
+    if heads % cp:
+        raise ContextParallelError(f"ulysses: {heads} local heads do not split over cp={cp}; use "
+                                   "accelerator.context_parallel.algorithm: allgather_kv")
+    pieces = tensor.reshape(batch, cp, heads // cp, local, dim).transpose(0, 1)
+    received = _all_to_all(pieces, context.group)  # [source rank, batch, heads/cp, local, dim]
+    whole = received.permute(1, 2, 0, 3, 4).reshape(batch, heads // cp, cp * local, dim)
+    return context.order.restore(whole, 2) if context.order is not None else whole
+
+
+def _heads_to_sequence(output: torch.Tensor, context: CpAttention) -> torch.Tensor:
+    """The attention output [batch, whole sequence, heads / cp, dim] back to [batch, local
+    tokens, heads, dim], this rank's tokens with every local head."""
+    if context.order is not None:
+        output = context.order.permute(output, 1)
+    batch, length, group, dim = output.shape
+    cp = context.size
+    pieces = output.reshape(batch, cp, length // cp, group, dim).transpose(0, 1)
+    received = _all_to_all(pieces, context.group)  # [head group, batch, local, heads/cp, dim]
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, length // cp, cp * group, dim)
+
+
+def ulysses_attention(module: nn.Module, function, query, key, value, attention_mask, **kwargs):
+    """``function`` (the inner attention) on this rank's head group over the whole sequence;
+    returns (output [batch, local tokens, heads, dim], None)."""
+    context: CpAttention = getattr(module, CONTEXT_ATTRIBUTE)
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ContextParallelError(f"ulysses: {type(module).__name__} has per-head attention sinks, which ulysses "
+                                   "does not split by head group yet; use allgather_kv")
+    context.calls += 1
+    context.query_lengths.append(int(query.shape[2]))
+    query, key, value = (_sequence_to_heads(t, context) for t in (query, key, value))
+    context.inner_shapes.add((int(query.shape[1]), int(query.shape[2])))
+    if isinstance(attention_mask, torch.Tensor):
+        attention_mask = attention_mask[:, :, :, :key.shape[2]]
+    output, _ = function(module, query, key, value, attention_mask, **kwargs)
+    return _heads_to_sequence(output, context), None
+
+
 def _make_wrapper(inner: str):
     """The attention function registered as ``ATTENTION_NAMES[inner]``."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        context = getattr(module, CONTEXT_ATTRIBUTE, None)
+        if context is not None and context.algorithm == "ulysses":
+            if inner == "eager":
+                function = _eager_function(module)
+            else:
+                from transformers.integrations.sdpa_attention import sdpa_attention_forward as function
+            return ulysses_attention(module, function, query, key, value, attention_mask, **kwargs)
         if inner == "sdpa":
             out = causal_without_mask(module, query, key, value, attention_mask, **kwargs)
             if out is not None:
@@ -279,14 +350,15 @@ def _slice_positions(context: CpAttention):
 
 
 def install_context_parallel(model: nn.Module, attention_blocks: list[str], device_mesh,
-                             order: SequenceOrder | None) -> list[CpAttention]:
+                             order: SequenceOrder | None, *, algorithm: str = "allgather_kv") -> list[CpAttention]:
     """Make the planned attention blocks (``attention_blocks``, FQNs) gather K/V over the
-    mesh's cp axis; returns their contexts (one per block)."""
+    mesh's cp axis (``algorithm`` allgather_kv) or exchange sequence and heads (ulysses);
+    returns their contexts (one per block)."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     inner = next((name for name, wrapper in ATTENTION_NAMES.items() if current in (name, wrapper)), None)
     if inner is None:
-        raise ContextParallelError(f"accelerator.context_parallel.algorithm: allgather_kv runs on attention "
+        raise ContextParallelError(f"accelerator.context_parallel.algorithm: {algorithm} runs on attention "
                                    f"implementation sdpa or eager, the model has {current!r}; set "
                                    f"model.attn_implementation: sdpa (or eager), or algorithm: gather_sequence")
     register_attention_functions()
@@ -296,11 +368,11 @@ def install_context_parallel(model: nn.Module, attention_blocks: list[str], devi
     contexts = []
     for fqn in attention_blocks:
         block = model.get_submodule(fqn)
-        context = CpAttention(group, size, rank, order, inner)
+        context = CpAttention(group, size, rank, order, inner, algorithm)
         for module in block.modules():
             setattr(module, CONTEXT_ATTRIBUTE, context)
         block.register_forward_pre_hook(_slice_positions(context), with_kwargs=True)
         contexts.append(context)
-    logger.info("context parallel: allgather_kv on %d attention blocks (cp=%d, inner %s, load balance %s)",
-                len(contexts), size, inner, order is not None)
+    logger.info("context parallel: %s on %d attention blocks (cp=%d, inner %s, load balance %s)",
+                algorithm, len(contexts), size, inner, order is not None)
     return contexts

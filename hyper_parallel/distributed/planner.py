@@ -67,7 +67,7 @@ from hyper_parallel.distributed.roles import (
     parameter_placement,
     style_meaning,
 )
-from hyper_parallel.distributed.sequence_layout import TracedFacts, apply_sequence_layout
+from hyper_parallel.distributed.sequence_layout import ATTENTION_ROLE, TracedFacts, apply_sequence_layout
 from hyper_parallel.protocols.placements import placement_to_text
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
@@ -108,6 +108,18 @@ class PlanResult:
     notes: tuple[str, ...] = ()  # decisions a reader of the plan should know (derive prints them)
     # how attention is split over cp (None without cp); the plan document records it
     context_parallel: ContextParallel | None = None
+
+
+def _ulysses_heads(config, dims: ParallelDims) -> None:
+    """Ulysses hands each cp rank a group of the heads tp left it: tp*cp must divide the
+    query heads and the kv heads."""
+    split = dims.tp * dims.cp
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        count = getattr(config, name, None)
+        if isinstance(count, int) and count % split:
+            raise PlanError(f"accelerator.context_parallel.algorithm: ulysses splits the heads over tp*cp = "
+                            f"{dims.tp}*{dims.cp} = {split}, which does not divide {name}={count}; use "
+                            f"algorithm: allgather_kv (or gather_sequence), or a cp_size/tp_size that divides it")
 
 
 class UnclassifiedModule(PlanError):
@@ -169,6 +181,8 @@ class ShardingPlanner:
             uneven_heads = []
         self._prepare_flow()
         whole_attention = bool(uneven_heads) and bool(self._attention_parts())
+        if config is not None and self.dims.cp > 1 and self.context_parallel.algorithm == "ulysses":
+            _ulysses_heads(config, self.dims)
         lint_config_divisibility(config, self.dims, whole_attention=whole_attention)
         active_axes = self.dims.active_axes(sequence_parallel=self.sequence_parallel)
         overridden = overridden_modules(self.overrides, self.model, active_axes=active_axes)
@@ -224,7 +238,7 @@ class ShardingPlanner:
         notes = self._replicate_layer_parts(whole_parts, modules, roles, overridden)
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel, traced=self._traced_facts(),
-                              split_attention=self.context_parallel.splits_attention)
+                              split_attention=ATTENTION_ROLE.get(self.context_parallel.algorithm, ""))
         apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))

@@ -27,6 +27,7 @@ ROLE_LEGEND: dict[str, str] = {
     "sequence_split": "the residual stream is split over the sequence from here on",
     "attention_block": "attention: its input gathered over the sequence split, output split again",
     "kv_gathered_attention": "attention on the rank's tokens (cp): K and V gathered over cp inside it",
+    "ulysses_attention": "attention on the rank's tokens (cp): all-to-all to a head group's whole sequence",
     "gathered_block": "a block that needs the whole sequence: input gathered, output split again",
     "mlp_block": "per-token MLP: input gathered over tp only; output partial sums reduce-scattered",
     "moe_block": "per-token MoE block: like mlp_block, tokens stay split over cp",

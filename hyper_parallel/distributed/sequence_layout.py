@@ -68,6 +68,9 @@ from hyper_parallel.distributed.sequence_dry_run import is_attention, whole_over
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
 CP, TP = "cp", "tp"
+# The roles of attention blocks that keep each cp rank's tokens, by algorithm.
+TOKEN_ATTENTION_ROLES = {"kv_gathered_attention": "allgather_kv", "ulysses_attention": "ulysses"}
+ATTENTION_ROLE = {algorithm: role for role, algorithm in TOKEN_ATTENTION_ROLES.items()}
 _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_experts", "local_params_summed"})
 
 
@@ -132,10 +135,10 @@ class TracedFacts:
 
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
                           cp: bool, sp: bool, loss_parallel: bool, traced: TracedFacts = TracedFacts(),
-                          split_attention: bool = False) -> None:
+                          split_attention: str = "") -> None:
     """Rewrite ``modules``/``roles`` in place for the requested sequence layout, with what
-    the dataflow trace saw (``traced``); ``split_attention``: cp keeps each rank's tokens
-    through attention (allgather_kv) instead of gathering the block's input."""
+    the dataflow trace saw (``traced``); ``split_attention``: the role of attention blocks
+    keeping each cp rank's tokens (allgather_kv, ulysses), '' to gather the block's input."""
     sharded_loss = loss_goes_through_loss_function(model)
     if loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
@@ -143,7 +146,7 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
                         f"set loss_parallel: false")
     if cp or sp:
         _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss, traced=traced,
-                        split_attention=cp and split_attention)
+                        split_attention=split_attention if cp else "")
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
     if loss_parallel:
@@ -198,7 +201,7 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 
 def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
-                    traced: TracedFacts, split_attention: bool = False) -> None:
+                    traced: TracedFacts, split_attention: str = "") -> None:
     found = decoder_layers(model)
     if found is None:
         raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
@@ -238,9 +241,10 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                 _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
                              flat=fqn in traced.flat_inputs)
             elif is_attention(fqn, child, roles, attention_inputs) and split_attention:
-                _refuse_kv_gather(fqn, child, streams=streams, adds_stream=adds_stream, outputs=outputs)
+                _refuse_kv_gather(fqn, child, streams=streams, adds_stream=adds_stream, outputs=outputs,
+                                  algorithm=TOKEN_ATTENTION_ROLES[split_attention])
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, reads=traced.reads,
-                                 role="kv_gathered_attention")
+                                 role=split_attention)
             elif is_attention(fqn, child, roles, attention_inputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads,
                                  adds_stream=adds_stream, outputs=outputs)
@@ -369,7 +373,7 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams:
     inner_entries = _inner_entries(fqn, block, modules)
     hand_on_partial = _has_partial_sums(inner_entries, roles) and not adds_stream and not _reads_partial_sums(
         fqn, block, inner_entries, roles, reads)
-    keep_tokens = role == "kv_gathered_attention"  # allgather_kv: the rank's tokens stay split over cp
+    keep_tokens = role in TOKEN_ATTENTION_ROLES  # allgather_kv, ulysses: the rank's tokens stay split over cp
     seq = {CP: Shard(1) if keep_tokens else Replicate()} if cp else {}
     full = {**seq, TP: Replicate()}
     block_out = {**seq, TP: Partial() if hand_on_partial else Replicate()}
@@ -395,27 +399,31 @@ KV_GATHER_MARK = "hyper_gathers_kv_over_cp"
 
 
 def _refuse_kv_gather(fqn: str, block: nn.Module, *, streams: tuple[int, ...], adds_stream: bool,
-                      outputs: tuple[int, ...]) -> None:
-    """allgather_kv needs the block's attention to go through the attention interface (or
-    the project's own gathering attention) and a block with one stream in and out: the
-    applier gathers K/V in the attention function and slices the rotary embeddings the
+                      outputs: tuple[int, ...], algorithm: str = "allgather_kv") -> None:
+    """allgather_kv and ulysses need the block's attention to go through the attention
+    interface (or the project's own gathering attention) and a block with one stream in and
+    out: the applier wraps the attention function and slices the rotary embeddings the
     block is handed; anything else would see only the rank's keys."""
     key = "accelerator.context_parallel.algorithm"
     fix = f"set {key}: gather_sequence (every cp rank computes the whole sequence's attention)"
     if streams != (0,) or adds_stream or outputs != (0,):
-        raise PlanError(f"{key}: allgather_kv: {fqn} ({type(block).__name__}) takes or hands on more than one "
-                        f"stream (it adds the residual itself, or returns several), which allgather_kv cannot "
+        raise PlanError(f"{key}: {algorithm}: {fqn} ({type(block).__name__}) takes or hands on more than one "
+                        f"stream (it adds the residual itself, or returns several), which {algorithm} cannot "
                         f"place yet; {fix}")
     if any(getattr(type(module), KV_GATHER_MARK, False) for module in block.modules()):
+        if algorithm != "allgather_kv":
+            raise PlanError(f"{key}: {algorithm}: {fqn} ({type(block).__name__}) is the project's fused attention, "
+                            f"which gathers K/V itself (allgather_kv) and does not exchange heads; set {key}: "
+                            f"allgather_kv")
         return
     sources = [_forward_source(module) for module in block.modules()]
     if not any(_ATTENTION_INTERFACE in source for source in sources):
-        raise PlanError(f"{key}: allgather_kv: {fqn} ({type(block).__name__}) computes attention in its own code, "
+        raise PlanError(f"{key}: {algorithm}: {fqn} ({type(block).__name__}) computes attention in its own code, "
                         f"not through transformers' attention interface ({_ATTENTION_INTERFACE}), so its keys "
-                        f"and values cannot be gathered over cp; {fix}")
+                        f"and values cannot be exchanged over cp; {fix}")
     if any("alibi" in source for source in sources):
-        raise PlanError(f"{key}: allgather_kv: {fqn} ({type(block).__name__}) takes ALiBi position biases "
-                        f"computed for the whole sequence, which allgather_kv does not slice; {fix}")
+        raise PlanError(f"{key}: {algorithm}: {fqn} ({type(block).__name__}) takes ALiBi position biases "
+                        f"computed for the whole sequence, which {algorithm} does not slice; {fix}")
 
 
 def _forward_source(module: nn.Module) -> str:

@@ -35,10 +35,10 @@ from tests.rank_exit import leave_after_barrier
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 128, 64, 4, 2, 16, 2
 
 
-def tiny_config(family: str, attn: str):
+def tiny_config(family: str, attn: str, kv_heads: int = KV_HEADS):
     """A two-layer model small enough for CPU, with GQA (4 query heads, 2 kv heads)."""
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=LAYERS,
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                  num_attention_heads=HEADS, num_key_value_heads=kv_heads, head_dim=HEAD_DIM,
                   max_position_embeddings=256, attention_dropout=0.0)
     if family == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=True)
@@ -61,6 +61,7 @@ def parse_args():
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fused", action="store_true", help="the project's fused attention replacement")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
     return parser.parse_args()
 
 
@@ -79,7 +80,7 @@ def main() -> None:
     dims = ParallelDims(cp=args.cp, tp=args.tp)
     mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
     rank = dist.get_rank()
-    config = tiny_config(args.family, args.attn)
+    config = tiny_config(args.family, args.attn, args.kv_heads)
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn,
                                                               dtype=torch.float32)
@@ -118,6 +119,7 @@ def main() -> None:
         "query_lengths": sorted({n for c in contexts.values() for n in c.query_lengths}),
         "attention_calls": sum(c.calls for c in contexts.values()),
         "mask_free_calls": sum(c.mask_free_calls for c in contexts.values()),
+        "inner_shapes": sorted({s for c in contexts.values() for s in c.inner_shapes}),
         "attn_implementation": parallel.config._attn_implementation,
         "reference_attn_implementation": reference.config._attn_implementation,
         "local_logits_shape": logits_shape,

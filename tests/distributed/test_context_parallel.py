@@ -23,6 +23,10 @@ CASES = {
     "tp2_cp2_sdpa_balanced": (4, ["--cp", "2", "--tp", "2", "--attn", "sdpa", "--load-balance"]),
     "tp2_cp2_eager": (4, ["--cp", "2", "--tp", "2", "--attn", "eager"]),
     "cp2_fused_balanced": (2, ["--cp", "2", "--attn", "sdpa", "--load-balance", "--fused"]),
+    "cp2_sdpa_ulysses": (2, ["--cp", "2", "--attn", "sdpa", "--algorithm", "ulysses"]),
+    "cp2_eager_ulysses": (2, ["--cp", "2", "--attn", "eager", "--algorithm", "ulysses"]),
+    "tp2_cp2_sdpa_ulysses_mha": (4, ["--cp", "2", "--tp", "2", "--attn", "sdpa", "--algorithm", "ulysses",
+                                     "--kv-heads", "4", "--family", "llama"]),
 }
 
 
@@ -38,22 +42,29 @@ def run_worker(world: int, flags: list[str], out) -> list[dict]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_allgather_kv_matches_single_process(case, tmp_path):
     world, flags = CASES[case]
+    ulysses = "ulysses" in flags
+    algorithm, role = ("ulysses", "ulysses_attention") if ulysses else ("allgather_kv", "kv_gathered_attention")
     balanced = "--load-balance" in flags
+    tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
     for result in run_worker(world, flags, tmp_path):
-        assert result["context_parallel"] == {"algorithm": "allgather_kv", "load_balance": balanced}
-        assert "kv_gathered_attention" in result["roles"] and "attention_block" not in result["roles"]
+        assert result["context_parallel"] == {"algorithm": algorithm, "load_balance": balanced}
+        assert role in result["roles"] and "attention_block" not in result["roles"]
         assert result["grad_failures"] == [], result["grad_failures"]
         assert result["grads_checked"] == result["param_count"] > 0
         ref, par = result["losses"]["reference"], result["losses"]["parallel"]
         assert len(par) == 3 and par[2] < par[0]
         for ours, theirs in zip(par, ref):
             assert math.isclose(ours, theirs, rel_tol=1e-5), (par, ref)
-        # the attention work is split: every call saw this rank's S/cp queries only
+        # the attention work is split: every call saw this rank's S/cp tokens only, and the
+        # inner attention computed S/cp queries of every local head (allgather_kv) or the
+        # whole sequence of this rank's half of the local heads (ulysses)
         assert result["attention_blocks"] == 2
         assert result["query_lengths"] == [SEQ // 2]
+        heads = 4 // tp
+        assert result["inner_shapes"] == ([[heads // 2, SEQ]] if ulysses else [[heads, SEQ // 2]])
         assert result["attention_calls"] >= 2 * 3
         # sdpa's causal case on CPU runs by mask-free chunks; eager takes the mask rows
-        if "--attn" in flags and flags[flags.index("--attn") + 1] == "sdpa":
+        if flags[flags.index("--attn") + 1] == "sdpa" and not ulysses:
             assert result["mask_free_calls"] == result["attention_calls"]
         else:
             assert result["mask_free_calls"] == 0
@@ -182,3 +193,23 @@ def test_mask_free_chunks_equal_causal_sdpa_with_gqa(chunks):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     for mine, reference in zip(ours, theirs):
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_ulysses_refuses_heads_tp_times_cp_does_not_divide():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+    from hyper_parallel.distributed.plan_lint import PlanError
+    from hyper_parallel.distributed.planner import ShardingPlanner
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dims = ParallelDims(cp=2, tp=2)
+    with pytest.raises(PlanError, match=r"accelerator\.context_parallel\.algorithm: ulysses splits the heads over "
+                                        r"tp\*cp = 2\*2 = 4, which does not divide num_key_value_heads=2; use "
+                                        r"algorithm: allgather_kv"):
+        ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims),
+                        context_parallel=ContextParallel("ulysses", False)).plan()
