@@ -14,8 +14,9 @@ output's sum, per rank, for:
 - ``cp1``: the plain model on one rank (the whole sequence; no communication);
 - ``gather_sequence``: cp2, the block gathers its input and computes the whole sequence's
   attention on each rank (today's method before issue 15);
-- ``allgather_kv``: cp2, each rank its own tokens, K/V all-gathered (``--no-balance``
-  rows: contiguous halves; else load-balanced chunks).
+- ``allgather_kv``: cp2, each rank its own tokens, K/V all-gathered (load-balanced
+  chunks; ``allgather_kv_unbalanced``: contiguous halves);
+- ``ulysses``: cp2, q/k/v exchanged all-to-all to the whole sequence of half the heads.
 
 Per mode and rank: the median fwd+bwd seconds of ``--repeats`` runs and the bytes the
 forward saved for backward (autograd's saved tensors, unique storages: the block's
@@ -133,7 +134,8 @@ def worker(args) -> None:
     dist.barrier()
     for name, algorithm, balance in (("gather_sequence", "gather_sequence", False),
                                      ("allgather_kv", "allgather_kv", True),
-                                     ("allgather_kv_unbalanced", "allgather_kv", False)):
+                                     ("allgather_kv_unbalanced", "allgather_kv", False),
+                                     ("ulysses", "ulysses", False)):
         model = _parallel(copy.deepcopy(base), config, algorithm, balance, mesh_context, dims)
         results[name] = _measure(model, args.seq_len, args.seq_len // 2, rank, args.repeats)
         dist.barrier()
@@ -155,6 +157,8 @@ def summarize(ranks: list[dict], seq_len: int, attn: str) -> dict:
         "time_ratio": kv["seconds"] / gathered["seconds"],
         "memory_ratio": kv["saved_bytes"] / gathered["saved_bytes"],
         "time_ratio_vs_cp1": kv["seconds"] / whole["seconds"],
+        "ulysses_time_ratio": worst["ulysses"]["seconds"] / gathered["seconds"],
+        "ulysses_memory_ratio": worst["ulysses"]["saved_bytes"] / gathered["saved_bytes"],
         "memory_ratio_vs_cp1": kv["saved_bytes"] / whole["saved_bytes"],
         "balance": min(balanced) / max(balanced),
         "balance_without_load_balance": min(unbalanced) / max(unbalanced),

@@ -52,7 +52,10 @@ Attention under CP, as ``accelerator.context_parallel.algorithm`` says:
   ``context_parallel`` module gathers K and V inside the attention function and slices
   the rotary position embeddings to the rank's tokens. Refused for a block whose code
   does not call transformers' attention interface (its attention could not see the
-  gathered K/V) or that adds the stream itself.
+  gathered K/V) or that adds the stream itself;
+- ``ulysses``: the same plan (role ``ulysses_attention``); the wrapper exchanges sequence
+  and heads all-to-all around the inner attention instead (the planner checks that
+  tp*cp divides the heads).
 """
 
 from dataclasses import dataclass, field
