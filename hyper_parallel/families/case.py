@@ -29,6 +29,7 @@ LAYOUTS = {
     # context parallel splitting attention: K/V all-gathered over cp, load-balanced chunks
     "cp2_kv": {"cp_size": 2, "context_parallel": {"algorithm": "allgather_kv", "load_balance": True}},
     "cp2_gather": {"cp_size": 2, "context_parallel": {"algorithm": "gather_sequence"}},
+    "cp2_ulysses": {"cp_size": 2, "context_parallel": {"algorithm": "ulysses"}},
     "dp2": {"dp_size": 2},
     "ep2": {"dp_size": 2, "ep_size": 2},
     "tp2_ep2": {"tp_size": 2, "dp_size": 2, "ep_size": 2},
