@@ -1,7 +1,9 @@
 """Context parallel that splits attention (``accelerator.context_parallel``): allgather_kv
-with and without load balance, at cp2 and tp2+cp2, eager and sdpa, GQA, tied embeddings,
-equals the single-process HF model (fp32: loss of three AdamW steps rtol 1e-5, every
-gradient rtol 1e-4 / atol 1e-6), and the attention function really sees S/cp queries."""
+with and without load balance and ulysses, at cp2 and tp2+cp2 (with sequence parallel),
+eager and sdpa, GQA, tied embeddings, the fused attention replacement, equals the
+single-process HF model (fp32: loss of three AdamW steps rtol 1e-5, every gradient rtol
+1e-4 / atol 1e-6), and the attention really computes S/cp queries (allgather_kv) or the
+whole sequence of 1/cp of the heads (ulysses)."""
 
 import json
 import math
@@ -22,6 +24,8 @@ CASES = {
     "cp2_eager_tied_balanced": (2, ["--cp", "2", "--attn", "eager", "--load-balance", "--family", "llama"]),
     "tp2_cp2_sdpa_balanced": (4, ["--cp", "2", "--tp", "2", "--attn", "sdpa", "--load-balance"]),
     "tp2_cp2_eager": (4, ["--cp", "2", "--tp", "2", "--attn", "eager"]),
+    "tp2_cp2_sp_eager_tied_balanced": (4, ["--cp", "2", "--tp", "2", "--sp", "--attn", "eager", "--load-balance",
+                                           "--family", "llama"]),
     "cp2_fused_balanced": (2, ["--cp", "2", "--attn", "sdpa", "--load-balance", "--fused"]),
     "cp2_sdpa_ulysses": (2, ["--cp", "2", "--attn", "sdpa", "--algorithm", "ulysses"]),
     "cp2_eager_ulysses": (2, ["--cp", "2", "--attn", "eager", "--algorithm", "ulysses"]),
