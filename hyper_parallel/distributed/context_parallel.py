@@ -132,7 +132,7 @@ class CpAttention:
         self.group, self.size, self.rank, self.order, self.inner = group, size, rank, order, inner
         self.algorithm = algorithm
         self.calls = 0  # attention calls that gathered K/V (tests read it: the work was split)
-        self.query_lengths: list[int] = []  # the local query lengths seen (tests: S / cp)
+        self.query_lengths: set[int] = set()  # the local query lengths seen (tests: S / cp); a set: bounded
         self.mask_free_calls = 0  # of them, by mask-free chunks (``causal_blocks``)
         # (heads, queries) the inner attention computed per call: the work each rank does
         self.inner_shapes: set[tuple[int, int]] = set()
@@ -198,7 +198,7 @@ def _gathered(module: nn.Module, context: CpAttention, query, key, value):
         raise ContextParallelError(f"{type(module).__name__}: {query.shape[2]} local queries, expected "
                                    f"{positions.numel()} (sequence {length} over cp={context.size})")
     context.calls += 1
-    context.query_lengths.append(int(query.shape[2]))
+    context.query_lengths.add(int(query.shape[2]))
     context.inner_shapes.add((int(query.shape[1]), int(query.shape[2])))
     return key, value, positions
 
@@ -274,7 +274,7 @@ def ulysses_attention(module: nn.Module, function, query, key, value, attention_
         raise ContextParallelError(f"ulysses: {type(module).__name__} has per-head attention sinks, which ulysses "
                                    "does not split by head group yet; use allgather_kv")
     context.calls += 1
-    context.query_lengths.append(int(query.shape[2]))
+    context.query_lengths.add(int(query.shape[2]))
     query, key, value = (_sequence_to_heads(t, context) for t in (query, key, value))
     context.inner_shapes.add((int(query.shape[1]), int(query.shape[2])))
     if isinstance(attention_mask, torch.Tensor):
