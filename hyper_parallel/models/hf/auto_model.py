@@ -27,6 +27,7 @@ from torch import nn
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
+from hyper_parallel.distributed.plan_format import plan_entries
 from hyper_parallel.models.hf import model_builder as mb
 from hyper_parallel.models.hf.backend import (
     BackendError,
@@ -180,7 +181,7 @@ def _check_digests_agree(digest: str, bundle_dir: Path, fix: str) -> None:
 def _check_plan_covers(model: nn.Module, module: Any, bundle_dir: Path) -> None:
     from hyper_parallel.codegen.check.preflight import PreflightError, uncovered_parameters
 
-    uncovered = uncovered_parameters(model, module.HYPER_PARALLEL_PLAN["modules"])
+    uncovered = uncovered_parameters(model, plan_entries(module.HYPER_PARALLEL_PLAN))
     if uncovered:
         raise PreflightError(f"{bundle_dir}: the frozen plan has no entry for parameter(s) "
                              f"{', '.join(uncovered[:5])}; run `doit generate`")
