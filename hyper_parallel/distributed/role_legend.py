@@ -32,10 +32,10 @@ ROLE_LEGEND: dict[str, str] = {
     "custom": "written by the recipe's plan_overrides",
 }
 
-PLACEMENT_LEGEND = ("axis=replicate | shard(dim) | packed_shard(dim,parts) (each of the packed parts split) | "
-                    "partial (summands); an axis not named: replicate")
-KEYS_LEGEND = ("PARAM: its placements; in/out: how inputs/outputs arrive [-> what the module needs/hands on], "
-               "(a, b) per positional one, - none; local_map: computes on local tensors")
+PLACEMENT_LEGEND = ("AXIS=replicate|shard(dim)|partial (summands)|packed_shard(dim,parts) (each part split), "
+                    "else replicate")
+KEYS_LEGEND = ("PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; "
+               "local_map: local tensors")
 
 
 def legend_lines(roles: list[str]) -> list[str]:

@@ -27,9 +27,8 @@ def render_parallel_section(plan: dict[str, Any]) -> str:
     the roles it uses."""
     compact = {**plan, "modules": {key: entry_line(entry) for key, entry in plan["modules"].items()}}
     roles = list(dict.fromkeys(entry["role"] for entry in plan["modules"].values()))
-    header = ["The frozen sharding plan, one line per module key (a module name, or a glob over module names): "
-              "its role, its parameters' placements and its input/output layouts, per mesh axis.",
-              *legend_lines(roles)]
+    header = ["The frozen sharding plan, one line per module key (a module name or a glob): role | placements "
+              "| in/out layouts.", *legend_lines(roles)]
     return (comment_block(header)
             + f"HYPER_PARALLEL_PLAN = {render_literal(compact)}\n"
             f"{HYPER_PARALLELIZE_DEF}")

@@ -706,8 +706,7 @@ __all__ = [
 # The module this file was generated from (replacements match module_type against its classes).
 HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
-# The frozen sharding plan, one line per module key (a module name, or a glob over module names): its role, its
-#   parameters' placements and its input/output layouts, per mesh axis.
+# The frozen sharding plan, one line per module key (a module name or a glob): role | placements | in/out layouts.
 # roles:
 #   vocab_embedding  embedding rows (the vocabulary) split; the partial lookups are summed
 #   colwise          weight split by output rows; output stays split on the last dim
@@ -719,10 +718,8 @@ HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 #   sequence_split   the residual stream is split over the sequence from here on
 #   attention_block  attention: its input gathered over the sequence split, output split again
 #   moe_block        per-token MoE block: like mlp_block, tokens stay split over cp
-# placements: axis=replicate | shard(dim) | packed_shard(dim,parts) (each of the packed parts split) | partial
-#   (summands); an axis not named: replicate
-# fields: PARAM: its placements; in/out: how inputs/outputs arrive [-> what the module needs/hands on], (a, b) per
-#   positional one, - none; local_map: computes on local tensors
+# placements: AXIS=replicate|shard(dim)|partial (summands)|packed_shard(dim,parts) (each part split), else replicate
+# fields: PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; local_map: local tensors
 HYPER_PARALLEL_PLAN = {
     "format": 1,
     "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 16, 1, 4]},

@@ -705,8 +705,7 @@ __all__ = [
 # The module this file was generated from (replacements match module_type against its classes).
 HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
-# The frozen sharding plan, one line per module key (a module name, or a glob over module names): its role, its
-#   parameters' placements and its input/output layouts, per mesh axis.
+# The frozen sharding plan, one line per module key (a module name or a glob): role | placements | in/out layouts.
 # roles:
 #   vocab_embedding  embedding rows (the vocabulary) split; the partial lookups are summed
 #   colwise          weight split by output rows; output stays split on the last dim
@@ -715,10 +714,8 @@ HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 #   packed_experts   stacked experts: gate_up and down split over tp, the expert dim over ep
 #   replicate        whole weights on every rank; gradients summed over the axes splitting the input
 #   lm_head          output head: vocabulary rows split; logits gathered or fed to the sharded loss
-# placements: axis=replicate | shard(dim) | packed_shard(dim,parts) (each of the packed parts split) | partial
-#   (summands); an axis not named: replicate
-# fields: PARAM: its placements; in/out: how inputs/outputs arrive [-> what the module needs/hands on], (a, b) per
-#   positional one, - none; local_map: computes on local tensors
+# placements: AXIS=replicate|shard(dim)|partial (summands)|packed_shard(dim,parts) (each part split), else replicate
+# fields: PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; local_map: local tensors
 HYPER_PARALLEL_PLAN = {
     "format": 1,
     "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 1, 1, 2]},
