@@ -127,7 +127,8 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
     planned = meta.get("covered", {}).get("sharding_plan") is True
     if with_weights and mesh_context is not None and planned:
         # Each rank reads only its own shards: plan on the meta device, then load slices.
-        model = mb.build_generated_model_sharded(model_class, hf_config, config, module, mesh_context)
+        model = mb.build_generated_model_sharded(model_class, hf_config, config, module, mesh_context,
+                                                 weight_map=meta.get("weight_map"))
         return apply_model_infrastructure(model, config, mesh_context)
     model = mb.build_generated_model(model_class, hf_config, config, with_weights=with_weights)
     model = model.to(mb.target_device(config))
