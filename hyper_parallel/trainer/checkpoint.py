@@ -33,6 +33,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.trainer.checkpoint_layout import adapt_view, saved_tensors
 
 _LOG = logging.getLogger(__name__)
 
@@ -266,8 +267,12 @@ class Checkpointer:
         record = json.loads((path / MARKER).read_text())
         state = self._state()
         view, parts = _dcp_view(state)
+        # saved at another layout: packed tensors may be held as blocks here and whole there
+        view, restores = adapt_view(view, parts, saved_tensors(path))
         dcp.load(view, checkpoint_id=str(path))
         _restore_parts(parts)
+        for restore in restores:
+            restore.run()
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng = path / "rng" / f"rank_{self.rank}.pt"
         if rng.is_file():
