@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.trainer.checkpoint_layout import adapt_view, saved_tensors
+from hyper_parallel.trainer.export import write_export_info
 
 _LOG = logging.getLogger(__name__)
 
@@ -295,6 +296,8 @@ class Checkpointer:
         tmp = self.root / f"step_{step}.tmp-{token[0]}"
         (tmp / "rng").mkdir(parents=True, exist_ok=True)
         torch.save(torch.get_rng_state(), tmp / "rng" / f"rank_{self.rank}.pt")
+        if self.rank == 0:
+            write_export_info(tmp, self.model)  # the HF config and weight map `export` needs
         dims = self.config.accelerator
         record = {
             "format": FORMAT,

@@ -8,19 +8,25 @@ reference. tp2 at world 2 resumes step 2 of the world-4 run and saves step 4 (bl
 dp2 with FSDP2 (gate_up_proj unpacked, sharded over dp) resumes that; tp2 resumes the
 one process's step 4 (whole, loaded into strided blocks). The world-4, one-process and
 dp2 runs use the hf backend (planned at start), the tp2 runs the tiny recipe's own
-generated bundle, so no launch regenerates a bundle."""
+generated bundle, so no launch regenerates a bundle. Last, two ranks export tp2's
+checkpoint as an HF folder (``trainer export``)."""
 
 import json
 import math
 import shutil
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
 import yaml
 
-from hyper_parallel.trainer.checkpoint_layout import saved_tensors
+from hyper_parallel.distributed.weight_map import saved_layout
+from hyper_parallel.trainer.checkpoint_layout import adapt_view, saved_tensors
 from tests.launch import assert_ran, torchrun
 from tests.pipeline.pipeline_helpers import copy_project, generated_tiny_project
 from tests.project_fixtures import REPO, TINY_RECIPE
+from tests.trainer.test_export import exported_keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -90,3 +96,26 @@ def test_resume_at_another_layout_trains_like_one_process(tmp_path_factory, tmp_
     shutil.copytree(folder / "ck_one" / "step_4", folder / "ck_back" / "step_4")
     _, back = _train(project, _recipe(project, "back", "tp2", 6, "ck_back", gen=True), tmp_path / "back.json", 2)
     _assert_same_steps(back, reference[2:], "one process -> tp2")
+
+    _check_export(project, folder / "ck_tp2" / "step_4", tmp_path / "hf")
+
+
+def _check_export(project, step, out):
+    """tp2's checkpoint (packed blocks) exported by two ranks: HF's names, each rank's own
+    files, and the logits of the trained state loaded into transformers' class."""
+    proc = torchrun(["-m", "hyper_parallel.trainer", "export", "--checkpoint", str(step), "--out", str(out)],
+                    project, nproc=2)
+    assert_ran(proc)
+    assert sorted({f.name.split("-")[1] for f in out.glob("*.safetensors")}) == ["rank000", "rank001"]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                                 dtype=torch.float32)
+    assert exported_keys(out) == set(saved_layout(exported))
+    trained = transformers.AutoModelForCausalLM.from_config(exported.config, attn_implementation="eager",
+                                                            dtype=torch.float32)
+    view, restores = adapt_view({"model": trained.state_dict()}, [], saved_tensors(step))
+    dcp.load(view, checkpoint_id=str(step), no_dist=True)
+    for restore in restores:
+        restore.run()
+    ids = torch.randint(0, exported.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, trained(input_ids=ids).logits)
