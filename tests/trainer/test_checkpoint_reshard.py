@@ -21,7 +21,9 @@ import torch.distributed.checkpoint as dcp
 import transformers
 import yaml
 
+from hyper_parallel.config import load_training_config
 from hyper_parallel.distributed.weight_map import saved_layout
+from hyper_parallel.trainer.data import global_batch, micro_batches
 from hyper_parallel.trainer.checkpoint_layout import adapt_view, saved_tensors
 from tests.launch import assert_ran, torchrun
 from tests.pipeline.pipeline_helpers import copy_project, generated_tiny_project
@@ -97,12 +99,13 @@ def test_resume_at_another_layout_trains_like_one_process(tmp_path_factory, tmp_
     _, back = _train(project, _recipe(project, "back", "tp2", 6, "ck_back", gen=True), tmp_path / "back.json", 2)
     _assert_same_steps(back, reference[2:], "one process -> tp2")
 
-    _check_export(project, folder / "ck_tp2" / "step_4", tmp_path / "hf")
+    _check_export(project, folder / "ck_tp2" / "step_4", tmp_path / "hf", folder / "dp2.yaml", dp2[0]["loss"])
 
 
-def _check_export(project, step, out):
+def _check_export(project, step, out, recipe, step_5_loss: float):
     """tp2's checkpoint (packed blocks) exported by two ranks: HF's names, each rank's own
-    files, and the logits of the trained state loaded into transformers' class."""
+    files, the logits of the trained state loaded into transformers' class, and on step
+    5's batch the loss the parallel (dp2) run computed from that state."""
     proc = torchrun(["-m", "hyper_parallel.trainer", "export", "--checkpoint", str(step), "--out", str(out)],
                     project, nproc=2)
     assert_ran(proc)
@@ -119,3 +122,8 @@ def _check_export(project, step, out):
     ids = torch.randint(0, exported.config.vocab_size, (2, 12))
     with torch.no_grad():
         assert torch.equal(exported(input_ids=ids).logits, trained(input_ids=ids).logits)
+        config = load_training_config(recipe)
+        batch = global_batch(4, config.training, config.dataset, exported.config.vocab_size)  # step 5's
+        parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "export"))
+        loss = sum(exported(input_ids=micro, labels=micro).loss.item() / len(parts) for micro in parts)
+    assert math.isclose(loss, step_5_loss, rel_tol=1e-5), (loss, step_5_loss)
