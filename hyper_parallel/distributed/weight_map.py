@@ -235,8 +235,8 @@ def derive_weight_map(model: torch.nn.Module, checkpoint_shapes: dict[str, torch
     if names_before_replacement is not None:
         sources, later_opaque = _convert(model, checkpoint_names.model_tensor_names(model), sources,
                                          replacement_transforms(model), None)
-        _check_replaced(model, names_before_replacement, sources)
         opaque += later_opaque
+        _check_replaced(model, names_before_replacement, sources, {target for target, _, _ in opaque})
     shapes = _tensor_shapes(model)
     rules: dict[str, list[Rule]] = {}
     for target, lazy in sources.items():
@@ -276,10 +276,10 @@ def _convert(model, wanted: list[str], leaf: dict[str, LazyTensor], transforms: 
 
 def _leaf_keys(lazy: LazyTensor) -> list[str]:
     """The checkpoint keys a tree reads (for a rule that cannot be a box)."""
-    if hasattr(lazy, "name") and isinstance(lazy, (ShapeLeaf, checkpoint_names.StoredTensor)):
+    if isinstance(lazy, (ShapeLeaf, checkpoint_names.StoredTensor)):
         return [lazy.name]
-    inner = getattr(lazy, "parts", None) or [getattr(lazy, "inner", None)]
-    return [key for part in inner if part is not None for key in _leaf_keys(part)]
+    children = getattr(lazy, "parts", None) or [getattr(lazy, "inner", None)]
+    return [key for child in children if isinstance(child, LazyTensor) for key in _leaf_keys(child)]
 
 
 def replacement_transforms(model: torch.nn.Module) -> list:
@@ -295,17 +295,24 @@ def replacement_transforms(model: torch.nn.Module) -> list:
     return out
 
 
-def _check_replaced(model, before: list[str], sources: dict) -> None:
-    """Every name the model has is filled; a replacement that renamed parameters without
-    declaring ``checkpoint_conversion`` leaves some empty, named here."""
+def _check_replaced(model, before: list[str], sources: dict, converted_whole: set[str]) -> None:
+    """Every name the model has is filled (by a box, or by a converter run whole); a
+    replacement that renamed parameters without declaring ``checkpoint_conversion``
+    leaves some empty, named here. A tied weight stored once fills its other names."""
     now = checkpoint_names.model_tensor_names(model)
-    empty = [name for name in now if name not in sources]
+    filled = {id(tensor) for name, tensor in _named_tensors(model) if name in sources or name in converted_whole}
+    empty = [name for name, tensor in _named_tensors(model) if name in now and id(tensor) not in filled]
     if empty:
         lost = sorted(set(before) - set(now))
         raise WeightMapError(f"model tensors {empty[:4]} have no checkpoint tensor after the replacements (names "
                              f"that disappeared: {lost[:4]}); a replace_module target that renames or restacks "
                              f"parameters declares checkpoint_conversion (transformers WeightRenaming / "
                              f"WeightConverter, patterns relative to the module)")
+
+
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers under every name (tied ones too)."""
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
 
 
 def _tensor_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:

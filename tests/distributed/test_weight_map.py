@@ -31,8 +31,8 @@ CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 EXPERTS, MOE_I = 4, 32  # the tiny Qwen3-MoE's experts and moe_intermediate_size
 
 
-def _qwen3_moe(device="meta"):
-    config = transformers.AutoConfig.from_pretrained(CONFIG_DIR)
+def _qwen3_moe(device="meta", **overrides):
+    config = transformers.AutoConfig.from_pretrained(CONFIG_DIR, **overrides)
     torch.manual_seed(11)
     with torch.device(device):
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -93,15 +93,18 @@ def _split_experts(model: nn.Module) -> nn.Module:
     return model
 
 
-def test_a_replacement_rename_is_composed_with_transformers_conversion():
-    hf_model = _qwen3_moe()
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_replacement_rename_is_composed_with_transformers_conversion(tied):
+    hf_model = _qwen3_moe(tie_word_embeddings=tied)
     before = model_tensor_names(hf_model)
-    recorded = weight_map_text(_split_experts(_qwen3_moe()), hf_model=hf_model, names_before_replacement=before)
+    recorded = weight_map_text(_split_experts(_qwen3_moe(tie_word_embeddings=tied)), hf_model=hf_model,
+                               names_before_replacement=before)
 
     experts = "model.layers.*.mlp.experts"
     assert recorded[f"{experts}.*.gate_proj.weight"] == f"{experts}.w1[*]"
     assert recorded[f"{experts}.*.up_proj.weight"] == f"{experts}.w3[*]"
     assert recorded[f"{experts}.*.down_proj.weight"] == f"{experts}.w2[*]"
+    assert ("lm_head.weight" in recorded) is not tied  # a tied lm_head is the embedding, stored once
 
 
 def test_the_loader_fills_a_renamed_replacement_from_the_recorded_map(tmp_path):
