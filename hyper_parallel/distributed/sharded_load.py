@@ -101,6 +101,7 @@ def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, s
     leaves: dict[str, StoredTensor] = {}
 
     def leaf(key: str) -> StoredTensor:
+        """Checkpoint tensor ``key``, opened once (several boxes may read it)."""
         if key not in leaves:
             file = where[key]
             if file not in handles:

@@ -263,12 +263,11 @@ def _convert(model, wanted: list[str], leaf: dict[str, LazyTensor], transforms: 
     opaque = []
     for group in routes.groups.values():
         try:
-            outputs = checkpoint_names._unwrap(group.run(leaf.__getitem__, model))
-            sources.update((name, checkpoint_names._lazy(value)) for name, value in outputs.items())
+            sources.update(group.run_recorded(leaf.__getitem__, model))
         except Exception:  # noqa: BLE001 — any failure to record means: transformers runs it for real
             ops = ", ".join(type(op).__name__ for op in getattr(group.template, "operations", []))
             keys = [k for key in group.source_keys() for k in _leaf_keys(leaf[key])]
-            shapes = checkpoint_names._meta_shapes(group, leaf, model, None) or {group.first_target: None}
+            shapes = group.output_shapes(leaf, model) or {group.first_target: None}
             for target in sorted(shapes):
                 opaque.append((target, keys, ops or type(group.template).__name__))
     return sources, opaque

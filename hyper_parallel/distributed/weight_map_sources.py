@@ -33,6 +33,7 @@ class Assembled(LazyTensor):
                                  f"{self.shape.numel()} elements ({', '.join(leaf.name for _, leaf in parts[:4])})")
 
     def read(self, segments: list[Segments]) -> torch.Tensor:
+        """Each box's overlap with the selected ranges, read from its checkpoint tensor alone."""
         out = None
         shape = [sum(hi - lo for lo, hi in ranges) for ranges in segments]
         for rule, leaf in self.parts:

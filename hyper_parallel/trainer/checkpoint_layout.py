@@ -46,18 +46,18 @@ def saved_tensors(path: str | Path) -> dict[str, torch.Size]:
 
 
 @dataclass
-class _Restore:
+class Restore:
     """Copies one loaded holder's values into the model's tensor after ``dcp.load``."""
 
     run: Callable[[], None]
 
 
-def adapt_view(view: dict, parts: list, saved: dict[str, torch.Size]) -> tuple[dict, list[_Restore]]:
+def adapt_view(view: dict, parts: list, saved: dict[str, torch.Size]) -> tuple[dict, list[Restore]]:
     """``view`` (``checkpoint._dcp_view``'s, for this layout) changed where the checkpoint
     holds a packed tensor in the other form; ``parts``: that view's strided blocks, from
     which the blocks a whole-tensor holder replaces are removed (their copy-back is the
     holder's). The restores copy the holders back after the load."""
-    restores: list[_Restore] = []
+    restores: list[Restore] = []
     dropped: set[int] = set()
     adapted = _walk(view, "", saved, {id(part.saved): part for part in parts}, restores, dropped)
     parts[:] = [part for part in parts if id(part.saved) not in dropped]
@@ -103,7 +103,7 @@ def _block_holders(name: str, key: str, tensor: torch.Tensor, saved: dict[str, t
     for k in range(count):
         holder, copy_back = _block(tensor, dim, k * length, length, key)
         out[f"{name}@part{k}of{count}"] = holder
-        restores.append(_Restore(copy_back))
+        restores.append(Restore(copy_back))
     return out
 
 
@@ -124,12 +124,13 @@ def _block(tensor: torch.Tensor, dim: int, start: int, length: int, key: str):
                                 shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
     def copy_back():
+        """The loaded block into the rank's local tensor."""
         local.detach().narrow(dim, start, length).copy_(holder.to_local())
 
     return holder, copy_back
 
 
-def _whole_holder(by_saved: dict, blocks: list[DTensor]) -> tuple[DTensor, _Restore]:
+def _whole_holder(by_saved: dict, blocks: list[DTensor]) -> tuple[DTensor, Restore]:
     """Saved whole, loaded strided: a holder whose strided mesh axis is replicated (so it
     holds the whole packed dimension), and the copy of each block's chunk from it."""
     first = by_saved[id(blocks[0])]
@@ -148,9 +149,10 @@ def _whole_holder(by_saved: dict, blocks: list[DTensor]) -> tuple[DTensor, _Rest
     coordinate = mesh.get_coordinate()[axis]
 
     def copy_back():
+        """Each block's chunk for this rank, out of the whole packed dimension loaded."""
         for k, block in enumerate(blocks):
             part = by_saved[id(block)]
             chunk = buffer.narrow(dim, k * block_global + coordinate * part.length, part.length)
             part.local.narrow(dim, part.start, part.length).copy_(chunk)
 
-    return holder, _Restore(copy_back)
+    return holder, Restore(copy_back)

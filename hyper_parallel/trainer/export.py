@@ -142,6 +142,7 @@ class _Reader:
         return self.tensor
 
     def _read(self, name: str) -> torch.Tensor:
+        """Each saved piece loaded alone (``no_dist``: this rank's own read), blocks joined."""
         if name not in self.trained:
             raise ExportError(f"{self.checkpoint}: the weight map names {name}, which the checkpoint lacks")
         shape, dtype, keys = self.trained[name]
@@ -224,6 +225,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_byte
     index: dict[str, str] = {}
 
     def flush():
+        """Write the batch as one file: a rank never holds more than ``max_shard_bytes`` of output."""
         nonlocal batch, size
         if batch:
             path = out / f"model-rank{rank:03d}-{len(written):05d}.safetensors"
