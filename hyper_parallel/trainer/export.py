@@ -126,12 +126,27 @@ def _fill(text: str, values: list[str]) -> str:
     return "".join(piece + value for piece, value in zip(pieces, values)) + pieces[-1]
 
 
+class _MetadataOnce(dcp.FileSystemReader):
+    """A DCP reader that unpickles the checkpoint's metadata once: export loads tensor by
+    tensor, and each ``dcp.load`` would read the whole metadata file again."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self._metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
 class _Reader:
     """Trained tensors read from the DCP files one at a time, the last one kept (the HF
     tensors cut from one trained tensor are cut one after another)."""
 
     def __init__(self, checkpoint: Path, trained: dict[str, tuple], by_target: dict[str, list[Rule]]):
         self.checkpoint, self.trained, self.by_target = checkpoint, trained, by_target
+        self.storage = _MetadataOnce(str(checkpoint))
         self.name, self.tensor = None, None
 
     def get(self, name: str) -> torch.Tensor:
@@ -149,7 +164,7 @@ class _Reader:
         pieces = []
         for key in keys:
             piece = torch.empty(shape, dtype=dtype)
-            dcp.load({key: piece}, checkpoint_id=str(self.checkpoint), no_dist=True)
+            dcp.load({key: piece}, storage_reader=self.storage, no_dist=True)
             pieces.append(piece)
         if len(pieces) == 1:
             return pieces[0]
