@@ -15,6 +15,8 @@ from hyper_parallel.distributed.weight_map import saved_layout
 from hyper_parallel.trainer.export import ExportError, export_checkpoint, write_export_info
 from tests.project_fixtures import REPO
 
+pytestmark = pytest.mark.slow
+
 CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
 
 
