@@ -6,6 +6,8 @@ A checkpoint is the folder ``<dir>/step_<N>/``:
 - DCP's files: ``{"model": ..., "optim": ...}`` from ``get_state_dict`` (DTensor and
   FSDP2 shards saved as shards, each rank writing its own);
 - ``rng/rank_<r>.pt``: that rank's torch CPU RNG state;
+- ``hf/``: the model's HF ``config.json`` and the bundle's weight map (rank 0), which
+  ``trainer export`` reads (``trainer/export.py``);
 - ``COMPLETE.json``, written last by rank 0: the step, the data position, the layout.
 
 Every rank writes into ``step_<N>.tmp-<id>/``; after all ranks finished (a barrier)
