@@ -30,10 +30,18 @@ Rank 0 prints one line per log_every steps: loss, gradient norm, tokens/s.
 training.checkpoint: {dir, every_steps, keep_last, async, resume} saves step_<N>/
 folders under dir (relative to the recipe's folder); a restarted run resumes from the
 newest complete one unless --no-resume (or resume: false) says otherwise.
+
+export: python -m hyper_parallel.trainer export --checkpoint DIR/step_N --out HF_DIR
+writes the checkpoint as an HF model folder (alone, or under torchrun: each rank its share).
 """
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:  # python -m hyper_parallel.trainer export --checkpoint DIR --out HF_DIR
+        from hyper_parallel.trainer.export import export_main
+
+        return export_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.trainer", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a recipe under torchrun (gloo on CPU, nccl/hccl on accelerators).",

@@ -6,6 +6,8 @@ A checkpoint is the folder ``<dir>/step_<N>/``:
 - DCP's files: ``{"model": ..., "optim": ...}`` from ``get_state_dict`` (DTensor and
   FSDP2 shards saved as shards, each rank writing its own);
 - ``rng/rank_<r>.pt``: that rank's torch CPU RNG state;
+- ``hf/``: the model's HF ``config.json`` and the bundle's weight map (rank 0), which
+  ``trainer export`` reads (``trainer/export.py``);
 - ``COMPLETE.json``, written last by rank 0: the step, the data position, the layout.
 
 Every rank writes into ``step_<N>.tmp-<id>/``; after all ranks finished (a barrier)
@@ -33,6 +35,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.trainer.checkpoint_layout import adapt_view, saved_tensors
+from hyper_parallel.trainer.export import write_export_info
 
 _LOG = logging.getLogger(__name__)
 
@@ -266,8 +270,12 @@ class Checkpointer:
         record = json.loads((path / MARKER).read_text())
         state = self._state()
         view, parts = _dcp_view(state)
+        # saved at another layout: packed tensors may be held as blocks here and whole there
+        view, restores = adapt_view(view, parts, saved_tensors(path))
         dcp.load(view, checkpoint_id=str(path))
         _restore_parts(parts)
+        for restore in restores:
+            restore.run()
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng = path / "rng" / f"rank_{self.rank}.pt"
         if rng.is_file():
@@ -290,6 +298,8 @@ class Checkpointer:
         tmp = self.root / f"step_{step}.tmp-{token[0]}"
         (tmp / "rng").mkdir(parents=True, exist_ok=True)
         torch.save(torch.get_rng_state(), tmp / "rng" / f"rank_{self.rank}.pt")
+        if self.rank == 0:
+            write_export_info(tmp, self.model)  # the HF config and weight map `export` needs
         dims = self.config.accelerator
         record = {
             "format": FORMAT,

@@ -128,7 +128,9 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
     planned = meta.get("covered", {}).get("sharding_plan") is True
     if with_weights and mesh_context is not None and planned:
         # Each rank reads only its own shards: plan on the meta device, then load slices.
-        model = mb.build_generated_model_sharded(model_class, hf_config, config, module, mesh_context)
+        model = mb.build_generated_model_sharded(model_class, hf_config, config, module, mesh_context,
+                                                 weight_map=meta.get("weight_map"))
+        model.hyper_weight_map = meta.get("weight_map")  # checkpoints carry it for `trainer export`
         return apply_model_infrastructure(model, config, mesh_context)
     model = mb.build_generated_model(model_class, hf_config, config, with_weights=with_weights)
     model = model.to(mb.target_device(config))
@@ -138,6 +140,7 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
             module.hyper_parallelize(model, mesh_context)
         else:  # the bundle carries no plan: plan at run time, as the hf backend does
             mb.parallelize_with_planner(model, config, mesh_context, workspace_root=workspace_root)
+    model.hyper_weight_map = meta.get("weight_map")
     return apply_model_infrastructure(model, config, mesh_context)
 
 
