@@ -21,7 +21,8 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.trainer.checkpoint_check import CheckpointMismatch, check_loadable
 
 _LOG = logging.getLogger(__name__)
 
@@ -48,10 +50,12 @@ class CheckpointError(ValueError, HyperParallelError):
 
 @dataclass
 class Resumed:
-    """Where a resumed run starts: the checkpoint folder and the steps already done."""
+    """Where a resumed run starts: the checkpoint folder, the steps already done and the
+    data position the checkpoint recorded (its marker's ``data``)."""
 
     path: Path
     step: int
+    data: dict = field(default_factory=dict)
 
 
 def checkpoint_root(config: TrainerConfig, where: str) -> Path | None:
@@ -233,6 +237,10 @@ class Checkpointer:
         self.config = config
         self.model, self.optimizer = model, optimizer
         self.root = checkpoint_root(config, where)
+        self.where = where
+        # Set by the trainer: after ``step`` steps, the data position to record besides
+        # the step (trainer/corpus.py: the rows consumed and the corpus fingerprint).
+        self.data_state: Callable[[int], dict] | None = None
         self.rank = dist.get_rank()
         # An async save runs its collectives in a background thread; on a group of its own
         # they never interleave with the training step's collectives on the default group.
@@ -266,6 +274,10 @@ class Checkpointer:
         record = json.loads((path / MARKER).read_text())
         state = self._state()
         view, parts = _dcp_view(state)
+        try:  # another model's or a damaged checkpoint: one line naming the tensor or file
+            check_loadable(path, view, self.where)
+        except CheckpointMismatch as exc:
+            raise CheckpointError(str(exc)) from None
         dcp.load(view, checkpoint_id=str(path))
         _restore_parts(parts)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -274,7 +286,7 @@ class Checkpointer:
             torch.set_rng_state(torch.load(rng, weights_only=True))
         if self.rank == 0:
             _LOG.info(f"resumed from checkpoint {path} (step {record['step']})")
-        return Resumed(path, int(record["step"]))
+        return Resumed(path, int(record["step"]), record.get("data") or {})
 
     def maybe_save(self, step: int, last: bool) -> None:
         """After ``step`` steps: save when ``every_steps`` divides it, or after the last step."""
@@ -296,7 +308,8 @@ class Checkpointer:
             "step": step,
             # Batches are a function of the step index (trainer/data.py global_batch): the
             # next step's batch is where the data resumes.
-            "data": {"kind": self.config.dataset.kind, "next_step": step},
+            "data": {"kind": self.config.dataset.kind, "next_step": step,
+                     **(self.data_state(step) if self.data_state else {})},
             "lr_schedule": None,  # the trainer has a constant lr (it sits in the optimizer's state)
             "world_size": dist.get_world_size(),
             "layout": {k: getattr(dims, f"{k}_size") for k in ("dp", "tp", "cp", "ep", "pp")},

@@ -1,0 +1,96 @@
+"""Checks a checkpoint folder before it is loaded: that it is this recipe's (every tensor
+the model and optimizer hold is there, with the same global shape) and that its files are
+whole (every shard file the metadata names exists and is long enough).
+
+DCP itself would fail deep inside ``dcp.load`` with a per-rank traceback (or, for a
+truncated file, an unpickling error naming no file). Here the first problem is one line:
+the tensor with both shapes, or the file. The checks only read; the folder is left as it
+is. Every rank runs them on the same files and the same global shapes, so every rank
+reaches the same verdict without a collective.
+"""
+
+import logging
+import pickle
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from hyper_parallel.errors import HyperParallelError
+
+_LOG = logging.getLogger(__name__)
+
+KEY = "training.checkpoint.dir"
+FIX = (f"fix: point {KEY} at a folder of this recipe's checkpoints (or move this checkpoint away); "
+       f"nothing was changed")
+
+
+class CheckpointMismatch(ValueError, HyperParallelError):
+    """A checkpoint that does not fit the recipe or is damaged; one line naming the
+    tensor or the file. (Caught with the trainer's other ``CheckpointError``s: it is
+    re-raised as one by ``Checkpointer.resume``.)"""
+
+
+def _shape(shape) -> str:
+    """A shape as people write it: ``(256, 64)``."""
+    return str(tuple(int(n) for n in shape))
+
+
+def read_metadata(folder: Path, where: str) -> Metadata:
+    """DCP's ``.metadata`` of ``folder``; a missing or unreadable one is named."""
+    file = folder / ".metadata"
+    if not file.is_file():
+        raise CheckpointMismatch(f"{where}: {KEY}: checkpoint {folder} has no {file.name} file ({file} is missing: "
+                                 f"the checkpoint is damaged); {FIX}")
+    try:
+        return FileSystemReader(str(folder)).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, ValueError, TypeError) as exc:
+        raise CheckpointMismatch(f"{where}: {KEY}: checkpoint file {file} cannot be read ({type(exc).__name__}: "
+                                 f"{str(exc)[:200]}; the checkpoint is damaged); {FIX}") from None
+
+
+def check_shapes(state: dict, metadata: Metadata, folder: Path, where: str) -> None:
+    """Every tensor of ``state`` (the nested dict DCP loads into) is in the checkpoint with
+    the same global shape; the first one that is not is named with both shapes."""
+    flat, _ = flatten_state_dict(state)
+    saved = metadata.state_dict_metadata
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        found = saved.get(key)
+        if found is None:
+            raise CheckpointMismatch(f"{where}: {KEY}: checkpoint {folder} does not fit this recipe: tensor {key} "
+                                     f"(shape {_shape(value.shape)} here) is not in the checkpoint (a checkpoint "
+                                     f"of another model or config); {FIX}")
+        if not isinstance(found, TensorStorageMetadata) or tuple(found.size) != tuple(value.shape):
+            what = _shape(found.size) if isinstance(found, TensorStorageMetadata) else "no tensor"
+            raise CheckpointMismatch(f"{where}: {KEY}: checkpoint {folder} does not fit this recipe: tensor {key} "
+                                     f"expected shape {_shape(value.shape)}, found {what} in the checkpoint (a "
+                                     f"checkpoint of another model or config); {FIX}")
+
+
+def check_files(metadata: Metadata, folder: Path, where: str) -> None:
+    """Every shard file the metadata points into exists and holds the bytes it points at;
+    the first missing or short one is named."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name in sorted(needed):
+        file = folder / name
+        if not file.is_file():
+            raise CheckpointMismatch(f"{where}: {KEY}: checkpoint shard file {file} is missing (the checkpoint is "
+                                     f"damaged); {FIX}")
+        size = file.stat().st_size
+        if size < needed[name]:
+            raise CheckpointMismatch(f"{where}: {KEY}: checkpoint shard file {file} is truncated ({size} bytes, "
+                                     f"the checkpoint's metadata needs {needed[name]}; the checkpoint is damaged); "
+                                     f"{FIX}")
+
+
+def check_loadable(folder: Path, state: dict, where: str) -> None:
+    """All of the above, before ``dcp.load`` touches the model."""
+    metadata = read_metadata(folder, where)
+    check_shapes(state, metadata, folder, where)
+    check_files(metadata, folder, where)
