@@ -3,6 +3,7 @@
 import argparse
 import os
 import sys
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -85,8 +86,22 @@ def _refuse(exc: Exception) -> int:
     """A bad dataset or checkpoint, found alike by every rank: rank 0 says it in one line,
     every rank leaves with 2 (no traceback, nothing written)."""
     if os.environ.get("RANK") == "0":  # one line, not one per rank
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    _leave_together()
     return 2
+
+
+def _leave_together(timeout_s: float = 60.0) -> None:
+    """Once the process group exists, the ranks that refused meet before leaving: the
+    first rank to exit makes torchrun end the others, and rank 0 must have said why first.
+    Bounded (gloo's monitored barrier); a rank that did not refuse, or a backend without
+    it, is not waited for."""
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError:
+        pass
 
 
 if __name__ == "__main__":

@@ -45,13 +45,13 @@ class BaseTrainer:
         self.config = config
         self.resume = resume and config.training.checkpoint.resume
         check_launch_world_size(config)
-        # Before the process group: a bad dataset is found by every rank alike, and said
-        # once (trainer/__main__.py), before any model is built.
-        self.corpus = self._prepare_corpus()
         acc = config.accelerator
         self.dims = acc.parallel_dims
         self.mesh_context = MeshContext(build_device_mesh(self.dims, runtime_device_type(acc.device_type)), self.dims)
         self.rank = dist.get_rank()
+        # Before any model is built: a bad dataset is found by every rank alike and said
+        # once (trainer/__main__.py); the process group lets the ranks leave together.
+        self.corpus = self._prepare_corpus()
         torch.manual_seed(config.training.seed)
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
@@ -63,7 +63,7 @@ class BaseTrainer:
         if self.config.dataset.kind not in TOKENIZED_KINDS:
             return None
         return prepare_corpus(self.config.dataset, self.config.training, recipe_model_dir(self.config),
-                              self.config._yaml_path or "<recipe>", log=os.environ.get("RANK", "0") == "0")
+                              self.config._yaml_path or "<recipe>", log=self.rank == 0)
 
     def _data_start(self, resumed: Resumed | None, first: int) -> int:
         """The corpus row the first step of this run starts at: 0, or the position the

@@ -11,10 +11,10 @@ With ``shuffle`` the rows of each epoch come in a permutation seeded by
 ``training.seed`` and the epoch. The position is a row count, saved in each checkpoint, so a
 resumed run continues at the row where the checkpoint stopped.
 
-Every rank prepares the stream itself, before the process group exists: it is a pure
-function of the files and the tokenizer, so the ranks agree without talking, and an error
-(missing file, no tokenizer, empty dataset, missing column) is found by every rank alike,
-said once by rank 0 (``hyper_parallel.trainer.__main__``), and every rank exits with 2.
+Every rank prepares the stream itself, before the model is built: it is a pure function
+of the files and the tokenizer, so the ranks agree without talking, and an error (missing
+file, no tokenizer, empty dataset, missing column) is found by every rank alike, said once
+by rank 0 (``hyper_parallel.trainer.__main__``), and every rank exits with 2.
 """
 
 import hashlib

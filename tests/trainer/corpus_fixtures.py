@@ -54,7 +54,8 @@ def corpus_recipe(folder: Path, dataset: dict, *, dp: int = 2, tp: int = 1, trai
     data["codegen"] = False
     data["modeling_backend"] = "hf"
     data["accelerator"].update(nproc_per_node=dp * tp, dp_size=dp, tp_size=tp)
-    data["training"].update(steps=4, global_batch_size=4, micro_batch_size=1, seq_len=12, **(training or {}))
+    data["training"].update({"steps": 4, "global_batch_size": 4, "micro_batch_size": 1, "seq_len": 12,
+                             **(training or {})})
     data["dataset"] = dataset
     recipe = folder / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
