@@ -28,13 +28,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
-from hyper_parallel.trainer.checkpoint_check import CheckpointMismatch, check_loadable
+from hyper_parallel.trainer.checkpoint_check import CheckpointMismatch, check_loadable, load_failure
 
 _LOG = logging.getLogger(__name__)
 
@@ -278,7 +279,10 @@ class Checkpointer:
             check_loadable(path, view, self.where)
         except CheckpointMismatch as exc:
             raise CheckpointError(str(exc)) from None
-        dcp.load(view, checkpoint_id=str(path))
+        try:
+            dcp.load(view, checkpoint_id=str(path))
+        except CheckpointException as exc:  # raised on every rank alike: DCP gathers the failures
+            raise CheckpointError(str(load_failure(path, exc, self.where))) from None
         _restore_parts(parts)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng = path / "rng" / f"rank_{self.rank}.pt"

@@ -9,6 +9,7 @@ is. Every rank runs them on the same files and the same global shapes, so every 
 reaches the same verdict without a collective.
 """
 
+import io
 import logging
 import pickle
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from hyper_parallel.errors import HyperParallelError
 
@@ -94,3 +95,36 @@ def check_loadable(folder: Path, state: dict, where: str) -> None:
     metadata = read_metadata(folder, where)
     check_shapes(state, metadata, folder, where)
     check_files(metadata, folder, where)
+
+
+def load_failure(folder: Path, exc: Exception, where: str) -> CheckpointMismatch:
+    """``dcp.load`` failed although the checks above passed (a shard file damaged in place:
+    same size, other bytes). DCP's error carries every rank's traceback but no file name;
+    here each stored tensor is read back on its own, and the first that does not load
+    names its file. Only on failure, so the extra reads cost nothing in a good run."""
+    cause = _message_line(exc)
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+        items = sorted(metadata.storage_data.items(), key=lambda item: (item[1].relative_path, item[1].offset))
+        for index, info in items:
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                continue  # stored as raw bytes: nothing to check them against
+            with open(folder / info.relative_path, "rb") as handle:
+                handle.seek(info.offset)
+                data = handle.read(info.length)
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except Exception as error:  # noqa: BLE001 -- any failure to read the item is the file's
+                return CheckpointMismatch(f"{where}: {KEY}: checkpoint shard file {folder / info.relative_path} "
+                                          f"is corrupt (its tensor {index.fqn} does not load: {type(error).__name__}); {FIX}")
+    except OSError as error:
+        cause = f"{cause}; {error}"
+    return CheckpointMismatch(f"{where}: {KEY}: checkpoint {folder} cannot be loaded ({cause}); {FIX}")
+
+
+def _message_line(exc: Exception) -> str:
+    """The last line of DCP's error, shortened: its message is every failed rank's
+    traceback, the innermost error at the end."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    line = lines[-1] if lines else type(exc).__name__
+    return line.split("]: ", 1)[-1][:300]

@@ -3,10 +3,15 @@ tokenization of the documents with EOS after each; plain text, JSON lines and pa
 give the same rows; each step's rows split into disjoint dp shards that cover the batch,
 and an epoch visits every row once; bad inputs are one line naming the recipe key."""
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
+from hyper_parallel.trainer.base import BaseTrainer
+from hyper_parallel.trainer.checkpoint import CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import check_vocabulary, corpus_batch, prepare_corpus, row_indices
 from hyper_parallel.trainer.data import DataError, micro_batches
 from tests.trainer.corpus_fixtures import DOCUMENTS, EOS, model_with_tokenizer, write_jsonl
@@ -119,3 +124,18 @@ def test_bad_inputs_name_the_recipe_key(tmp_path, model_dir):
     corpus = _prepare(tmp_path, model_dir, kind="jsonl", path="corpus.jsonl")
     with pytest.raises(DataError, match=r"gives token id \d+, the model's vocab_size is 10"):
         check_vocabulary(corpus, 10, model_dir, where)
+
+
+def test_a_resumed_run_starts_at_the_recorded_row_of_the_same_data_only(tmp_path, model_dir):
+    write_jsonl(tmp_path / "corpus.jsonl")
+    corpus = _prepare(tmp_path, model_dir, kind="jsonl", path="corpus.jsonl")
+    trainer = SimpleNamespace(corpus=corpus, rank=0, config=SimpleNamespace(
+        dataset=DatasetConfig(kind="jsonl", path="corpus.jsonl"), training=TRAINING, _yaml_path="r.yaml"))
+    saved = {"kind": "jsonl", "next_step": 2, "next_row": 8, "fingerprint": corpus.fingerprint}
+    assert BaseTrainer._data_start(trainer, Resumed(Path("ck/step_2"), 2, saved), 2) == 8
+    assert BaseTrainer._data_start(trainer, None, 0) == 0
+    # a checkpoint saved on synthetic tokens: the rows of step 2 as if read from the start
+    assert BaseTrainer._data_start(trainer, Resumed(Path("ck/step_2"), 2, {"kind": "synthetic"}), 2) == 8
+    with pytest.raises(CheckpointError, match=r"^r\.yaml: dataset\.path: the data differ from those checkpoint "
+                                              r"ck/step_2 was trained on \(packed sequences sha256 000000000000"):
+        BaseTrainer._data_start(trainer, Resumed(Path("ck/step_2"), 2, {**saved, "fingerprint": "0" * 64}), 2)

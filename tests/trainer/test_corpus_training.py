@@ -16,7 +16,7 @@ import shutil
 import pytest
 import yaml
 
-from hyper_parallel.trainer.checkpoint_check import CheckpointMismatch, check_files, read_metadata
+from hyper_parallel.trainer.checkpoint_check import CheckpointMismatch, check_files, load_failure, read_metadata
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO, tree_state
 from tests.trainer.corpus_fixtures import DOCUMENTS, EOS, corpus_recipe, model_with_tokenizer, write_jsonl
@@ -137,11 +137,17 @@ def test_a_missing_shard_file_is_named(trained, tmp_path):
     assert tree_state(run / "checkpoints") == before
 
 
-def test_a_truncated_shard_or_a_corrupt_metadata_file_is_named(trained, tmp_path):
+def test_a_damaged_shard_or_metadata_file_is_named(trained, tmp_path):
     """The same checks in one process (the launch path is the test above's)."""
     folder, _ = trained
     step = shutil.copytree(folder / "checkpoints" / "step_4", tmp_path / "step_4")
     shard = step / "__0_0.distcp"
+    damaged = bytearray(shard.read_bytes())  # same size, other bytes: only loading finds it
+    damaged[64:len(damaged) // 2] = bytes(len(damaged) // 2 - 64)
+    shard.write_bytes(bytes(damaged))
+    check_files(read_metadata(step, "r.yaml"), step, "r.yaml")
+    found = load_failure(step, RuntimeError("[rank0]: RuntimeError: not a ZIP archive"), "r.yaml")
+    assert str(found).startswith(f"r.yaml: training.checkpoint.dir: checkpoint shard file {shard} is corrupt"), found
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointMismatch, match=f"checkpoint shard file {shard} is truncated \\(100 bytes"):
         check_files(read_metadata(step, "r.yaml"), step, "r.yaml")
