@@ -60,3 +60,29 @@ def corpus_recipe(folder: Path, dataset: dict, *, dp: int = 2, tp: int = 1, trai
     recipe = folder / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     return recipe
+
+
+BAD_DATASETS = {
+    # case: (dataset, what to break, the error line after "error: <recipe>: ", up to its details)
+    "missing_file": ({"kind": "jsonl", "path": "absent.jsonl"}, None,
+                     "dataset.path: {folder}/absent.jsonl does not exist"),
+    "no_tokenizer": ({"kind": "jsonl", "path": "corpus.jsonl"}, "tokenizer",
+                     "model.pretrained_model_name_or_path: {folder}/model has no tokenizer"),
+    "empty_dataset": ({"kind": "jsonl", "path": "empty.jsonl"}, None,
+                      "dataset.path: {folder}/empty.jsonl holds no documents"),
+    "column_missing": ({"kind": "jsonl", "path": "corpus.jsonl", "text_column": "body"}, None,
+                       "dataset.text_column: {folder}/corpus.jsonl has no column 'body' (its columns: id, text)"),
+}
+
+
+def bad_dataset_folder(folder: Path, broken: str | None) -> Path:
+    """The model (without its tokenizer when ``broken`` says so), corpus.jsonl and an empty
+    empty.jsonl in ``folder``."""
+    folder.mkdir(parents=True)
+    model_with_tokenizer(folder / "model")
+    if broken == "tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / "model" / name).unlink()
+    write_jsonl(folder / "corpus.jsonl")
+    (folder / "empty.jsonl").write_text("")
+    return folder

@@ -1,20 +1,33 @@
 """Tokenized datasets (trainer/corpus.py) in one process: the packed rows equal a direct
 tokenization of the documents with EOS after each; plain text, JSON lines and parquet
 give the same rows; each step's rows split into disjoint dp shards that cover the batch,
-and an epoch visits every row once; bad inputs are one line naming the recipe key."""
+and an epoch visits every row once; bad inputs are one line naming the recipe key, and the
+trainer's ``main`` (on a one-rank process group) prints just that line and returns 2."""
 
+import os
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
+from hyper_parallel.trainer.__main__ import main as trainer_main
 from hyper_parallel.trainer.base import BaseTrainer
 from hyper_parallel.trainer.checkpoint import CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import check_vocabulary, corpus_batch, prepare_corpus, row_indices
 from hyper_parallel.trainer.data import DataError, micro_batches
-from tests.trainer.corpus_fixtures import DOCUMENTS, EOS, model_with_tokenizer, write_jsonl
+from tests.trainer.corpus_fixtures import (
+    BAD_DATASETS,
+    DOCUMENTS,
+    EOS,
+    bad_dataset_folder,
+    corpus_recipe,
+    model_with_tokenizer,
+    write_jsonl,
+)
 
 TRAINING = TrainingConfig(global_batch_size=4, micro_batch_size=1, seq_len=12, seed=5)
 
@@ -139,3 +152,28 @@ def test_a_resumed_run_starts_at_the_recorded_row_of_the_same_data_only(tmp_path
     with pytest.raises(CheckpointError, match=r"^r\.yaml: dataset\.path: the data differ from those checkpoint "
                                               r"ck/step_2 was trained on \(packed sequences sha256 000000000000"):
         BaseTrainer._data_start(trainer, Resumed(Path("ck/step_2"), 2, {**saved, "fingerprint": "0" * 64}), 2)
+
+
+@pytest.fixture
+def world_one(monkeypatch):
+    """A one-rank launch's environment; its gloo process group is torn down afterwards."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATASETS))
+def test_the_trainer_refuses_a_bad_dataset_in_one_line_with_exit_code_2(tmp_path, capfd, world_one, case):
+    dataset, broken, message = BAD_DATASETS[case]
+    folder = bad_dataset_folder(tmp_path / "run", broken)
+    recipe = corpus_recipe(folder, dataset, dp=1)
+    assert trainer_main(["--config", str(recipe)]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith(f"error: {recipe}: {message.format(folder=folder)}") and err.count("\n") == 1, err
+    assert "Traceback" not in err

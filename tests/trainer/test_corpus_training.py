@@ -4,7 +4,7 @@ packed with EOS between them and split disjointly by dp rank; a resumed run cont
 the recorded data position with the uninterrupted run's losses; and a checkpoint that does
 not fit (another hidden size) or is damaged (a shard file deleted or truncated, the
 metadata corrupt) is refused in one line naming the tensor or the file, exit code 2, the
-checkpoint folder unchanged.
+checkpoint folder unchanged; so is a bad dataset.
 
 One uninterrupted run (a module fixture) feeds every test; each of the other launches
 copies its folder."""
@@ -19,7 +19,15 @@ import yaml
 from hyper_parallel.trainer.checkpoint_check import CheckpointMismatch, check_files, load_failure, read_metadata
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO, tree_state
-from tests.trainer.corpus_fixtures import DOCUMENTS, EOS, corpus_recipe, model_with_tokenizer, write_jsonl
+from tests.trainer.corpus_fixtures import (
+    BAD_DATASETS,
+    DOCUMENTS,
+    EOS,
+    bad_dataset_folder,
+    corpus_recipe,
+    model_with_tokenizer,
+    write_jsonl,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -159,30 +167,11 @@ def test_a_damaged_shard_or_metadata_file_is_named(trained, tmp_path):
         read_metadata(step, "r.yaml")
 
 
-BAD_DATASETS = {
-    # case: (dataset, what to break, the error line's start after "error: <recipe>: ")
-    "missing_file": ({"kind": "jsonl", "path": "absent.jsonl"}, None,
-                     "dataset.path: {folder}/absent.jsonl does not exist"),
-    "no_tokenizer": ({"kind": "jsonl", "path": "corpus.jsonl"}, "tokenizer",
-                     "model.pretrained_model_name_or_path: {folder}/model has no tokenizer"),
-    "empty_dataset": ({"kind": "jsonl", "path": "empty.jsonl"}, None,
-                      "dataset.path: {folder}/empty.jsonl holds no documents"),
-    "column_missing": ({"kind": "jsonl", "path": "corpus.jsonl", "text_column": "body"}, None,
-                       "dataset.text_column: {folder}/corpus.jsonl has no column 'body' (its columns: id, text)"),
-}
 
-
-@pytest.mark.parametrize("case", sorted(BAD_DATASETS))
-def test_a_bad_dataset_is_one_line_from_rank_0_and_exit_code_2(tmp_path, case):
-    dataset, broken, message = BAD_DATASETS[case]
-    folder = tmp_path / "run"
-    folder.mkdir()
-    model_with_tokenizer(folder / "model")
-    if broken == "tokenizer":
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            (folder / "model" / name).unlink()
-    write_jsonl(folder / "corpus.jsonl")
-    (folder / "empty.jsonl").write_text("")
+def test_a_bad_dataset_is_one_line_from_rank_0_and_every_rank_exits_2(tmp_path):
+    """Under torchrun (each kind of bad dataset, in one process: tests/trainer/test_corpus.py)."""
+    dataset, broken, message = BAD_DATASETS["column_missing"]
+    folder = bad_dataset_folder(tmp_path / "run", broken)
     recipe = corpus_recipe(folder, dataset)
     before = tree_state(folder)
     _refused(_trainer(recipe), f"error: {recipe}: {message.format(folder=folder)}")
