@@ -1,6 +1,6 @@
 """Real training data: local plain text, JSON lines or parquet files read with HF
-``datasets`` (local files only, streamed: nothing is written to a cache), tokenized with the
-tokenizer in the model folder, and packed.
+``datasets`` (local files only, streamed: no Arrow copy is cached, only its lock files are
+written to its cache folder), tokenized with the tokenizer in the model folder, and packed.
 
 Packing: the documents, in file order, each followed by the tokenizer's EOS token, form one
 token stream; it is cut into rows of ``seq_len`` tokens (the tail that fills no row is
@@ -50,6 +50,7 @@ class PackedCorpus:
 
     @property
     def num_rows(self) -> int:
+        """Packed sequences: the length of one epoch, in rows."""
         return self.rows.shape[0]
 
 
@@ -114,7 +115,7 @@ def _import_datasets():
 
 def iter_documents(dataset: DatasetConfig, files: list[Path], where: str) -> Iterator[str]:
     """Each document's text, in file order then row order (``datasets`` streaming: rows
-    are read as they are tokenized, no Arrow cache is written). Empty documents are skipped."""
+    are read as they are tokenized, no Arrow copy is made). Empty documents are skipped."""
     datasets = _import_datasets()
     options = {"sample_by": dataset.sample_by} if dataset.kind == "text" else {}
     column = "text" if dataset.kind == "text" else dataset.text_column
@@ -153,6 +154,7 @@ def token_stream(documents: Iterator[str], tokenizer, log: bool) -> tuple[torch.
     batch: list[str] = []
 
     def flush() -> None:
+        """Tokenize the pending documents in one call (the fast tokenizer batches them)."""
         nonlocal tokens
         ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
         flat = [token for doc in ids for token in (*doc, eos)]
