@@ -18,6 +18,7 @@ by rank 0 (``hyper_parallel.trainer.__main__``), and every rank exits with 2.
 """
 
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
@@ -44,7 +46,7 @@ _PROGRESS_EVERY_S = 5.0
 class PackedCorpus:
     """The packed token rows of a dataset and what identifies them in a checkpoint."""
 
-    rows: torch.Tensor  # [num_rows, seq_len], int64
+    rows: torch.Tensor  # [num_rows, seq_len], int32 (half of int64's memory; batches are int64)
     documents: int
     fingerprint: str  # sha256 of the rows' bytes: a resumed run checks it trains on the same data
 
@@ -123,18 +125,18 @@ def iter_documents(dataset: DatasetConfig, files: list[Path], where: str) -> Ite
         try:
             stream = datasets.load_dataset(BUILDERS[dataset.kind], data_files=[str(file)], split="train",
                                            streaming=True, **options)
-            for index, row in enumerate(stream):
-                if column not in row:
+            index = 0
+            for rows in stream.iter(batch_size=_TOKENIZE_BATCH):  # a column's values at a time: cheaper than rows
+                if column not in rows:
                     raise DataError(f"{where}: dataset.text_column: {file} has no column {column!r} (its columns: "
-                                    f"{', '.join(sorted(row)) or 'none'}); fix dataset.text_column")
-                text = row[column]
-                if text is None:
-                    continue
-                if not isinstance(text, str):
-                    raise DataError(f"{where}: dataset.text_column: {file} row {index}: {column!r} holds "
-                                    f"{type(text).__name__}, expected text; fix dataset.text_column")
-                if text:
-                    yield text
+                                    f"{', '.join(sorted(rows)) or 'none'}); fix dataset.text_column")
+                for text in rows[column]:
+                    if text is not None and not isinstance(text, str):
+                        raise DataError(f"{where}: dataset.text_column: {file} row {index}: {column!r} holds "
+                                        f"{type(text).__name__}, expected text; fix dataset.text_column")
+                    index += 1
+                    if text:
+                        yield text
         except DataError:
             raise
         except StopIteration:  # datasets' json reader on an empty file
@@ -146,7 +148,7 @@ def iter_documents(dataset: DatasetConfig, files: list[Path], where: str) -> Ite
 
 
 def token_stream(documents: Iterator[str], tokenizer, log: bool) -> tuple[torch.Tensor, int]:
-    """The documents' tokens, each document followed by EOS, as one int64 tensor; and the
+    """The documents' tokens, each document followed by EOS, as one int32 tensor; and the
     number of documents. Logs progress every few seconds when ``log``."""
     eos = tokenizer.eos_token_id
     chunks: list[torch.Tensor] = []
@@ -156,10 +158,10 @@ def token_stream(documents: Iterator[str], tokenizer, log: bool) -> tuple[torch.
     def flush() -> None:
         """Tokenize the pending documents in one call (the fast tokenizer batches them)."""
         nonlocal tokens
-        ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
-        flat = [token for doc in ids for token in (*doc, eos)]
-        chunks.append(torch.tensor(flat, dtype=torch.long))
-        tokens += len(flat)
+        ids = tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        flat = np.fromiter(itertools.chain.from_iterable(doc + [eos] for doc in ids), dtype=np.int32)
+        chunks.append(torch.from_numpy(flat))
+        tokens += flat.size
         batch.clear()
 
     for text in documents:
@@ -173,7 +175,7 @@ def token_stream(documents: Iterator[str], tokenizer, log: bool) -> tuple[torch.
                           f"({last - started:.0f}s)")
     if batch:
         flush()
-    return (torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.long)), count
+    return (torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int32)), count
 
 
 def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -245,6 +247,7 @@ def row_indices(first_row: int, count: int, num_rows: int, seed: int, shuffle: b
 
 
 def corpus_batch(corpus: PackedCorpus, first_row: int, training: TrainingConfig, shuffle: bool) -> torch.Tensor:
-    """The step's ``[global_batch_size, seq_len]`` rows starting at data position ``first_row``."""
+    """The step's ``[global_batch_size, seq_len]`` rows (int64 token ids) starting at data
+    position ``first_row``."""
     index = row_indices(first_row, training.global_batch_size, corpus.num_rows, training.seed, shuffle)
-    return corpus.rows[index]
+    return corpus.rows[index].long()

@@ -126,6 +126,9 @@ def test_bad_inputs_name_the_recipe_key(tmp_path, model_dir):
     (tmp_path / "broken.jsonl").write_text('{"text": "w1"}\nnot json\n')
     cases.append(({"kind": "jsonl", "path": "broken.jsonl"}, model_dir,
                   f"{where}: dataset.path: {tmp_path / 'broken.jsonl'} cannot be read as jsonl"))
+    (tmp_path / "numbers.jsonl").write_text('{"text": 5}\n')
+    cases.append(({"kind": "jsonl", "path": "numbers.jsonl"}, model_dir,
+                  f"{where}: dataset.text_column: {tmp_path / 'numbers.jsonl'} row 0: 'text' holds int, expected text"))
     (tmp_path / "short.jsonl").write_text('{"text": "w1 w2"}\n')
     cases.append(({"kind": "jsonl", "path": "short.jsonl"}, model_dir,
                   f"{where}: dataset.path: {tmp_path / 'short.jsonl'} packs into 0 sequence(s) of seq_len 12"))
