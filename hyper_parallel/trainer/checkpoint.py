@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
-from hyper_parallel.trainer.checkpoint_check import CheckpointMismatch, check_loadable, load_failure
+from hyper_parallel.trainer.checkpoint_check import CheckpointMismatch, check_loadable, load_failure, read_marker
 
 _LOG = logging.getLogger(__name__)
 
@@ -272,10 +272,10 @@ class Checkpointer:
         if choice[0] is None:
             return None
         path = Path(choice[0])
-        record = json.loads((path / MARKER).read_text())
         state = self._state()
         view, parts = _dcp_view(state)
         try:  # another model's or a damaged checkpoint: one line naming the tensor or file
+            record = read_marker(path / MARKER, self.where)
             check_loadable(path, view, self.where)
         except CheckpointMismatch as exc:
             raise CheckpointError(str(exc)) from None
@@ -310,8 +310,9 @@ class Checkpointer:
         record = {
             "format": FORMAT,
             "step": step,
-            # Batches are a function of the step index (trainer/data.py global_batch): the
-            # next step's batch is where the data resumes.
+            # Synthetic and bytes batches are a function of the step index (trainer/data.py
+            # global_batch): the next step's batch is where the data resumes. Tokenized
+            # datasets add their row position (trainer/corpus.py, through data_state).
             "data": {"kind": self.config.dataset.kind, "next_step": step,
                      **(self.data_state(step) if self.data_state else {})},
             "lr_schedule": None,  # the trainer has a constant lr (it sits in the optimizer's state)

@@ -1,6 +1,7 @@
 """Checks a checkpoint folder before it is loaded: that it is this recipe's (every tensor
 the model and optimizer hold is there, with the same global shape) and that its files are
-whole (every shard file the metadata names exists and is long enough).
+whole (the marker and the metadata read, every shard file the metadata names exists and is
+long enough, every rank's RNG state loads).
 
 DCP itself would fail deep inside ``dcp.load`` with a per-rank traceback (or, for a
 truncated file, an unpickling error naming no file). Here the first problem is one line:
@@ -10,6 +11,7 @@ reaches the same verdict without a collective.
 """
 
 import io
+import json
 import logging
 import pickle
 from pathlib import Path
@@ -37,6 +39,20 @@ class CheckpointMismatch(ValueError, HyperParallelError):
 def _shape(shape) -> str:
     """A shape as people write it: ``(256, 64)``."""
     return str(tuple(int(n) for n in shape))
+
+
+def read_marker(file: Path, where: str) -> dict:
+    """A checkpoint's completion marker (``COMPLETE.json``); an unreadable one is named
+    (it was written whole, by a rename, so damage came from outside)."""
+    try:
+        record = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointMismatch(f"{where}: {KEY}: checkpoint file {file} cannot be read ({type(exc).__name__}: "
+                                 f"{str(exc)[:200]}; the checkpoint is damaged); {FIX}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        raise CheckpointMismatch(f"{where}: {KEY}: checkpoint file {file} holds no step (the checkpoint is damaged); "
+                                 f"{FIX}")
+    return record
 
 
 def read_metadata(folder: Path, where: str) -> Metadata:
@@ -90,11 +106,26 @@ def check_files(metadata: Metadata, folder: Path, where: str) -> None:
                                      f"{FIX}")
 
 
+def check_rng_files(folder: Path, where: str) -> None:
+    """Every rank's saved RNG state loads: each rank reads only its own after the model is
+    loaded, so a damaged one would fail one rank alone and leave the others waiting; here
+    every rank checks them all (a few bytes each) and all refuse alike."""
+    for file in sorted((folder / "rng").glob("rank_*.pt")):
+        try:
+            state = torch.load(file, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 -- whatever torch.load says, the file is damaged
+            state = exc
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            raise CheckpointMismatch(f"{where}: {KEY}: checkpoint file {file} is corrupt (no RNG state: "
+                                     f"{type(state).__name__}); {FIX}")
+
+
 def check_loadable(folder: Path, state: dict, where: str) -> None:
     """All of the above, before ``dcp.load`` touches the model."""
     metadata = read_metadata(folder, where)
     check_shapes(state, metadata, folder, where)
     check_files(metadata, folder, where)
+    check_rng_files(folder, where)
 
 
 def load_failure(folder: Path, exc: Exception, where: str) -> CheckpointMismatch:

@@ -2,8 +2,8 @@
 backend): what each rank feeds the model equals a direct tokenization of the documents,
 packed with EOS between them and split disjointly by dp rank; a resumed run continues at
 the recorded data position with the uninterrupted run's losses; and a checkpoint that does
-not fit (another hidden size) or is damaged (a shard file deleted or truncated, the
-metadata corrupt) is refused in one line naming the tensor or the file, exit code 2, the
+not fit (another hidden size, another model's names) or is damaged (a shard file
+deleted, truncated or overwritten, the metadata, the marker or an RNG file corrupt) is refused in one line naming the tensor or the file, exit code 2, the
 checkpoint folder unchanged; so is a bad dataset.
 
 One uninterrupted run (a module fixture) feeds every test; each of the other launches
@@ -14,9 +14,18 @@ import math
 import shutil
 
 import pytest
+import torch
 import yaml
 
-from hyper_parallel.trainer.checkpoint_check import CheckpointMismatch, check_files, load_failure, read_metadata
+from hyper_parallel.trainer.checkpoint_check import (
+    CheckpointMismatch,
+    check_files,
+    check_rng_files,
+    check_shapes,
+    load_failure,
+    read_marker,
+    read_metadata,
+)
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO, tree_state
 from tests.trainer.corpus_fixtures import (
@@ -159,6 +168,17 @@ def test_a_damaged_shard_or_metadata_file_is_named(trained, tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointMismatch, match=f"checkpoint shard file {shard} is truncated \\(100 bytes"):
         check_files(read_metadata(step, "r.yaml"), step, "r.yaml")
+    (step / "rng" / "rank_1.pt").write_bytes(b"\0" * 64)
+    with pytest.raises(CheckpointMismatch, match=f"checkpoint file {step / 'rng' / 'rank_1.pt'} is corrupt"):
+        check_rng_files(step, "r.yaml")
+    (step / "COMPLETE.json").write_text("{")
+    with pytest.raises(CheckpointMismatch, match=f"checkpoint file {step / 'COMPLETE.json'} cannot be read"):
+        read_marker(step / "COMPLETE.json", "r.yaml")
+    # another model's parameter names: the first one the checkpoint lacks is named
+    other = {"model": {"lm_head.weight": torch.zeros(256, 64), "transformer.wte.weight": torch.zeros(256, 64)}}
+    with pytest.raises(CheckpointMismatch, match=r"tensor model\.transformer\.wte\.weight \(shape \(256, 64\) "
+                                                 r"here\) is not in the checkpoint"):
+        check_shapes(other, read_metadata(step, "r.yaml"), step, "r.yaml")
     (step / ".metadata").write_bytes(b"not a pickle")
     with pytest.raises(CheckpointMismatch, match=f"checkpoint file {step / '.metadata'} cannot be read"):
         read_metadata(step, "r.yaml")
