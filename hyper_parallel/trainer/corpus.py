@@ -78,8 +78,9 @@ def dataset_files(dataset: DatasetConfig, where: str) -> list[Path]:
 
 
 def load_tokenizer(model_dir: Path, where: str, kind: str):
-    """The model folder's tokenizer (``AutoTokenizer``, local files only) and its EOS id.
-    Named errors: no tokenizer there, or one without an EOS token to separate documents."""
+    """The model folder's tokenizer (``AutoTokenizer``, local files only). Named errors:
+    no tokenizer there, one that does not load, or one without an EOS token (it separates
+    the packed documents)."""
     from transformers import AutoTokenizer  # the trainer has transformers loaded already
 
     key = "model.pretrained_model_name_or_path"
@@ -101,15 +102,16 @@ def load_tokenizer(model_dir: Path, where: str, kind: str):
     return tokenizer
 
 
-def _import_datasets():
+def _import_datasets(kind: str, where: str):
     """HF ``datasets``, imported only when a recipe reads real data (it is heavy, and an
     optional dependency: ``pip install -e ".[data]"``). Offline: the data are local files."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         import datasets
     except ImportError:
-        raise DataError("dataset.kind: tokenized datasets need HF datasets; install it: "
-                        "pip install -c constraints.txt -e \".[data]\"") from None
+        raise DataError(f"{where}: dataset.kind: {kind!r} reads its files with HF datasets, which is not "
+                        f"installed; fix: pip install -c constraints.txt -e \".[data]\" (in the project's "
+                        f"checkout)") from None
     datasets.logging.set_verbosity_error()  # its own progress bars and notes would repeat on every rank
     datasets.disable_progress_bars()
     return datasets
@@ -118,7 +120,7 @@ def _import_datasets():
 def iter_documents(dataset: DatasetConfig, files: list[Path], where: str) -> Iterator[str]:
     """Each document's text, in file order then row order (``datasets`` streaming: rows
     are read as they are tokenized, no Arrow copy is made). Empty documents are skipped."""
-    datasets = _import_datasets()
+    datasets = _import_datasets(dataset.kind, where)
     options = {"sample_by": dataset.sample_by} if dataset.kind == "text" else {}
     column = "text" if dataset.kind == "text" else dataset.text_column
     for file in files:
