@@ -13,7 +13,6 @@ META_SCHEMA_VERSION = 1
 REQUIRED_META_FIELDS = ("schema_version", "signature", "recipe", "source", "model", "parallel",
                         "modeling_file", "outputs", "plan", "verified", "covered", "not_covered")
 NOT_COVERED = (
-    "checkpoint_transforms: weight mapping and checkpoint conversion stay with the runtime (TODO)",
     "pipeline_parallel: pp_size is recorded; PP splitting is done by the trainer",
     "data_parallel: FSDP2 fully_shard over dp is applied by the trainer",
     "activation_checkpointing, torch.compile and DeviceMesh construction are owned by the runtime",
@@ -25,7 +24,11 @@ class MetaError(ValueError, HyperParallelError):
 
 
 def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, bytes],
-                       frozen: dict[str, Any], model_class: str, verified: dict[str, Any]) -> bytes:
+                       frozen: dict[str, Any], model_class: str, verified: dict[str, Any],
+                       weight_map: dict[str, Any]) -> bytes:
+    """The meta's bytes. ``weight_map``: checkpoint tensor name (pattern) → the parameter
+    part it fills (``distributed/weight_map.py``), which the sharded loader and the
+    trainer's checkpoints read."""
     meta = {
         "schema_version": META_SCHEMA_VERSION,
         "signature": signature,
@@ -42,8 +45,10 @@ def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, by
                  "recorded_axes": frozen["recorded_axes"],
                  "sha256": sha256_json(frozen)},
         "verified": verified,
+        "weight_map": weight_map,
         "covered": {"sharding_plan": bool(frozen["modules"]),
-                    "module_overrides": bool(spec.replacements)},
+                    "module_overrides": bool(spec.replacements),
+                    "weight_map": bool(weight_map)},
         "not_covered": list(NOT_COVERED),
     }
     return (json.dumps(meta, indent=2, sort_keys=False) + "\n").encode()

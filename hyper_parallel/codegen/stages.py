@@ -124,7 +124,8 @@ def run_freeze(spec: CodegenSpec) -> None:
 
     derived = read_upstream(StageFiles(spec).output("derive"))
     frozen = freeze_plan(derived["plan"], derived["module_names"])
-    write_stage_output(spec, "freeze", {"model_class": derived["model_class"], "frozen": frozen})
+    write_stage_output(spec, "freeze", {"model_class": derived["model_class"], "frozen": frozen,
+                                        "weight_map": derived["weight_map"]})
     _LOG.info(f"[freeze] {len(frozen['modules'])} frozen entries (from {len(derived['plan']['modules'])})")
 
 
@@ -210,7 +211,8 @@ def install_payload(spec: CodegenSpec, verified: dict[str, Any]) -> tuple[dict[s
     payload = staged_bytes(spec, {**emitted, **read_upstream(files.output("diff"))["outputs"]}, "install")
     frozen = read_upstream(files.output("freeze"))
     meta = build_codegen_meta(spec, signature=signature_from_spec(spec), files=payload,
-                              frozen=frozen["frozen"], model_class=frozen["model_class"], verified=verified)
+                              frozen=frozen["frozen"], model_class=frozen["model_class"], verified=verified,
+                              weight_map=frozen["weight_map"])
     return payload, meta
 
 

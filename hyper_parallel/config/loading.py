@@ -17,6 +17,8 @@ from hyper_parallel.config.schema import (
     DEVICE_TYPES,
     MAX_SEQ_LEN,
     MODELING_BACKENDS,
+    TEXT_SAMPLE_BY,
+    TOKENIZED_KINDS,
     TORCH_DTYPES,
     ModelConfig,
     TrainerConfig,
@@ -193,14 +195,35 @@ def _validate_checkpoint(config: TrainerConfig, where: str) -> None:
 
 
 def _validate_dataset(config: TrainerConfig, where: str) -> None:
-    """The kind and that a text dataset names a file; whether the file is there is the
-    trainer's check (generate does not read data)."""
+    """The kind and its keys; whether the files are there is the trainer's check (generate
+    does not read data)."""
     dataset = config.dataset
     if dataset.kind not in DATASET_KINDS:
         raise RecipeError(f"{where}: dataset.kind: expected one of {', '.join(DATASET_KINDS)}, got {dataset.kind!r}")
-    if dataset.kind == "text" and not dataset.path:
-        raise RecipeError(f"{where}: dataset.path: required when dataset.kind is 'text' (a local text file, "
+    if dataset.kind != "synthetic" and not (dataset.path or "").strip():
+        what = "a local file" if dataset.kind == "bytes" else f"a local {dataset.kind} file or a folder of them"
+        raise RecipeError(f"{where}: dataset.path: required when dataset.kind is {dataset.kind!r} ({what}, "
                           f"relative to the recipe's folder)")
+    if dataset.kind in ("jsonl", "parquet") and not dataset.text_column.strip():
+        raise RecipeError(f"{where}: dataset.text_column: expected the name of the column holding each "
+                          f"document's text, got an empty string")
+    if dataset.sample_by not in TEXT_SAMPLE_BY:
+        raise RecipeError(f"{where}: dataset.sample_by: expected one of {', '.join(TEXT_SAMPLE_BY)}, "
+                          f"got {dataset.sample_by!r}")
+    unused = [key for key, default in (("text_column", "text"), ("sample_by", "line"), ("shuffle", True))
+              if getattr(dataset, key) != default and not _dataset_reads(dataset.kind, key)]
+    if unused:
+        raise RecipeError(f"{where}: dataset.{unused[0]}: has no effect with dataset.kind {dataset.kind!r}; "
+                          f"remove it (it applies to kind {', '.join(_KEY_KINDS[unused[0]])})")
+
+
+_KEY_KINDS = {"text_column": ("jsonl", "parquet"), "sample_by": ("text",), "shuffle": TOKENIZED_KINDS}
+
+
+def _dataset_reads(kind: str, key: str) -> bool:
+    """Whether a dataset of ``kind`` reads ``key``: a key that changes nothing is a mistake
+    worth one line (``text_column`` under kind text reads no column)."""
+    return kind in _KEY_KINDS[key]
 
 
 def _build(cls: type, data: Any, where: str, key: str) -> Any:

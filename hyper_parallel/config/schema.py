@@ -13,7 +13,12 @@ from hyper_parallel.config.plan_override import PlanOverride
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 MODELING_BACKENDS = ("hf", "custom", "gen")
 TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
-DATASET_KINDS = ("synthetic", "text")
+# synthetic: random tokens; bytes: a file's bytes modulo the vocabulary (a smoke test);
+# text / jsonl / parquet: documents read with HF ``datasets`` and tokenized with the model
+# folder's tokenizer (trainer/corpus.py).
+DATASET_KINDS = ("synthetic", "bytes", "text", "jsonl", "parquet")
+TOKENIZED_KINDS = ("text", "jsonl", "parquet")
+TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # what one document of a plain text file is
 MAX_SEQ_LEN = 1 << 24  # 16M tokens a sequence: beyond any model's context
 # accelerator.context_parallel.algorithm: how attention runs when cp_size > 1.
 #   gather_sequence: every cp rank gathers the block's input and computes the whole
@@ -116,8 +121,15 @@ class OptimizerConfig:
 
 @dataclass
 class DatasetConfig:
-    kind: str = "synthetic"
+    """``dataset``: where the training tokens come from (trainer/data.py, trainer/corpus.py)."""
+
+    kind: str = "synthetic"  # one of DATASET_KINDS
+    # A local file, relative to the recipe's folder; for text, jsonl and parquet also a
+    # folder (its files with that format's extensions, in name order).
     path: str | None = None
+    text_column: str = "text"  # jsonl and parquet: the field holding each document's text
+    sample_by: str = "line"  # text: one document per line, per paragraph (blank lines) or per file
+    shuffle: bool = True  # tokenized kinds: the packed sequences in a seeded order, new each epoch
 
 
 @dataclass

@@ -384,6 +384,16 @@ class ConverterGroup:
             converter.add_tensor(target, key, pattern, tensor_for(key))
         return converter.convert(self.first_target, model=model, config=getattr(model, "config", None))
 
+    def run_recorded(self, tensor_for: Callable[[str], Any], model: torch.nn.Module) -> dict[str, "LazyTensor"]:
+        """``run`` on lazy tensors, each output a recorded :class:`LazyTensor`; raises when
+        an operation cannot be recorded."""
+        return {name: _lazy(value) for name, value in _unwrap(self.run(tensor_for, model)).items()}
+
+    def output_shapes(self, leaves: dict[str, Any], model: torch.nn.Module) -> dict[str, torch.Size] | None:
+        """The outputs' names and shapes from a meta-device run (``leaves``: anything with a
+        ``shape`` per source key); None when the operations need data."""
+        return _meta_shapes(self, leaves, model, None)
+
     def source_keys(self) -> list[str]:
         """The checkpoint keys this converter reads, in collection order."""
         return [key for _, key, _ in self.adds]
@@ -487,7 +497,7 @@ def _group_sources(model: torch.nn.Module, group: ConverterGroup, leaves: dict[s
     recorded, as :class:`Deferred` outputs of a :class:`FallbackGroup` (named and shaped
     by a meta-device run), with a note."""
     try:
-        return {name: _lazy(value) for name, value in _unwrap(group.run(leaves.__getitem__, model)).items()}
+        return group.run_recorded(leaves.__getitem__, model)
     except Exception as exc:  # noqa: BLE001 — any failure to record means: run it for real
         reason = exc
     dtype = _param_dtype(model, group.first_target)

@@ -11,7 +11,9 @@ A plan document::
      "modules": {FQN_or_glob: ENTRY}}
 
 and ENTRY as ``protocols.sharding_json`` writes and reads it (the one entry codec, which
-``config_dict`` uses too).
+``config_dict`` uses too): a full or compact object in ``plan.json``/``frozen.json``, one
+line per key in the generated literal. Code that reads an entry's fields from a loaded
+bundle goes through ``plan_entries``.
 
 Everything here is torch-free: placements are text. ``ShardingConfig`` values that
 hold torch placements are converted through ``placements`` (imported only then).
@@ -22,7 +24,13 @@ from dataclasses import dataclass, field
 
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.protocols.sharding import ShardingConfig
-from hyper_parallel.protocols.sharding_json import PlanFormatError, sharding_config_from_json, sharding_config_to_json
+from hyper_parallel.protocols.sharding_json import (
+    PlanFormatError,
+    entry_role,
+    full_entry,
+    sharding_config_from_json,
+    sharding_config_to_json,
+)
 
 PLAN_FORMAT_VERSION = 1
 _DOC_KEYS = ("format", "mesh", "applied_axes", "recorded_axes", "modules")
@@ -52,7 +60,13 @@ def plan_modules_from_json(modules: Mapping) -> dict[str, ShardingConfig]:
 
 
 def plan_roles_from_json(modules: Mapping) -> dict[str, str]:
-    return {fqn: str(entry.get("role", "custom")) for fqn, entry in modules.items()}
+    return {fqn: entry_role(entry, where=f"modules[{fqn!r}]") for fqn, entry in modules.items()}
+
+
+def plan_entries(plan: Mapping) -> dict[str, dict]:
+    """A plan document's (or the generated literal's) entries as full JSON entries, whatever
+    form they are written in: what preflight and verify read ``state_shardings`` from."""
+    return {fqn: full_entry(entry, where=f"modules[{fqn!r}]") for fqn, entry in plan["modules"].items()}
 
 
 def plan_to_json(*, mesh_axes, mesh_sizes, applied_axes, recorded_axes: Mapping[str, str],

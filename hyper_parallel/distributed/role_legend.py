@@ -22,7 +22,7 @@ ROLE_LEGEND: dict[str, str] = {
     "projection_norm": "norm over a whole projection's output: gathered in, split out again",
     "local_params": "own parameters placed as the model's TP plan says; activations unchanged",
     "local_params_summed": "own parameters placed as the TP plan says; the output is a partial sum",
-    "replicate": "whole weights on every rank; gradients summed over the axes the input is split on",
+    "replicate": "whole weights on every rank; gradients summed over the axes splitting the input",
     "identity_share": "an identity expert: its output becomes a share of a partial sum",
     "sequence_split": "the residual stream is split over the sequence from here on",
     "attention_block": "attention: its input gathered over the sequence split, output split again",
@@ -34,10 +34,10 @@ ROLE_LEGEND: dict[str, str] = {
     "custom": "written by the recipe's plan_overrides",
 }
 
-PLACEMENT_LEGEND = ("replicate | shard(dim) | packed_shard(dim,parts): each of the packed parts split | "
-                    "partial: summands; an axis not named: replicate")
-KEYS_LEGEND = ("in_src/out_src: how inputs/outputs arrive, in_dst/out_dst: what the module needs/hands on "
-               "(omitted: same as src); local_map: computes on local tensors")
+PLACEMENT_LEGEND = ("AXIS=replicate|shard(dim)|partial (summands)|packed_shard(dim,parts) (each part split), "
+                    "else replicate")
+KEYS_LEGEND = ("PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; "
+               "local_map: local tensors")
 
 
 def legend_lines(roles: list[str]) -> list[str]:
@@ -45,4 +45,4 @@ def legend_lines(roles: list[str]) -> list[str]:
     the entry keys; a role without a line (a new one) is listed by name, never dropped."""
     width = max((len(role) for role in roles), default=0)
     return (["roles:"] + [f"  {role.ljust(width)}  {ROLE_LEGEND.get(role, '(no legend entry)')}" for role in roles]
-            + [f"placements: {PLACEMENT_LEGEND}", f"keys: {KEYS_LEGEND}"])
+            + [f"placements: {PLACEMENT_LEGEND}", f"fields: {KEYS_LEGEND}"])

@@ -5,10 +5,11 @@ then materialized with ``model.to_empty(device=...)``; every DTensor parameter's
 piece is read straight from the checkpoint with ``safe_open(...).get_slice`` — a rank
 never holds a full tensor that it only keeps a slice of.
 
-Which checkpoint tensors make which parameter is transformers' own answer: the renamings
-and conversions ``from_pretrained`` applies to the model (per-expert tensors stacked into
-packed experts, gate and up concatenated, renamed blocks), recorded lazily by
-``checkpoint_names`` so that the slices are still read, not the whole tensors.
+Which checkpoint tensors make which parameter is the weight map (``weight_map``): recorded
+by codegen in the bundle's meta, or derived here the same way — transformers' own
+renamings and conversions that ``from_pretrained`` applies (per-expert tensors stacked
+into packed experts, gate and up concatenated, renamed blocks) traced on placeholders —
+so that the slices are still read, not the whole tensors.
 """
 
 import json
@@ -21,7 +22,9 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.distributed.checkpoint_names import LazyTensor, Segments, StoredTensor, checkpoint_sources
+from hyper_parallel.distributed.checkpoint_names import LazyTensor, Segments, StoredTensor, model_tensor_names
+from hyper_parallel.distributed.weight_map import RecordedMap, WeightMapError, derive_weight_map, to_text
+from hyper_parallel.distributed.weight_map_sources import weight_map_sources
 from hyper_parallel.errors import HyperParallelError
 
 _LOG = logging.getLogger(__name__)
@@ -83,25 +86,32 @@ def _chunk_range(start: int, stop: int, pieces: int, index: int) -> tuple[int, i
 
 @torch.no_grad()
 def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, strict: bool = True,
-                             key_mapping: dict[str, str] | None = None) -> ShardedLoadReport:
+                             key_mapping: dict[str, str] | None = None,
+                             weight_map: dict[str, str | list[str]] | None = None) -> ShardedLoadReport:
     """Fill every parameter and persistent buffer of a materialized model from ``model_dir``.
 
-    Checkpoint names go through the renamings and conversions ``from_pretrained`` applies
-    to this model (``checkpoint_names``; ``key_mapping`` as ``from_pretrained`` takes it),
-    so a checkpoint saved in a family's own on-disk layout loads as it does in transformers."""
+    ``weight_map``: the recorded mapping (a bundle's ``codegen_meta.json``), checkpoint
+    name → the parameter part it fills. Without one, or for tensors it leaves empty (a
+    checkpoint in another layout), the same mapping is derived here from the checkpoint's
+    own names by transformers' renamings and conversions (``key_mapping`` as
+    ``from_pretrained`` takes it)."""
     where = checkpoint_index(model_dir)
     report = ShardedLoadReport()
     handles: dict[Path, object] = {}
+    leaves: dict[str, StoredTensor] = {}
 
-    def handle_for(file: Path):
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        return handles[file]
+    def leaf(key: str) -> StoredTensor:
+        """Checkpoint tensor ``key``, opened once (several boxes may read it)."""
+        if key not in leaves:
+            file = where[key]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt")
+            leaves[key] = StoredTensor(handles[file], key)
+        return leaves[key]
 
     loaded: set[int] = set()
     try:
-        sources = checkpoint_sources(model, lambda key: StoredTensor(handle_for(where[key]), key), where,
-                                     key_mapping=key_mapping, note=lambda line: _note(report, line))
+        sources = _sources(model, model_dir, where, leaf, weight_map, key_mapping, lambda line: _note(report, line))
         for name, tensor in [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]:
             source = sources.get(name)
             if source is None:
@@ -113,11 +123,34 @@ def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, s
             report.tensors += 1
             report.bytes_read += tensor.to_local().nbytes if isinstance(tensor, DTensor) else tensor.nbytes
     finally:
+        leaves.clear()
         handles.clear()
     report.missing = [name for name in report.missing if id(_lookup(model, name)) not in loaded]
     if strict and report.missing:
         raise ShardedLoadError(f"{model_dir}: no checkpoint tensor for {', '.join(report.missing[:5])}")
     return report
+
+
+def _sources(model, model_dir, where, leaf, weight_map, key_mapping, note) -> dict[str, LazyTensor]:
+    """Model tensor → lazy source: from the recorded map, completed (or, without one,
+    made) by the map derived from the checkpoint's own names."""
+    sources: dict[str, LazyTensor] = {}
+    try:
+        if weight_map is not None:
+            sources = weight_map_sources(model, RecordedMap.of(weight_map), leaf, where, note=note,
+                                         key_mapping=key_mapping)
+        wanted = set(model_tensor_names(model))
+        if weight_map is None or not wanted <= set(sources):
+            if weight_map is not None:
+                _LOG.info(f"{model_dir}: the recorded weight map leaves {len(wanted - set(sources))} tensor(s) "
+                          f"empty; deriving the mapping from the checkpoint's own names")
+            derived = to_text(derive_weight_map(model, {key: leaf(key).shape for key in where},
+                                                key_mapping=key_mapping))
+            found = weight_map_sources(model, RecordedMap.of(derived), leaf, where, note=note, key_mapping=key_mapping)
+            sources.update((name, src) for name, src in found.items() if name not in sources)
+    except WeightMapError as exc:
+        raise ShardedLoadError(f"{model_dir}: {exc}") from None
+    return sources
 
 
 def _note(report: ShardedLoadReport, line: str) -> None:
@@ -154,7 +187,8 @@ def _copy_local(name: str, tensor: torch.Tensor, source: LazyTensor, model_dir: 
 
 
 def materialize_and_load(model: torch.nn.Module, model_dir: str | Path, *, device: str | torch.device = "cpu",
-                         strict: bool = True, key_mapping: dict[str, str] | None = None) -> ShardedLoadReport:
+                         strict: bool = True, key_mapping: dict[str, str] | None = None,
+                         weight_map: dict[str, str | list[str]] | None = None) -> ShardedLoadReport:
     """Allocate a meta-device (already parallelized) model's local shards on ``device``
     and fill them from the checkpoint. Buffers that were built for real (e.g. rotary
     ``inv_freq`` under ``accelerate.init_empty_weights(include_buffers=False)``) keep
@@ -168,4 +202,4 @@ def materialize_and_load(model: torch.nn.Module, model_dir: str | Path, *, devic
         for name, buf in model.named_buffers():
             if name in kept:
                 buf.copy_(kept[name])
-    return load_sharded_safetensors(model, model_dir, strict=strict, key_mapping=key_mapping)
+    return load_sharded_safetensors(model, model_dir, strict=strict, key_mapping=key_mapping, weight_map=weight_map)

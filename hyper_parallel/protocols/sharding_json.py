@@ -17,6 +17,22 @@ a ``*_dst`` that is written marks where one happens), ``local_map`` when false, 
 writes a list of one named placement as that placement. The
 reader applies the same defaults, so both forms decode to the same ``ShardingConfig``.
 
+The line form (``entry_line``, what the generated plan literal holds: one line per
+module key, so a reviewer reads a plan like torchtitan's) spells the compact form as
+one string; the reader accepts it wherever it accepts an entry::
+
+    LINE  := ROLE (" | " FIELD)*
+    FIELD := PARAM ": " NAMED                 a state sharding, e.g. weight: tp=shard(0)
+           | ("in" | "out") ": " IO [" -> " IO]    *_src, then *_dst where it differs
+           | "local_map"
+    IO    := NAMED | "(" ITEM (", " ITEM)* ")" | "-"    per positional input/output; - none
+    ITEM  := NAMED | "-"
+    NAMED := AXIS "=" PLACEMENT (" " AXIS "=" PLACEMENT)* | "{}"
+
+e.g. ``"rowwise | weight: tp=shard(1) | in: tp=shard(-1) | out: tp=partial | local_map"``.
+An entry whose parameter is named like a field word (``in``, ``out``, ``local_map``)
+stays a compact dict.
+
 Placements are text here; a ``ShardingConfig`` holding torch placements is converted
 through ``placements`` (torch is imported only then).
 """
@@ -77,8 +93,11 @@ def sharding_config_to_json(config: ShardingConfig, role: str = "custom", *, whe
     return entry
 
 
-def sharding_config_from_json(entry: Mapping, *, where: str = "entry") -> ShardingConfig:
-    """An entry -> ``ShardingConfig`` holding placement *text* (the applier accepts both)."""
+def sharding_config_from_json(entry: Mapping | str, *, where: str = "entry") -> ShardingConfig:
+    """An entry (any form: full, compact or line) -> ``ShardingConfig`` holding placement
+    *text* (the applier accepts both)."""
+    if isinstance(entry, str):
+        entry = entry_from_line(entry, where=where)
     if not isinstance(entry, Mapping):
         raise PlanFormatError(f"{where}: expected an object, got {type(entry).__name__}")
     unknown = sorted(set(entry) - set(ENTRY_KEYS))
@@ -117,6 +136,116 @@ def compact_entry(entry: Mapping) -> dict:
     if entry.get("local_map"):
         out["local_map"] = True
     return {key: out[key] for key in ENTRY_KEYS if key in out}
+
+
+_FIELD_WORDS = ("in", "out", "local_map")
+_IO_FIELDS = {"in": ("in_src", "in_dst"), "out": ("out_src", "out_dst")}
+
+
+def entry_line(entry: Mapping) -> str | dict:
+    """A full entry in the line form (module docstring), or its compact dict when a
+    parameter's name is a field word; both decode to the same ``ShardingConfig``."""
+    states = entry.get("state_shardings") or {}
+    if any(name in _FIELD_WORDS or not name.isidentifier() for name in states):
+        return compact_entry(entry)
+    fields = [entry["role"], *(f"{name}: {_named_text(named)}" for name, named in states.items())]
+    for word, (src, dst) in _IO_FIELDS.items():
+        src_value, dst_value = entry.get(src), entry.get(dst)
+        if src_value is None and dst_value is None:
+            continue
+        text = f"{word}: {_io_text(src_value)}"
+        fields.append(text if dst_value == src_value else f"{text} -> {_io_text(dst_value)}")
+    if entry.get("local_map"):
+        fields.append("local_map")
+    return " | ".join(fields)
+
+
+def entry_from_line(text: str, *, where: str = "entry") -> dict:
+    """The line form -> a full entry (``sharding_config_to_json``'s keys)."""
+    role, *fields = [part.strip() for part in text.split("|")]
+    if not role.isidentifier():
+        raise PlanFormatError(f"{where}: {text!r} should start with a role name, got {role!r}")
+    entry = {"role": role, "state_shardings": {}, "in_src": None, "in_dst": None, "out_src": None,
+             "out_dst": None, "local_map": False}
+    seen = set()
+    for field in fields:
+        name, colon, value = (field, "", "") if field == "local_map" else field.partition(":")
+        name, value = name.strip(), value.strip()
+        if name in seen or (name != "local_map" and not colon) or not name.isidentifier():
+            problem = "repeats" if name in seen else "is not NAME: VALUE or local_map"
+            raise PlanFormatError(f"{where}: field {field!r} {problem} (in {text!r})")
+        seen.add(name)
+        if name == "local_map":
+            entry["local_map"] = True
+        elif name in _IO_FIELDS:
+            src, arrow, dst = value.partition("->")
+            src_key, dst_key = _IO_FIELDS[name]
+            entry[src_key] = _io_from_text(src.strip(), f"{where}.{src_key}")
+            entry[dst_key] = _io_from_text(dst.strip(), f"{where}.{dst_key}") if arrow else entry[src_key]
+        else:
+            entry["state_shardings"][name] = _named_from_text(value, f"{where}.state_shardings.{name}")
+    return entry
+
+
+def full_entry(entry: Mapping | str, *, where: str = "entry") -> dict:
+    """Any form of an entry as the full JSON entry: what code reading an entry's fields
+    (``role``, ``state_shardings``) from a generated plan literal goes through."""
+    return sharding_config_to_json(sharding_config_from_json(entry, where=where),
+                                   entry_role(entry, where=where), where=where)
+
+
+def entry_role(entry: Mapping | str, *, where: str = "entry") -> str:
+    """The role of an entry in any form (a line starts with it)."""
+    if isinstance(entry, str):
+        return entry.split("|", 1)[0].strip()
+    if not isinstance(entry, Mapping):
+        raise PlanFormatError(f"{where}: expected an object or a line, got {type(entry).__name__}")
+    return str(entry.get("role", "custom"))
+
+
+def _named_text(named: Mapping[str, str]) -> str:
+    return " ".join(f"{axis}={text}" for axis, text in named.items()) or "{}"
+
+
+def _io_text(value) -> str:
+    if value is None:
+        return "-"
+    if len(value) == 1 and value[0] is not None:
+        return _named_text(value[0])
+    return "(" + ", ".join("-" if item is None else _named_text(item) for item in value) + ")"
+
+
+def _named_from_text(text: str, where: str) -> dict[str, str]:
+    if text == "{}":
+        return {}
+    named = {}
+    for part in text.split():
+        axis, equals, placement = part.partition("=")
+        if not equals or axis in named:
+            raise PlanFormatError(f"{where}: expected AXIS=PLACEMENT pairs (tp=shard(0) cp=replicate), got {text!r}")
+        named[axis] = placement
+    return _named_to_json(named, where)
+
+
+def _io_from_text(text: str, where: str):
+    if text == "-":
+        return None
+    if not (text.startswith("(") and text.endswith(")")):
+        return [_named_from_text(text, where)]
+    items = _split_top_level(text[1:-1])
+    return [None if item == "-" else _named_from_text(item, f"{where}[{i}]") for i, item in enumerate(items)]
+
+
+def _split_top_level(text: str) -> list[str]:
+    """``a, b(1,2) c, -`` -> its comma-separated items, ignoring commas inside parentheses
+    (``packed_shard(1,2)``)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    return items + [text[start:].strip()]
 
 
 def _bool(value, where: str) -> bool:

@@ -3,6 +3,7 @@
 import argparse
 import os
 import sys
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -11,7 +12,7 @@ from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
 from hyper_parallel.trainer.base import BaseTrainer, write_metrics
 from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
-from hyper_parallel.trainer.data import DataError, text_dataset_file
+from hyper_parallel.trainer.data import DataError, bytes_dataset_file
 
 
 EPILOG = """\
@@ -24,16 +25,27 @@ of processes to launch), modeling_backend / codegen pick the model (hf, custom, 
 generated bundle, which rank 0 generates or reuses before training), and its training
 section sets steps, global_batch_size, micro_batch_size, seq_len, seed, log_every,
 activation_checkpointing, compile and max_grad_norm; optimizer sets AdamW's lr, betas
-and weight_decay; dataset is synthetic tokens or a local text file (kind: text, path).
+and weight_decay; dataset is synthetic tokens (kind: synthetic), local documents tokenized
+with the model folder's tokenizer and packed into seq_len with EOS between documents
+(kind: text | jsonl | parquet, path, text_column, sample_by, shuffle; needs pip install
+-e ".[data]"), or a file's bytes as token ids (kind: bytes, path).
 Rank 0 prints one line per log_every steps: loss, gradient norm, tokens/s.
 
 training.checkpoint: {dir, every_steps, keep_last, async, resume} saves step_<N>/
 folders under dir (relative to the recipe's folder); a restarted run resumes from the
 newest complete one unless --no-resume (or resume: false) says otherwise.
+
+export: python -m hyper_parallel.trainer export --checkpoint DIR/step_N --out HF_DIR
+writes the checkpoint as an HF model folder (alone, or under torchrun: each rank its share).
 """
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:  # python -m hyper_parallel.trainer export --checkpoint DIR --out HF_DIR
+        from hyper_parallel.trainer.export import export_main
+
+        return export_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.trainer", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a recipe under torchrun (gloo on CPU, nccl/hccl on accelerators).",
@@ -56,23 +68,48 @@ def main(argv: list[str] | None = None) -> int:
               f"-m hyper_parallel.trainer --config {args.config}", file=sys.stderr)
         return 2
     try:
-        if config.dataset.kind == "text":
-            text_dataset_file(config.dataset, config.training.global_batch_size * config.training.seq_len,
+        if config.dataset.kind == "bytes":
+            bytes_dataset_file(config.dataset, config.training.global_batch_size * config.training.seq_len,
                               config._yaml_path or args.config)
         checkpoint_root(config, config._yaml_path or args.config)
     except (DataError, CheckpointError) as exc:
-        if os.environ.get("RANK") == "0":  # one line, not one per rank
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(exc)
     # The step lines; the codegen progress under it stays quiet (its warnings still show).
     configure_console_logging(logger="hyper_parallel.trainer")
-    trainer = BaseTrainer(config, resume=not args.no_resume)
-    records = trainer.train()
+    try:
+        # Data read and tokenized, a checkpoint checked before it is loaded: every rank finds
+        # the same problem (the same files, the same global shapes), none waits for another.
+        trainer = BaseTrainer(config, resume=not args.no_resume)
+        records = trainer.train()
+    except (DataError, CheckpointError) as exc:
+        return _refuse(exc)
     if args.metrics and trainer.rank == 0:
         write_metrics(records, args.metrics)
     dist.barrier()  # nobody leaves while a peer may still be receiving from it
     dist.destroy_process_group()
     return 0
+
+
+def _refuse(exc: Exception) -> int:
+    """A bad dataset or checkpoint, found alike by every rank: rank 0 says it in one line,
+    every rank leaves with 2 (no traceback, nothing written)."""
+    if os.environ.get("RANK") == "0":  # one line, not one per rank
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    _leave_together()
+    return 2
+
+
+def _leave_together(timeout_s: float = 60.0) -> None:
+    """Once the process group exists, the ranks that refused meet before leaving: the
+    first rank to exit makes torchrun end the others, and rank 0 must have said why first.
+    Bounded (gloo's monitored barrier); a rank that did not refuse, or a backend without
+    it, is not waited for."""
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError:
+        pass
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """BaseTrainer: recipe → mesh → model (through HyperAutoModel) → optimizer → steps.
 
 Launched under torchrun (``python -m hyper_parallel.trainer --config X.yaml``) it
-trains the recipe's ``training`` section on synthetic tokens or a local text file and
-logs loss and tokens/s per step; with ``training.checkpoint`` it saves checkpoints and a
+trains the recipe's ``training`` section on synthetic tokens, a file's bytes, or local text,
+JSON lines or parquet documents tokenized and packed (trainer/corpus.py), and logs loss and
+tokens/s per step; with ``training.checkpoint`` it saves checkpoints and a
 restarted run resumes from the newest complete one (trainer/checkpoint.py)."""
 
 import json
@@ -16,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.config.launch import check_launch_world_size
-from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.config.schema import TOKENIZED_KINDS, TrainerConfig
 from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
-from hyper_parallel.models.hf.model_builder import runtime_device_type
-from hyper_parallel.trainer.checkpoint import Checkpointer
-from hyper_parallel.trainer.data import global_batch, micro_batches, read_text_tokens, seed_step
+from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_device_type
+from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
+from hyper_parallel.trainer.corpus import PackedCorpus, check_vocabulary, corpus_batch, prepare_corpus
+from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens, seed_step
 
 _LOG = logging.getLogger(__name__)
 
@@ -47,10 +49,41 @@ class BaseTrainer:
         self.dims = acc.parallel_dims
         self.mesh_context = MeshContext(build_device_mesh(self.dims, runtime_device_type(acc.device_type)), self.dims)
         self.rank = dist.get_rank()
+        # Before any model is built: a bad dataset is found by every rank alike and said
+        # once (trainer/__main__.py); the process group lets the ranks leave together.
+        self.corpus = self._prepare_corpus()
         torch.manual_seed(config.training.seed)
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, config._yaml_path or "<recipe>")
+
+    def _prepare_corpus(self) -> PackedCorpus | None:
+        """The tokenized, packed dataset for kinds text, jsonl and parquet (every rank
+        prepares the same one; rank 0 logs the progress); None for the other kinds."""
+        if self.config.dataset.kind not in TOKENIZED_KINDS:
+            return None
+        return prepare_corpus(self.config.dataset, self.config.training, recipe_model_dir(self.config),
+                              self.config._yaml_path or "<recipe>", log=self.rank == 0)
+
+    def _data_start(self, resumed: Resumed | None, first: int) -> int:
+        """The corpus row the first step of this run starts at: 0, or the position the
+        resumed checkpoint recorded, which must be for these very data (same packed rows)."""
+        if resumed is None or self.corpus is None:
+            return 0
+        data = resumed.data
+        if data.get("kind") != self.config.dataset.kind or "next_row" not in data:
+            if self.rank == 0:
+                _LOG.warning(f"checkpoint {resumed.path} recorded no position in a {self.config.dataset.kind} "
+                             f"dataset (dataset.kind {data.get('kind')!r}); the dataset starts at step "
+                             f"{first}'s rows as if it had been read from the start")
+            return first * self.config.training.global_batch_size
+        if data.get("fingerprint") != self.corpus.fingerprint:
+            raise CheckpointError(
+                f"{self.config._yaml_path or '<recipe>'}: dataset.path: the data differ from those checkpoint "
+                f"{resumed.path} was trained on (packed sequences sha256 {str(data.get('fingerprint'))[:12]}..., now "
+                f"{self.corpus.fingerprint[:12]}...: another file, tokenizer or seq_len), so the run would not "
+                f"continue where it stopped; fix: restore the dataset, or point training.checkpoint.dir elsewhere")
+        return int(data["next_row"])
 
     def _build_model(self) -> torch.nn.Module:
         """The recipe's model through HyperAutoModel (seed §10's ``config.model.build(...)``,
@@ -75,20 +108,30 @@ class BaseTrainer:
         training, dataset = self.config.training, self.config.dataset
         vocab = self.model.config.vocab_size
         where = self.config._yaml_path or "<recipe>"
-        text = None
-        if dataset.kind == "text":
-            text = read_text_tokens(dataset, vocab, training.global_batch_size * training.seq_len, where)
+        byte_tokens = None
+        if dataset.kind == "bytes":
+            byte_tokens = read_byte_tokens(dataset, vocab, training.global_batch_size * training.seq_len, where)
+        if self.corpus is not None:
+            check_vocabulary(self.corpus, vocab, recipe_model_dir(self.config), where)
         dp_rank, dp_size = self._dp_coordinates()
         records = []
         self.model.train()
         resumed = self.checkpointer.resume(self.resume)
         first = resumed.step if resumed else 0
+        start_row = self._data_start(resumed, first)
+        if self.corpus is not None:
+            self.checkpointer.data_state = lambda done: self._data_state(start_row + (done - first) *
+                                                                         training.global_batch_size)
         if resumed and self.rank == 0:
             _LOG.info(f"steps {first + 1}..{training.steps} follow" if first < training.steps
                       else f"nothing to train: the checkpoint is at step {first}, training.steps is {training.steps}")
         for step in range(first, training.steps):
             start = time.perf_counter()
-            batch = global_batch(step, training, dataset, vocab, text)
+            if self.corpus is not None:
+                row = start_row + (step - first) * training.global_batch_size
+                batch = corpus_batch(self.corpus, row, training, dataset.shuffle)
+            else:
+                batch = global_batch(step, training, dataset, vocab, byte_tokens)
             seed_step(step, training)
             parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
             total = None
@@ -115,6 +158,11 @@ class BaseTrainer:
             self.checkpointer.maybe_save(record.step, last=record.step == training.steps)
         self.checkpointer.finish()
         return records
+
+    def _data_state(self, next_row: int) -> dict:
+        """What a checkpoint records of the corpus: the next row and which rows these are."""
+        return {"next_row": next_row, "rows": self.corpus.num_rows, "fingerprint": self.corpus.fingerprint,
+                "shuffle": self.config.dataset.shuffle}
 
 
 def write_metrics(records: list[StepRecord], path: str | os.PathLike) -> None:

@@ -6,6 +6,8 @@ A checkpoint is the folder ``<dir>/step_<N>/``:
 - DCP's files: ``{"model": ..., "optim": ...}`` from ``get_state_dict`` (DTensor and
   FSDP2 shards saved as shards, each rank writing its own);
 - ``rng/rank_<r>.pt``: that rank's torch CPU RNG state;
+- ``hf/``: the model's HF ``config.json`` and the bundle's weight map (rank 0), which
+  ``trainer export`` reads (``trainer/export.py``);
 - ``COMPLETE.json``, written last by rank 0: the step, the data position, the layout.
 
 Every rank writes into ``step_<N>.tmp-<id>/``; after all ranks finished (a barrier)
@@ -21,18 +23,29 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.trainer.checkpoint_check import (
+    CheckpointMismatch,
+    check_loadable,
+    load_failure,
+    read_marker,
+    read_metadata,
+)
+from hyper_parallel.trainer.checkpoint_layout import adapt_view, saved_tensors
+from hyper_parallel.trainer.export import write_export_info
 
 _LOG = logging.getLogger(__name__)
 
@@ -48,10 +61,12 @@ class CheckpointError(ValueError, HyperParallelError):
 
 @dataclass
 class Resumed:
-    """Where a resumed run starts: the checkpoint folder and the steps already done."""
+    """Where a resumed run starts: the checkpoint folder, the steps already done and the
+    data position the checkpoint recorded (its marker's ``data``)."""
 
     path: Path
     step: int
+    data: dict = field(default_factory=dict)
 
 
 def checkpoint_root(config: TrainerConfig, where: str) -> Path | None:
@@ -233,6 +248,10 @@ class Checkpointer:
         self.config = config
         self.model, self.optimizer = model, optimizer
         self.root = checkpoint_root(config, where)
+        self.where = where
+        # Set by the trainer: after ``step`` steps, the data position to record besides
+        # the step (trainer/corpus.py: the rows consumed and the corpus fingerprint).
+        self.data_state: Callable[[int], dict] | None = None
         self.rank = dist.get_rank()
         # An async save runs its collectives in a background thread; on a group of its own
         # they never interleave with the training step's collectives on the default group.
@@ -263,18 +282,30 @@ class Checkpointer:
         if choice[0] is None:
             return None
         path = Path(choice[0])
-        record = json.loads((path / MARKER).read_text())
         state = self._state()
         view, parts = _dcp_view(state)
-        dcp.load(view, checkpoint_id=str(path))
+        try:  # another model's or a damaged checkpoint: one line naming the tensor or file
+            record = read_marker(path / MARKER, self.where)
+            read_metadata(path, self.where)  # a missing or unreadable .metadata, named
+            # saved at another layout: packed tensors may be held as blocks here and whole there
+            view, restores = adapt_view(view, parts, saved_tensors(path))
+            check_loadable(path, view, self.where)
+        except CheckpointMismatch as exc:
+            raise CheckpointError(str(exc)) from None
+        try:
+            dcp.load(view, checkpoint_id=str(path))
+        except CheckpointException as exc:  # raised on every rank alike: DCP gathers the failures
+            raise CheckpointError(str(load_failure(path, exc, self.where))) from None
         _restore_parts(parts)
+        for restore in restores:
+            restore.run()
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng = path / "rng" / f"rank_{self.rank}.pt"
         if rng.is_file():
             torch.set_rng_state(torch.load(rng, weights_only=True))
         if self.rank == 0:
             _LOG.info(f"resumed from checkpoint {path} (step {record['step']})")
-        return Resumed(path, int(record["step"]))
+        return Resumed(path, int(record["step"]), record.get("data") or {})
 
     def maybe_save(self, step: int, last: bool) -> None:
         """After ``step`` steps: save when ``every_steps`` divides it, or after the last step."""
@@ -290,13 +321,17 @@ class Checkpointer:
         tmp = self.root / f"step_{step}.tmp-{token[0]}"
         (tmp / "rng").mkdir(parents=True, exist_ok=True)
         torch.save(torch.get_rng_state(), tmp / "rng" / f"rank_{self.rank}.pt")
+        if self.rank == 0:
+            write_export_info(tmp, self.model)  # the HF config and weight map `export` needs
         dims = self.config.accelerator
         record = {
             "format": FORMAT,
             "step": step,
-            # Batches are a function of the step index (trainer/data.py global_batch): the
-            # next step's batch is where the data resumes.
-            "data": {"kind": self.config.dataset.kind, "next_step": step},
+            # Synthetic and bytes batches are a function of the step index (trainer/data.py
+            # global_batch): the next step's batch is where the data resumes. Tokenized
+            # datasets add their row position (trainer/corpus.py, through data_state).
+            "data": {"kind": self.config.dataset.kind, "next_step": step,
+                     **(self.data_state(step) if self.data_state else {})},
             "lr_schedule": None,  # the trainer has a constant lr (it sits in the optimizer's state)
             "world_size": dist.get_world_size(),
             "layout": {k: getattr(dims, f"{k}_size") for k in ("dp", "tp", "cp", "ep", "pp")},

@@ -1,5 +1,6 @@
-"""Training batches: synthetic tokens or a small local text file, identical on every
-rank for the same step, sliced by data-parallel rank."""
+"""Training batches: synthetic tokens or a local file's bytes (``dataset.kind: bytes``),
+identical on every rank for the same step, sliced by data-parallel rank. Tokenized text,
+JSON lines and parquet datasets are trainer/corpus.py's."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,8 @@ class DataError(ValueError, HyperParallelError):
 
 def global_batch(step: int, training: TrainingConfig, dataset: DatasetConfig, vocab_size: int,
                  text_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """The whole step's tokens, ``[global_batch_size, seq_len]``; the same on every rank."""
+    """The whole step's tokens, ``[global_batch_size, seq_len]``; the same on every rank
+    (kinds synthetic and bytes: the batch is a function of the step)."""
     shape = (training.global_batch_size, training.seq_len)
     if dataset.kind == "synthetic":
         generator = torch.Generator().manual_seed(training.seed * 1_000_003 + step)
@@ -36,11 +38,11 @@ def seed_step(step: int, training: TrainingConfig) -> None:
     torch.manual_seed(training.seed * 1_000_003 + step + 1)
 
 
-def text_dataset_file(dataset: DatasetConfig, needed: int, where: str) -> Path:
-    """The text dataset's file, checked before any rank builds a model: it exists, is a
+def bytes_dataset_file(dataset: DatasetConfig, needed: int, where: str) -> Path:
+    """The bytes dataset's file, checked before any rank builds a model: it exists, is a
     file and holds at least one step's bytes. Relative paths start at the recipe's folder."""
     if not dataset.path:
-        raise DataError(f"{where}: dataset.path: required when dataset.kind is 'text'")
+        raise DataError(f"{where}: dataset.path: required when dataset.kind is 'bytes'")
     path = Path(dataset.path)
     if not path.is_absolute():
         path = Path(where).parent / path
@@ -48,7 +50,7 @@ def text_dataset_file(dataset: DatasetConfig, needed: int, where: str) -> Path:
         raise DataError(f"{where}: dataset.path: {path} does not exist (relative paths start at the recipe's "
                         f"folder); fix dataset.path")
     if not path.is_file():
-        raise DataError(f"{where}: dataset.path: {path} is not a file; expected a local text file")
+        raise DataError(f"{where}: dataset.path: {path} is not a file; expected a local file")
     size = path.stat().st_size
     if size < needed:
         raise DataError(f"{where}: dataset.path: {path} has {size} bytes, one step needs {needed} "
@@ -56,9 +58,10 @@ def text_dataset_file(dataset: DatasetConfig, needed: int, where: str) -> Path:
     return path
 
 
-def read_text_tokens(dataset: DatasetConfig, vocab_size: int, needed: int, where: str) -> torch.Tensor:
-    """Bytes of a local text file as token ids (``byte % vocab_size``): enough to train on."""
-    data = text_dataset_file(dataset, needed, where).read_bytes()
+def read_byte_tokens(dataset: DatasetConfig, vocab_size: int, needed: int, where: str) -> torch.Tensor:
+    """Bytes of a local file as token ids (``byte % vocab_size``): enough for a smoke test,
+    no tokenizer needed."""
+    data = bytes_dataset_file(dataset, needed, where).read_bytes()
     return torch.tensor(list(data), dtype=torch.long) % vocab_size
 
 

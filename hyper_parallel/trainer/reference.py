@@ -11,7 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hyper_parallel.config import load_training_config
-from hyper_parallel.trainer.data import global_batch, micro_batches, seed_step
+from hyper_parallel.config.schema import TOKENIZED_KINDS
+from hyper_parallel.trainer.corpus import corpus_batch, prepare_corpus
+from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens, seed_step
 
 
 # fp32's relative precision: the size of the error a different summation order (a sharded
@@ -46,8 +48,19 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                   weight_decay=opt.weight_decay, foreach=False)
     records, generator = [], torch.Generator().manual_seed(0)
+    training, dataset = config.training, config.dataset
+    corpus = byte_tokens = None
+    if dataset.kind in TOKENIZED_KINDS:  # the trainer's packed rows, in the trainer's order
+        corpus = prepare_corpus(dataset, training, recipe.parent / config.model.pretrained_model_name_or_path,
+                                str(recipe), log=False)
+    elif dataset.kind == "bytes":
+        byte_tokens = read_byte_tokens(dataset, model.config.vocab_size, training.global_batch_size * training.seq_len,
+                                       str(recipe))
     for step in range(config.training.steps):
-        batch = global_batch(step, config.training, config.dataset, model.config.vocab_size)
+        if corpus is not None:
+            batch = corpus_batch(corpus, step * training.global_batch_size, training, dataset.shuffle)
+        else:
+            batch = global_batch(step, training, dataset, model.config.vocab_size, byte_tokens)
         seed_step(step, config.training)
         parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "reference"))
         total = 0.0

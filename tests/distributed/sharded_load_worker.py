@@ -1,5 +1,6 @@
 """torchrun worker: plan + apply on a meta model, then each rank reads only its shards
-from safetensors; the result must equal the single-process HF model.
+from safetensors, placed by the recorded weight map; the result must equal the
+single-process HF model.
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.distributed.sharded_load_worker \
         --model-dir DIR --out OUT_DIR
@@ -19,6 +20,7 @@ from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.mesh import build_offline_mesh
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.distributed.sharded_load import materialize_and_load
+from hyper_parallel.distributed.weight_map import weight_map_text
 from tests.distributed.tp_equivalence_worker import one_step_against_reference, start_tp2_worker
 from tests.rank_exit import leave_after_barrier
 
@@ -31,7 +33,11 @@ def main() -> None:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     plan = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan()
     apply_sharding_plan(model, plan.modules, mesh_context)
-    report = materialize_and_load(model, args.model_dir)
+    # the map codegen records (per-expert layout, from a meta model); a fused checkpoint
+    # holds the model's own names, which load as they are
+    with torch.device("meta"):
+        recorded = weight_map_text(transformers.AutoModelForCausalLM.from_config(config))
+    report = materialize_and_load(model, args.model_dir, weight_map=recorded)
 
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     reference.load_state_dict(load_file(str(Path(args.model_dir) / "reference.safetensors.ref")))

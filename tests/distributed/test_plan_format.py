@@ -9,6 +9,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.plan_format import (
     PlanFormatError,
+    plan_entries,
     plan_from_json,
     plan_modules_from_json,
     plan_modules_to_json,
@@ -18,7 +19,7 @@ from hyper_parallel.distributed.plan_format import (
 )
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.protocols.sharding import ShardingConfig
-from hyper_parallel.protocols.sharding_json import compact_entry
+from hyper_parallel.protocols.sharding_json import compact_entry, entry_line, full_entry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,3 +96,59 @@ def test_the_compact_entry_decodes_to_the_same_config():
     bare = compact_entry(sharding_config_to_json(ShardingConfig(in_src=({"tp": "shard(1)"},)), "custom"))
     assert bare == {"role": "custom", "in_src": {"tp": "shard(1)"}, "in_dst": None}  # an explicit null dst stays
     assert sharding_config_from_json(bare).in_dst is None
+
+
+LINE_CASES = [
+    ShardingConfig(state_shardings={"weight": {"tp": "shard(0)"}}, in_src=({"tp": "replicate"},),
+                   in_dst=({"tp": "replicate"},), out_src=({"tp": "partial"}, None),
+                   out_dst=({"tp": "replicate"}, None), local_map=True),
+    ShardingConfig(in_src=({"tp": "shard(1)"},)),  # an explicit null dst
+    ShardingConfig(in_dst=({},)),  # no src, an empty named placement
+    ShardingConfig(state_shardings={"gate_up_proj": {"tp": "packed_shard(1,2)", "ep": "shard(0)"}, "down_proj": {}},
+                   in_src=({"tp": "replicate", "ep": "shard(0)"},) * 3,
+                   out_src=({"cp": "replicate", "tp": "partial"}, None), out_dst=({"cp": "shard(1)", "tp": "shard(1)"}, None)),
+    ShardingConfig(out_src=(None,), out_dst=(None, {"tp": "shard(0)"})),
+]
+
+
+@pytest.mark.parametrize("config", LINE_CASES)
+def test_the_line_form_decodes_to_the_same_entry(config):
+    full = sharding_config_to_json(config, "rowwise")
+    line = entry_line(full)
+    assert isinstance(line, str) and "\n" not in line
+    assert line.startswith("rowwise")
+    assert full_entry(line) == full
+    assert sharding_config_from_json(line) == sharding_config_from_json(full)
+
+
+def test_the_line_form_reads_like_the_legend_says():
+    full = sharding_config_to_json(LINE_CASES[0], "rowwise")
+    assert entry_line(full) == ("rowwise | weight: tp=shard(0) | in: tp=replicate "
+                                "| out: (tp=partial, -) -> (tp=replicate, -) | local_map")
+
+
+def test_a_parameter_named_like_a_field_word_keeps_the_dict_form():
+    full = sharding_config_to_json(ShardingConfig(state_shardings={"out": {"tp": "shard(0)"}}), "custom")
+    assert entry_line(full) == {"role": "custom", "state_shardings": {"out": {"tp": "shard(0)"}}}
+    assert full_entry(entry_line(full)) == full
+
+
+@pytest.mark.parametrize("line, message", [
+    ("", r"should start with a role name"),
+    ("colwise | weight tp=shard(0)", r"field 'weight tp=shard\(0\)' is not NAME: VALUE or local_map"),
+    ("colwise | weight: tp=shard(0) | weight: tp=replicate", r"field 'weight: tp=replicate' repeats"),
+    ("colwise | weight: tp shard(0)", r"state_shardings\.weight: expected AXIS=PLACEMENT pairs"),
+    ("colwise | weight: xp=shard(0)", r"unknown mesh axis 'xp'"),
+    ("colwise | in: tp=shard(x)", r"in_src.*unknown placement"),
+    ("colwise | in: (tp=shard(0), tp=sharded)", r"in_src\[1\].*unknown placement"),
+])
+def test_a_malformed_line_names_the_field(line, message):
+    with pytest.raises(PlanFormatError, match=message):
+        sharding_config_from_json(line, where="modules['m']")
+
+
+def test_plan_entries_reads_every_form():
+    plan = {"modules": {"a": "colwise | weight: tp=shard(0)", "b": {"role": "rowwise", "local_map": True}}}
+    entries = plan_entries(plan)
+    assert entries["a"]["state_shardings"] == {"weight": {"tp": "shard(0)"}} and entries["a"]["role"] == "colwise"
+    assert entries["b"]["local_map"] is True and entries["b"]["in_src"] is None

@@ -27,16 +27,16 @@ def test_a_bad_recipe_is_one_line(tmp_path):
     assert proc.stderr.strip() == f"error: {recipe}: training.steps: expected an integer >= 1, got 0"
 
 
-def _text_dataset_recipe(tmp_path, path: str):
+def _bytes_dataset_recipe(tmp_path, path: str):
     recipe = tmp_path / "text.yaml"
     source = (REPO / TINY_RECIPE).read_text().replace("models/tiny-qwen3-moe", str(REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"))
-    recipe.write_text(source + f"\ndataset:\n  kind: text\n  path: {path}\n")
+    recipe.write_text(source + f"\ndataset:\n  kind: bytes\n  path: {path}\n")
     return recipe
 
 
-def test_a_missing_text_dataset_is_one_line_from_rank_0_only(tmp_path):
+def test_a_missing_bytes_dataset_is_one_line_from_rank_0_only(tmp_path):
     """Checked before any rank builds a model: rank 0 says it once, the others leave quietly."""
-    recipe = _text_dataset_recipe(tmp_path, "corpus/missing.txt")
+    recipe = _bytes_dataset_recipe(tmp_path, "corpus/missing.txt")
     outputs = {}
     for rank in ("0", "1"):
         proc = run([sys.executable, "-m", "hyper_parallel.trainer", "--config", str(recipe)], cwd=tmp_path,
@@ -48,13 +48,13 @@ def test_a_missing_text_dataset_is_one_line_from_rank_0_only(tmp_path):
     assert outputs["1"] == ""
 
 
-def test_a_text_dataset_that_is_a_folder_is_named(tmp_path):
+def test_a_bytes_dataset_that_is_a_folder_is_named(tmp_path):
     (tmp_path / "corpus").mkdir()
-    recipe = _text_dataset_recipe(tmp_path, "corpus")
+    recipe = _bytes_dataset_recipe(tmp_path, "corpus")
     proc = run([sys.executable, "-m", "hyper_parallel.trainer", "--config", str(recipe)], cwd=tmp_path,
                env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: {recipe}: dataset.path: {tmp_path / 'corpus'} is not a file; expected a local text file"
+    assert proc.stderr.strip() == f"error: {recipe}: dataset.path: {tmp_path / 'corpus'} is not a file; expected a local file"
 
 
 def test_a_recipe_path_that_is_a_folder_is_one_line(tmp_path):

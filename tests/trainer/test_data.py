@@ -1,10 +1,10 @@
-"""Training batches: the same on every rank for a step, sliced by dp rank; text files too."""
+"""Training batches: the same on every rank for a step, sliced by dp rank; a file's bytes too."""
 
 import pytest
 import torch
 
 from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
-from hyper_parallel.trainer.data import DataError, global_batch, micro_batches, read_text_tokens
+from hyper_parallel.trainer.data import DataError, global_batch, micro_batches, read_byte_tokens
 
 
 def test_synthetic_batches_are_reproducible_and_differ_by_step():
@@ -18,9 +18,9 @@ def test_synthetic_batches_are_reproducible_and_differ_by_step():
 def test_text_file_tokens_feed_the_batches(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     (tmp_path / "corpus.txt").write_text("hello world, " * 20)
-    dataset = DatasetConfig(kind="text", path="corpus.txt")
+    dataset = DatasetConfig(kind="bytes", path="corpus.txt")
     training = TrainingConfig(global_batch_size=2, seq_len=8)
-    tokens = read_text_tokens(dataset, vocab_size=256, needed=16, where=str(recipe))
+    tokens = read_byte_tokens(dataset, vocab_size=256, needed=16, where=str(recipe))
     batch = global_batch(0, training, dataset, 256, tokens)
     assert bytes(batch.flatten().tolist()) == b"hello world, hel"
 
@@ -28,7 +28,7 @@ def test_text_file_tokens_feed_the_batches(tmp_path):
 def test_too_short_text_file_names_the_key(tmp_path):
     (tmp_path / "tiny.txt").write_text("abc")
     with pytest.raises(DataError, match=r"dataset\.path: .*tiny\.txt has 3 bytes, one step needs 16"):
-        read_text_tokens(DatasetConfig(kind="text", path="tiny.txt"), 256, 16, str(tmp_path / "r.yaml"))
+        read_byte_tokens(DatasetConfig(kind="bytes", path="tiny.txt"), 256, 16, str(tmp_path / "r.yaml"))
 
 
 def test_micro_batches_split_the_dp_ranks_rows():

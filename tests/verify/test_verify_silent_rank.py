@@ -45,7 +45,9 @@ def test_a_stopped_rank_is_named_within_the_timeout(project, worker):
     assert proc.returncode != 0, out
     assert f"rank(s) 1 went silent (last phase reported: rank 1: {PHASES[worker]!r})" in out, out
     assert f"after {TIMEOUT_S}s (accelerator.check_timeout_s)" in out, out
-    assert seconds < 90 + TIMEOUT_S, seconds  # generate itself takes seconds; no 900 s launch timeout
+    # Not a speed goal: the bound only tells the check_timeout_s path from the default 900 s launch
+    # timeout, with room for generate's own stages on a loaded machine (118 s seen under load 7).
+    assert seconds < 450, seconds
     if worker == "verify_worker":
         assert (bundle_bytes(bundle) if bundle.is_dir() else {}) == before
     else:  # verify passed, so the bundle was installed; the preflight failure is reported

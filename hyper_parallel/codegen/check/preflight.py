@@ -13,6 +13,7 @@ from hyper_parallel.codegen.check.drift import bundle_file_problems, fix_command
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
 from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.distributed.plan_format import plan_entries
 from hyper_parallel.errors import HyperParallelError
 
 _LOG = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def preflight_integrity_check(bundle_dir: str | Path, *, expected_signature: str
     if not plan or not plan.get("modules"):
         raise PreflightError(f"{bundle_dir / meta['modeling_file']}: HYPER_PARALLEL_PLAN is empty\n  fix: {fix}")
     if model is not None:
-        uncovered = uncovered_parameters(model, plan["modules"])
+        uncovered = uncovered_parameters(model, plan_entries(plan))
         if uncovered:
             raise PreflightError(f"{bundle_dir / meta['modeling_file']}: the frozen plan covers no entry for "
                                  f"parameter(s) {', '.join(uncovered[:5])}\n  fix: {fix}")
@@ -60,7 +61,8 @@ def bundle_digest(bundle_dir: Path, meta: dict[str, Any]) -> str:
     return sha256_bytes("\n".join(parts).encode())
 
 
-def uncovered_parameters(model: Any, modules: dict[str, Any]) -> list[str]:
+def uncovered_parameters(model: Any, modules: dict[str, dict]) -> list[str]:
+    """Trainable parameters no entry of ``modules`` (full entries, ``plan_entries``) places."""
     from hyper_parallel.distributed.name_match import plan_entry_for
 
     missing = []
@@ -140,10 +142,11 @@ def preflight_in_process(spec: CodegenSpec) -> dict[str, Any]:
     p = spec.parallel
     dims = p.dims
     layouts = {"main": mesh_layout(dims), "expert": expert_mesh_layout(dims)}
+    modules = plan_entries(module.HYPER_PARALLEL_PLAN)
     checked = 0
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        key, entry = plan_entry_for(owner, module.HYPER_PARALLEL_PLAN["modules"])
+        key, entry = plan_entry_for(owner, modules)
         placement = entry["state_shardings"][leaf]
         axes, sizes = layouts["expert" if "ep" in placement else "main"]
         for rank in range(p.world_size):

@@ -51,6 +51,7 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     from hyper_parallel.config.launch import check_launch_world_size
     from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
     from hyper_parallel.distributed.name_match import plan_entry_for
+    from hyper_parallel.distributed.plan_format import plan_entries
     from hyper_parallel.protocols.placement_text import local_shard_shape
 
     config = load_training_config(config_path)
@@ -65,11 +66,11 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     global_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     progress("applying hyper_parallelize")
     module.hyper_parallelize(model, MeshContext(device_mesh=mesh, dims=dims))
-    plan = module.HYPER_PARALLEL_PLAN
+    modules = plan_entries(module.HYPER_PARALLEL_PLAN)
     checked = 0
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        key, entry = plan_entry_for(owner, plan["modules"])
+        key, entry = plan_entry_for(owner, modules)
         # Each parameter lives on its own (sub-)mesh: the tp mesh, or the expert mesh for ep.
         param_mesh = getattr(param, "device_mesh", mesh)
         # An axis of one rank splits nothing, and the applier leaves it out of the parameter's

@@ -161,8 +161,11 @@ def _plan_key_of(job: dict[str, Any], fqn: str) -> str:
         name = name.rpartition(".")[0]
 
 
-def brief_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in entry.items() if v not in (None, {}, [], False)}
+def brief_entry(entry: dict[str, Any] | str) -> str | dict[str, Any]:
+    """An entry as the generated file spells it (one line), for a diagnosis to quote."""
+    from hyper_parallel.protocols.sharding_json import entry_line, full_entry
+
+    return entry_line(full_entry(entry))
 
 
 def _track_running(model, plan: dict[str, Any], running: list[str], finished: list[str]) -> None:

@@ -3,14 +3,29 @@
 A container that fits on one line stays on one line; otherwise each item goes on its
 own line, indented by four spaces, with a trailing comma (the layout black would
 choose). Dict order is kept as given: callers pass data in a meaningful, deterministic
-order (model order for plan modules, mesh order for axes).
+order (model order for plan modules, mesh order for axes). A dict value that is a
+string too long for its key's line starts on the next line, one level deeper; one too
+long for that line too is split where it has a ``" | "`` separator (the plan's entry
+lines) into adjacent literals, which Python concatenates back to the same string (inside
+the dict's braces no parentheses are needed).
 """
 
 import math
+import textwrap
+from collections.abc import Iterable
 from typing import Any
 
 INDENT = "    "
-WIDTH = 100
+WIDTH = 119  # transformers' own line length, which the rest of the generated file follows
+
+
+def comment_block(lines: Iterable[str], *, width: int = WIDTH) -> str:
+    """``lines`` as ``# `` comments; a long one continues indented, never splitting words
+    (a path stays whole)."""
+    wrapped = [part for line in lines
+               for part in textwrap.wrap(line, width=width - 2, subsequent_indent="  ",
+                                         break_long_words=False, break_on_hyphens=False)]
+    return "".join(f"# {line}".rstrip() + "\n" for line in wrapped)
 
 
 def render_literal(value: Any, *, indent: int = 0, width: int = WIDTH) -> str:
@@ -28,11 +43,32 @@ def _render(value: Any, indent: int, used: int, width: int) -> str:
         lines = []
         for key, item in value.items():
             head = f"{inner}{_flat(key)}: "
-            lines.append(f"{head}{_render(item, indent + 1, len(head), width)},")
+            if isinstance(item, str) and len(head) + len(_flat(item)) + 1 > width:
+                lines.append(f"{head.rstrip()}\n{_hanging_string(item, inner + INDENT, width)},")
+            else:
+                lines.append(f"{head}{_render(item, indent + 1, len(head), width)},")
     else:
         lines = [f"{inner}{_render(item, indent + 1, len(inner), width)}," for item in value]
     opening, closing = {dict: "{}", list: "[]", tuple: "()"}[type(value)]
     return opening + "\n" + "\n".join(lines) + "\n" + INDENT * indent + closing
+
+
+SEPARATOR = " | "
+
+
+def _hanging_string(text: str, indent: str, width: int) -> str:
+    """``text`` on lines of its own at ``indent``: cut before a separator where it does not
+    fit, each line as full as ``width`` allows (a piece longer than that gets a line of its
+    own; a string without a separator stays whole)."""
+    first, *rest = text.split(SEPARATOR)
+    lines = [first]
+    for piece in rest:
+        candidate = lines[-1] + SEPARATOR + piece
+        if len(indent) + len(_string(candidate)) + 1 <= width:
+            lines[-1] = candidate
+        else:
+            lines.append(SEPARATOR + piece)
+    return "\n".join(f"{indent}{_string(line)}" for line in lines)
 
 
 def _is_container(value: Any) -> bool:

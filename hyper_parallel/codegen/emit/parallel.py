@@ -1,16 +1,13 @@
 """The tail of the generated file: the frozen plan as a literal and
 ``hyper_parallelize(model, mesh_context)``, which hands it to the one applier."""
 
-import textwrap
 from typing import Any
 
-from hyper_parallel.codegen.emit.literal import render_literal
+from hyper_parallel.codegen.emit.literal import comment_block, render_literal
 from hyper_parallel.distributed.plan_format import plan_from_json
-from hyper_parallel.protocols.sharding_json import compact_entry
+from hyper_parallel.protocols.sharding_json import entry_line
 from hyper_parallel.distributed.role_legend import legend_lines
 
-
-PLAN_WIDTH = 119  # transformers' own line length, which the rest of the file follows
 
 HYPER_PARALLELIZE_DEF = '''
 
@@ -26,13 +23,12 @@ def check_frozen_plan(plan: Any) -> None:
 
 
 def render_parallel_section(plan: dict[str, Any]) -> str:
-    """The plan in the codec's compact form under a legend of the roles it uses."""
-    compact = {**plan, "modules": {key: compact_entry(entry) for key, entry in plan["modules"].items()}}
+    """The plan with one line per module key (the codec's line form) under a legend of
+    the roles it uses."""
+    compact = {**plan, "modules": {key: entry_line(entry) for key, entry in plan["modules"].items()}}
     roles = list(dict.fromkeys(entry["role"] for entry in plan["modules"].values()))
-    header = ["The frozen sharding plan: per module key (a module name, or a glob over module names), the",
-              "parameters' placements and the input/output layouts, per mesh axis.", *legend_lines(roles)]
-    wrapped = [part for line in header
-               for part in textwrap.wrap(line, width=98, subsequent_indent="  ", break_long_words=False)]
-    return ("".join(f"# {line}\n" for line in wrapped)
-            + f"HYPER_PARALLEL_PLAN = {render_literal(compact, width=PLAN_WIDTH)}\n"
+    header = ["The frozen sharding plan, one line per module key (a module name or a glob): role | placements "
+              "| in/out layouts.", *legend_lines(roles)]
+    return (comment_block(header)
+            + f"HYPER_PARALLEL_PLAN = {render_literal(compact)}\n"
             f"{HYPER_PARALLELIZE_DEF}")

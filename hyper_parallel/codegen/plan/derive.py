@@ -82,8 +82,10 @@ def _check_config_relations(spec: CodegenSpec, config) -> None:
                               f"expected {smaller} <= {larger}")
 
 
-def build_meta_model(spec: CodegenSpec, model_class: type | None = None):
-    """The model on the meta device (no weights), replacements applied, as training sees it.
+def build_meta_model(spec: CodegenSpec, model_class: type | None = None, *, replace: bool = True):
+    """The model on the meta device (no weights), replacements applied (unless not
+    ``replace``: the HF model whose checkpoint layout the weight map starts from), as
+    training sees it.
 
     ``model_class`` defaults to the HF auto class; preflight passes the generated class
     (whose ``__init__`` applies the replacements itself). For remote code, a generated
@@ -106,9 +108,22 @@ def build_meta_model(spec: CodegenSpec, model_class: type | None = None):
                 model = model_class(config)
         except (ArithmeticError, ValueError, TypeError, IndexError, KeyError) as exc:
             raise _config_build_error(spec, config, exc) from exc
-        if model_class is None:
+        if model_class is None and replace:
             hyper_apply_replacements(model, spec.replacements)
     return model, config
+
+
+def recorded_weight_map(spec: CodegenSpec, model) -> dict[str, Any]:
+    """The weight map codegen records (``distributed/weight_map.py``): from the tensors
+    ``save_pretrained`` writes for the HF model, through transformers' conversion, then
+    through the replacements' declared renames to ``model``'s (replaced) names."""
+    from hyper_parallel.distributed.checkpoint_names import model_tensor_names
+    from hyper_parallel.distributed.weight_map import weight_map_text
+
+    if not spec.replacements:
+        return weight_map_text(model)
+    hf_model, _ = build_meta_model(spec, replace=False)
+    return weight_map_text(model, hf_model=hf_model, names_before_replacement=model_tensor_names(hf_model))
 
 
 def _config_build_error(spec: CodegenSpec, config, exc: Exception) -> Exception:
@@ -208,6 +223,7 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
         "dataflow_error": result.dataflow_error,
         "notes": list(result.notes),
         "module_names": [name for name, _ in model.named_modules()],
+        "weight_map": recorded_weight_map(spec, model),
         "plan": plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
                              recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
                              context_parallel=result.context_parallel),

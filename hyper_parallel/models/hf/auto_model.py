@@ -27,6 +27,7 @@ from torch import nn
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
+from hyper_parallel.distributed.plan_format import plan_entries
 from hyper_parallel.models.hf import model_builder as mb
 from hyper_parallel.models.hf.backend import (
     BackendError,
@@ -127,7 +128,9 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
     planned = meta.get("covered", {}).get("sharding_plan") is True
     if with_weights and mesh_context is not None and planned:
         # Each rank reads only its own shards: plan on the meta device, then load slices.
-        model = mb.build_generated_model_sharded(model_class, hf_config, config, module, mesh_context)
+        model = mb.build_generated_model_sharded(model_class, hf_config, config, module, mesh_context,
+                                                 weight_map=meta.get("weight_map"))
+        model.hyper_weight_map = meta.get("weight_map")  # checkpoints carry it for `trainer export`
         return apply_model_infrastructure(model, config, mesh_context)
     model = mb.build_generated_model(model_class, hf_config, config, with_weights=with_weights)
     model = model.to(mb.target_device(config))
@@ -137,6 +140,7 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
             module.hyper_parallelize(model, mesh_context)
         else:  # the bundle carries no plan: plan at run time, as the hf backend does
             mb.parallelize_with_planner(model, config, mesh_context, workspace_root=workspace_root)
+    model.hyper_weight_map = meta.get("weight_map")
     return apply_model_infrastructure(model, config, mesh_context)
 
 
@@ -180,7 +184,7 @@ def _check_digests_agree(digest: str, bundle_dir: Path, fix: str) -> None:
 def _check_plan_covers(model: nn.Module, module: Any, bundle_dir: Path) -> None:
     from hyper_parallel.codegen.check.preflight import PreflightError, uncovered_parameters
 
-    uncovered = uncovered_parameters(model, module.HYPER_PARALLEL_PLAN["modules"])
+    uncovered = uncovered_parameters(model, plan_entries(module.HYPER_PARALLEL_PLAN))
     if uncovered:
         raise PreflightError(f"{bundle_dir}: the frozen plan has no entry for parameter(s) "
                              f"{', '.join(uncovered[:5])}; run `doit generate`")

@@ -107,9 +107,11 @@ def build_generated_model(model_class: type, hf_config: Any, config: TrainerConf
 
 
 def build_generated_model_sharded(model_class: type, hf_config: Any, config: TrainerConfig,
-                                  module: ModuleType, mesh_context: Any) -> nn.Module:
+                                  module: ModuleType, mesh_context: Any,
+                                  weight_map: dict[str, Any] | None = None) -> nn.Module:
     """The generated model parallelized by its bundle's ``hyper_parallelize`` on the meta
-    device, then materialized with only this rank's shards read from the checkpoint.
+    device, then materialized with only this rank's shards read from the checkpoint,
+    placed by the bundle's recorded ``weight_map`` (a bundle without one: derived at load).
     Weights transformers ties stay one parameter throughout (``tie_like_transformers``)."""
     from accelerate import init_empty_weights
 
@@ -120,7 +122,7 @@ def build_generated_model_sharded(model_class: type, hf_config: Any, config: Tra
     tied = tie_like_transformers(model)
     module.hyper_parallelize(model, mesh_context)
     with parameters_keep_identity():
-        materialize_and_load(model, recipe_model_dir(config), device=target_device(config))
+        materialize_and_load(model, recipe_model_dir(config), device=target_device(config), weight_map=weight_map)
         model = model.to(torch_dtype_of(config)).train()
     check_tied(model, tied, "after loading the checkpoint")
     return model

@@ -1,0 +1,55 @@
+"""``trainer export``: a checkpoint written as an HF model folder that
+``AutoModelForCausalLM.from_pretrained`` loads with the trained weights (here: a DCP
+checkpoint of one process; tests/trainer/test_checkpoint_reshard.py exports a tp2
+checkpoint under torchrun, packed blocks and one file set per rank)."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from safetensors import safe_open
+
+from hyper_parallel.distributed.weight_map import saved_layout
+from hyper_parallel.trainer.export import ExportError, export_checkpoint, write_export_info
+from tests.project_fixtures import REPO
+
+pytestmark = pytest.mark.slow
+
+CONFIG_DIR = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
+
+
+def exported_keys(out) -> set[str]:
+    """The tensor names the exported files hold."""
+    keys = set()
+    for file in sorted(out.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            keys.update(handle.keys())
+    return keys
+
+
+def test_a_checkpoint_exports_with_hf_names_and_loads_with_the_same_logits(tmp_path):
+    config = transformers.AutoConfig.from_pretrained(CONFIG_DIR)
+    torch.manual_seed(7)
+    trained = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    step = tmp_path / "step_2"
+    dcp.save({"model": trained.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    write_export_info(step, trained)
+
+    export_checkpoint(step, tmp_path / "hf", max_shard_bytes=64 << 10)  # several files
+
+    out = tmp_path / "hf"
+    assert len(list(out.glob("model-rank000-*.safetensors"))) > 1
+    assert exported_keys(out) == set(saved_layout(trained))  # per-expert gate/up/down, as save_pretrained writes
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == exported_keys(out)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+def test_a_checkpoint_without_export_info_is_one_line(tmp_path):
+    with pytest.raises(ExportError, match="no hf/config.json"):
+        export_checkpoint(tmp_path, tmp_path / "hf")
