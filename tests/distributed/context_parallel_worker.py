@@ -1,6 +1,6 @@
-"""torchrun worker: context parallel (``accelerator.context_parallel``) on a tiny dense
-decoder (Qwen3: q/k norms, GQA; or Llama with tied embeddings) vs the single-process HF
-model with the same weights.
+"""torchrun worker: context parallel (``accelerator.context_parallel``) on a tiny
+decoder (Qwen3: q/k norms, GQA; Llama with tied embeddings; or Qwen3-MoE, for experts
+over ep) vs the single-process HF model with the same weights.
 
 Run from the repo root::
 
@@ -42,6 +42,9 @@ def tiny_config(family: str, attn: str, kv_heads: int = KV_HEADS):
                   max_position_embeddings=256, attention_dropout=0.0)
     if family == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             norm_topk_prob=True, tie_word_embeddings=False)
     else:
         config = transformers.Qwen3Config(**common, tie_word_embeddings=False)
     config._attn_implementation = attn
@@ -53,6 +56,7 @@ def parse_args():
     parser.add_argument("--out", required=True)
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--algorithm", default="allgather_kv")
     parser.add_argument("--load-balance", action="store_true")
@@ -77,7 +81,7 @@ def fused(model):
 
 def main() -> None:
     args = parse_args()
-    dims = ParallelDims(cp=args.cp, tp=args.tp)
+    dims = ParallelDims(cp=args.cp, tp=args.tp, ep=args.ep)
     mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
     rank = dist.get_rank()
     config = tiny_config(args.family, args.attn, args.kv_heads)

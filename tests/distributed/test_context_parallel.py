@@ -31,6 +31,12 @@ CASES = {
     "cp2_eager_ulysses": (2, ["--cp", "2", "--attn", "eager", "--algorithm", "ulysses"]),
     "tp2_cp2_sdpa_ulysses_mha": (4, ["--cp", "2", "--tp", "2", "--attn", "sdpa", "--algorithm", "ulysses",
                                      "--kv-heads", "4", "--family", "llama"]),
+    "cp4_sdpa_balanced": (4, ["--cp", "4", "--attn", "sdpa", "--load-balance"]),
+    "cp4_eager_ulysses_mha": (4, ["--cp", "4", "--attn", "eager", "--algorithm", "ulysses", "--kv-heads", "4"]),
+    "cp2_ep2_moe_eager_balanced": (2, ["--cp", "2", "--ep", "2", "--attn", "eager", "--load-balance",
+                                       "--family", "qwen3_moe"]),
+    "cp2_ep2_moe_sdpa_ulysses": (2, ["--cp", "2", "--ep", "2", "--attn", "sdpa", "--algorithm", "ulysses",
+                                     "--family", "qwen3_moe"]),
 }
 
 
@@ -50,6 +56,7 @@ def test_allgather_kv_matches_single_process(case, tmp_path):
     algorithm, role = ("ulysses", "ulysses_attention") if ulysses else ("allgather_kv", "kv_gathered_attention")
     balanced = "--load-balance" in flags
     tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
+    cp = int(flags[flags.index("--cp") + 1])
     for result in run_worker(world, flags, tmp_path):
         assert result["context_parallel"] == {"algorithm": algorithm, "load_balance": balanced}
         assert role in result["roles"] and "attention_block" not in result["roles"]
@@ -63,9 +70,9 @@ def test_allgather_kv_matches_single_process(case, tmp_path):
         # inner attention computed S/cp queries of every local head (allgather_kv) or the
         # whole sequence of this rank's half of the local heads (ulysses)
         assert result["attention_blocks"] == 2
-        assert result["query_lengths"] == [SEQ // 2]
+        assert result["query_lengths"] == [SEQ // cp]
         heads = 4 // tp
-        assert result["inner_shapes"] == ([[heads // 2, SEQ]] if ulysses else [[heads, SEQ // 2]])
+        assert result["inner_shapes"] == ([[heads // cp, SEQ]] if ulysses else [[heads, SEQ // cp]])
         assert result["attention_calls"] >= 2 * 3
         # sdpa's causal case on CPU runs by mask-free chunks; eager takes the mask rows
         if flags[flags.index("--attn") + 1] == "sdpa" and not ulysses:
@@ -74,7 +81,7 @@ def test_allgather_kv_matches_single_process(case, tmp_path):
             assert result["mask_free_calls"] == 0
         assert result["attn_implementation"].startswith("hyper_cp_")
         assert not result["reference_attn_implementation"].startswith("hyper_cp_")
-        assert result["local_logits_shape"] == [2, SEQ // 2, 128]  # logits stay split into the sharded loss
+        assert result["local_logits_shape"] == [2, SEQ // cp, 128]  # logits stay split into the sharded loss
 
 
 @pytest.mark.slow
