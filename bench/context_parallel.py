@@ -21,12 +21,14 @@ output's sum, per rank, for:
 Per mode and rank: the median fwd+bwd seconds of ``--repeats`` runs and the bytes the
 forward saved for backward (autograd's saved tensors, unique storages: the block's
 activation memory; CPU has no allocator peak to read). The JSON has
-``time_ratio`` and ``memory_ratio`` (allgather_kv balanced over gather_sequence, the
-slowest / largest rank of each), the same against cp1 (``*_vs_cp1``), and ``balance``:
-min over max of the causal (query, key) pairs each rank's queries attend to, with and
-without load balance (1.0 is even). The CPU sdpa kernel computes a masked score anyway,
-so on CPU the balanced and unbalanced times differ little; ``balance`` is the work a
-kernel that skips masked blocks (flash attention on a device) would do.
+``time_ratio`` and ``memory_ratio`` (allgather_kv balanced at cp2 over cp1, the slowest /
+largest rank: the issue's goals are <= 0.6 each), the same against gather_sequence
+(``*_vs_gather_sequence``), the same for ulysses (``ulysses_*``), ``balance``: the
+slowest over the fastest rank's allgather_kv time with load balance (the issue's goal:
+<= 1.15; ``balance_without_load_balance`` the same for contiguous halves), and
+``work_balance``: min over max of the causal (query, key) pairs each rank's queries
+attend to, with and without load balance (1.0 is even) -- the work a kernel that skips
+masked blocks does, whatever this CPU's kernels spend on masked scores.
 """
 
 import argparse
@@ -154,16 +156,26 @@ def summarize(ranks: list[dict], seq_len: int, attn: str) -> dict:
     return {
         "seq_len": seq_len, "cp": 2, "layer": f"Llama attention hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} kv, {attn}",
         "per_rank": {mode: [r[mode] for r in ranks] for mode in modes},
-        "time_ratio": kv["seconds"] / gathered["seconds"],
-        "memory_ratio": kv["saved_bytes"] / gathered["saved_bytes"],
-        "time_ratio_vs_cp1": kv["seconds"] / whole["seconds"],
-        "ulysses_time_ratio": worst["ulysses"]["seconds"] / gathered["seconds"],
-        "ulysses_memory_ratio": worst["ulysses"]["saved_bytes"] / gathered["saved_bytes"],
-        "memory_ratio_vs_cp1": kv["saved_bytes"] / whole["saved_bytes"],
-        "balance": min(balanced) / max(balanced),
-        "balance_without_load_balance": min(unbalanced) / max(unbalanced),
+        "time_ratio": kv["seconds"] / whole["seconds"],
+        "memory_ratio": kv["saved_bytes"] / whole["saved_bytes"],
+        "time_ratio_vs_gather_sequence": kv["seconds"] / gathered["seconds"],
+        "memory_ratio_vs_gather_sequence": kv["saved_bytes"] / gathered["saved_bytes"],
+        "ulysses_time_ratio": worst["ulysses"]["seconds"] / whole["seconds"],
+        "ulysses_memory_ratio": worst["ulysses"]["saved_bytes"] / whole["saved_bytes"],
+        "ulysses_time_ratio_vs_gather_sequence": worst["ulysses"]["seconds"] / gathered["seconds"],
+        "ulysses_memory_ratio_vs_gather_sequence": worst["ulysses"]["saved_bytes"] / gathered["saved_bytes"],
+        "balance": _slowest_over_fastest(ranks, "allgather_kv"),
+        "balance_without_load_balance": _slowest_over_fastest(ranks, "allgather_kv_unbalanced"),
+        "work_balance": {"load_balance": min(balanced) / max(balanced),
+                         "contiguous": min(unbalanced) / max(unbalanced)},
         "causal_pairs_per_rank": {"load_balance": balanced, "contiguous": unbalanced},
     }
+
+
+def _slowest_over_fastest(ranks: list[dict], mode: str) -> float:
+    """The slowest rank's fwd+bwd seconds over the fastest's: the others wait for the slowest."""
+    seconds = [r[mode]["seconds"] for r in ranks]
+    return max(seconds) / min(seconds)
 
 
 def main() -> None:
