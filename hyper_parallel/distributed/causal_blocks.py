@@ -13,7 +13,10 @@ log-sum-exp (the ring-attention decomposition):
 
 Backward runs the flash backward of each call with the *merged* output and log-sum-exp,
 which gives each call's exact share of the gradient (softmax over the union of keys).
-Only where the fused CPU kernel is there (``_scaled_dot_product_flash_attention_for_cpu``)
+With an ``exchange`` (allgather_kv) the K/V arrive as this rank's tokens and are gathered
+inside: backward keeps only the local K/V and gathers them again, so a rank's saved
+activations hold no whole-sequence K/V, and hands back the local K/V gradients (the
+exchange's reduce-scatter). Only where the fused CPU kernel is there (``_scaled_dot_product_flash_attention_for_cpu``)
 and the attention is plain causal (no mask, softcap, window, sinks, dropout); the caller
 falls back to the mask rows otherwise.
 """
@@ -50,12 +53,15 @@ def _summed(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class _ChunkedCausal(torch.autograd.Function):
-    """Saves the kv heads as gathered (not repeated per query head): grouped-query
-    attention keeps a kv-head-sized copy of the whole sequence's K/V for backward."""
+    """Saves the kv heads as given (not repeated per query head): this rank's K/V with an
+    exchange, else the whole sequence's kv-head-sized K/V."""
 
     @staticmethod
-    def forward(ctx, query, kv_key, kv_value, chunks: tuple[int, ...], size: int, scale: float):
+    def forward(ctx, query, kv_key, kv_value, chunks: tuple[int, ...], size: int, scale: float, exchange):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        saved_key, saved_value = kv_key, kv_value
+        if exchange is not None:
+            kv_key, kv_value = exchange.whole(kv_key), exchange.whole(kv_value)
         groups = query.shape[1] // kv_key.shape[1]
         key, value = _repeat(kv_key, groups), _repeat(kv_value, groups)
         outputs, sums = [], []
@@ -73,15 +79,20 @@ class _ChunkedCausal(torch.autograd.Function):
                 merged_lse = total
             outputs.append(merged_out.to(query.dtype))
             sums.append(merged_lse)
-        out = torch.cat(outputs, dim=2)
-        ctx.save_for_backward(query, kv_key, kv_value, out, torch.cat(sums, dim=2))
-        ctx.chunks, ctx.size, ctx.scale, ctx.groups = chunks, size, scale, groups
+        # laid out [batch, tokens, heads, dim] in memory, as sdpa's CPU kernel returns it: the
+        # caller's transpose(1, 2).contiguous() is then free and o_proj's saved input is this
+        # very storage, not a second copy of the output
+        out = torch.cat([piece.transpose(1, 2) for piece in outputs], dim=1).transpose(1, 2)
+        ctx.save_for_backward(query, saved_key, saved_value, out, torch.cat(sums, dim=2))
+        ctx.chunks, ctx.size, ctx.scale, ctx.groups, ctx.exchange = chunks, size, scale, groups, exchange
         return out
 
     @staticmethod
     def backward(ctx, grad):
         query, kv_key, kv_value, out, lse = ctx.saved_tensors
-        size, scale, groups = ctx.size, ctx.scale, ctx.groups
+        size, scale, groups, exchange = ctx.size, ctx.scale, ctx.groups, ctx.exchange
+        if exchange is not None:
+            kv_key, kv_value = exchange.whole(kv_key), exchange.whole(kv_value)
         key, value = _repeat(kv_key, groups), _repeat(kv_value, groups)
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         grad = grad.contiguous()
@@ -96,14 +107,19 @@ class _ChunkedCausal(torch.autograd.Function):
                 d_query[:, :, rows] += dq
                 d_key[:, :, start:end] += dk
                 d_value[:, :, start:end] += dv
-        return d_query, _summed(d_key, groups), _summed(d_value, groups), None, None, None
+        d_key, d_value = _summed(d_key, groups), _summed(d_value, groups)
+        if exchange is not None:
+            d_key, d_value = exchange.local_grad(d_key), exchange.local_grad(d_value)
+        return d_query, d_key, d_value, None, None, None, None
 
 
 def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: tuple[int, ...],
-                             scale: float) -> torch.Tensor:
+                             scale: float, *, exchange=None) -> torch.Tensor:
     """Causal attention of ``query`` ([batch, heads, len(chunks)*C, dim], its rows the
     global chunks ``chunks`` of C tokens, in that order) against the whole sequence's
-    ``key``/``value`` ([batch, kv heads, S, dim], natural order; kv heads divide heads)."""
+    ``key``/``value`` ([batch, kv heads, S, dim], natural order; kv heads divide heads),
+    or, with ``exchange`` (``whole(local)`` / ``local_grad(grad)``), against this rank's
+    K/V, which it gathers in forward and again in backward."""
     size = query.shape[2] // len(chunks)
     return _ChunkedCausal.apply(query.contiguous(), key.contiguous(), value.contiguous(), tuple(chunks), size,
-                                float(scale))
+                                float(scale), exchange)

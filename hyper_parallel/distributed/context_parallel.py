@@ -92,31 +92,40 @@ class SequenceOrder:
         return self.indices(length, device)[0][rank * local:(rank + 1) * local]
 
 
+def _all_gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along ``dim`` in rank order (no autograd)."""
+    size = dist.get_world_size(group)
+    pieces = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(size)]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)
+
+
+def _reduce_scatter(grad: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """The adjoint of ``_all_gather``: every rank's ``grad`` summed, this rank's piece of
+    ``dim`` (reduce-scatter; on gloo, which has none, an all-reduce and a slice)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) == "gloo":
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.chunk(size, dim=dim)[rank].contiguous()
+    moved = grad.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
 class _GatherOverCp(torch.autograd.Function):
     """All-gather along ``dim`` over ``group``; backward sums every rank's gradient of the
-    whole and hands each rank its piece (reduce-scatter; on gloo, which has none, an
-    all-reduce and a slice)."""
+    whole and hands each rank its piece."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group, dim: int):
         ctx.group, ctx.dim = group, dim
-        size = dist.get_world_size(group)
-        pieces = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(size)]
-        dist.all_gather(pieces, tensor.contiguous(), group=group)
-        return torch.cat(pieces, dim=dim)
+        return _all_gather(tensor, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        group, dim = ctx.group, ctx.dim
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        if dist.get_backend(group) == "gloo":
-            total = grad.contiguous().clone()
-            dist.all_reduce(total, group=group)
-            return total.chunk(size, dim=dim)[rank].contiguous(), None, None
-        moved = grad.movedim(dim, 0).contiguous()
-        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-        dist.reduce_scatter_tensor(out, moved, group=group)
-        return out.movedim(0, dim).contiguous(), None, None
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
 def gather_over_cp(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -183,16 +192,41 @@ def gather_kv(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     return key, value, keep
 
 
+class KvExchange:
+    """K/V between this rank's tokens and the whole sequence in natural order, without
+    autograd: ``whole`` gathers (and restores the load-balanced order), ``local_grad`` is
+    its adjoint (permute, then reduce-scatter). The mask-free attention keeps only the
+    local K/V for backward and gathers them again there (``causal_blocks``)."""
+
+    def __init__(self, context: "CpAttention"):
+        self.context = context
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        gathered = _all_gather(local, self.context.group, 2)
+        return gathered if self.context.order is None else self.context.order.restore(gathered, 2)
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.context.order is not None:
+            grad = self.context.order.permute(grad, 2)
+        return _reduce_scatter(grad, self.context.group, 2)
+
+
 def _gathered(module: nn.Module, context: CpAttention, query, key, value):
     """K and V gathered over cp in natural order, and this rank's queries' positions."""
-    if context.algorithm != "allgather_kv":
-        raise ContextParallelError(f"{type(module).__name__} gathers K/V (allgather_kv), but the plan's "
-                                   f"context_parallel.algorithm is {context.algorithm}")
+    _check_split(module, context, query, key.shape[2] * context.size)
     key = gather_over_cp(key, context.group, 2)
     value = gather_over_cp(value, context.group, 2)
     if context.order is not None:
         key, value = context.order.restore(key, 2), context.order.restore(value, 2)
-    length = key.shape[2]
+    return key, value, context.local_positions(key.shape[2], query.device)
+
+
+def _check_split(module: nn.Module, context: CpAttention, query, length: int) -> None:
+    """This rank's queries are its share of a ``length``-token sequence; counts the call
+    (the tests read that the work was split)."""
+    if context.algorithm != "allgather_kv":
+        raise ContextParallelError(f"{type(module).__name__} gathers K/V (allgather_kv), but the plan's "
+                                   f"context_parallel.algorithm is {context.algorithm}")
     positions = context.local_positions(length, query.device)
     if query.shape[2] != positions.numel():
         raise ContextParallelError(f"{type(module).__name__}: {query.shape[2]} local queries, expected "
@@ -200,7 +234,6 @@ def _gathered(module: nn.Module, context: CpAttention, query, key, value):
     context.calls += 1
     context.query_lengths.add(int(query.shape[2]))
     context.inner_shapes.add((int(query.shape[1]), int(query.shape[2])))
-    return key, value, positions
 
 
 # attention function arguments the mask-free causal path does not do
@@ -216,10 +249,12 @@ def causal_without_mask(module: nn.Module, query, key, value, attention_mask, *,
     if (context is None or attention_mask is not None or not getattr(module, "is_causal", True)
             or not causal_blocks.usable(query, dropout) or any(kwargs.get(k) is not None for k in _SPECIAL_KWARGS)):
         return None
-    key, value, _ = _gathered(module, context, query, key, value)
+    _check_split(module, context, query, key.shape[2] * context.size)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     context.mask_free_calls += 1
-    out = causal_blocks.chunked_causal_attention(query, key, value, context.chunks(), scale)
+    # K/V gathered inside: only this rank's K/V are kept for backward, which gathers them again
+    out = causal_blocks.chunked_causal_attention(query, key, value, context.chunks(), scale,
+                                                 exchange=KvExchange(context))
     return out.transpose(1, 2).contiguous()
 
 
