@@ -51,7 +51,7 @@ MB = 1e6
 
 
 def _env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
@@ -294,6 +294,9 @@ def main() -> None:
     if args.export_worker:
         return export_worker(*args.export_worker)
 
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
     models = [("tiny-qwen3-moe", None)] + ([] if args.quick else [("wide-qwen3-moe", BIG_SIZES)])
     results = []
     with tempfile.TemporaryDirectory(prefix="hp-bench-ckpt-") as tmp:
