@@ -24,6 +24,9 @@ cache when read back, for ours and the floor alike.
 Goal (export): peak RSS per rank <= 1.2x the rank's share of the model (fp32 bytes / world);
 the bench prints whether it holds, for the peak and for the peak above the RSS before the
 export (what the export itself adds over the interpreter and torch).
+
+About 4-6 minutes on a 2-core machine (``--quick``: about 1): the wide model's saves write
+2.9 GB and are bound by the disk, whose speed other work on the machine moves a lot.
 """
 
 import argparse
