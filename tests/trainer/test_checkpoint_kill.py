@@ -1,18 +1,25 @@
-"""SIGKILL during checkpoint saves (issue 16): each trial starts the tiny recipe's
-training (a checkpoint after every step), waits until a save's ``.tmp-`` folder appears,
-and SIGKILLs torchrun and every rank at a random instant after it. After every kill each
-``step_<N>`` folder is complete (has its marker); the next trial's start removes the
-partial folders, resumes from the newest complete checkpoint and says so. A last run
-trains two steps past the newest checkpoint, and they equal an uninterrupted run's
-exactly."""
+"""SIGKILL during checkpoint saves (issue 16): each of TRIALS trials starts the tiny
+recipe's training (a checkpoint after every step), waits until a save's ``step_<N>.tmp-``
+folder appears, and SIGKILLs torchrun and every rank at a random instant after it. After
+every kill each ``step_<N>`` folder is complete (has its marker); the next trial's start
+removes the partial folders, resumes from the newest complete checkpoint and says so. A
+last run trains two steps past the newest checkpoint, and they equal an uninterrupted
+run's exactly.
+
+Every run is a fresh torchrun (agent, rendezvous, forked ranks) forked from one server
+that imported transformers and the trainer once (tests/trainer/fork_server.py): the
+imports were most of what a trial's start cost, and they are not what is under test."""
 
 import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -20,27 +27,73 @@ import yaml
 
 from hyper_parallel.codegen.check.forked_torchrun import torchrun_command
 from hyper_parallel.trainer.checkpoint import MARKER, scan
-from tests.launch import assert_ran, torchrun
 from tests.pipeline.pipeline_helpers import copy_project, generated_tiny_project
 from tests.project_fixtures import TINY_RECIPE
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-TRIALS = 4  # each a kill at a random instant after a save began; the suite's 20-minute budget bounds the count
-STEPS = 40  # more than the trials reach: every trial ends in a kill
+TRIALS = 12  # each a kill at a random instant after a save began (issue 16: at least 10)
+STEPS = 60  # more than the trials reach: every trial ends in a kill
 QWEN3_MOE_MODELING = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 KILL_WINDOW_S = 0.2  # about one save of the tiny model on 2 busy cores: most kills land inside one
 
 
+PRELOAD = ["transformers", "hyper_parallel.trainer.__main__", QWEN3_MOE_MODELING]
+SERVER = Path(__file__).with_name("fork_server.py")
+_SAVE_BEGUN = re.compile(r"^step_\d+\.tmp-[0-9a-f]+$")  # checkpoint.save's folder (its token is hex)
+
+
 def _command(recipe, metrics) -> list[str]:
+    """forked_torchrun's arguments (what follows ``python -m ...forked_torchrun``)."""
     return torchrun_command(2, "hyper_parallel.trainer", ["--config", str(recipe), "--metrics", str(metrics)],
-                            preload=["transformers", "hyper_parallel.trainer.__main__", QWEN3_MOE_MODELING])
+                            preload=PRELOAD)[3:]
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+class _Server:
+    """tests/trainer/fork_server.py: each run a fresh torchrun forked from it."""
+
+    def __init__(self):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        self.proc = subprocess.Popen([sys.executable, str(SERVER), ",".join(PRELOAD)], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def _ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the fork server ended (exit {self.proc.poll()})"
+        return json.loads(line)
+
+    def start(self, project, recipe, metrics, log) -> int:
+        return self._ask({"op": "run", "cwd": str(project), "log": str(log),
+                          "argv": _command(recipe, metrics)})["pid"]
+
+    def wait(self, pid: int) -> int:
+        return self._ask({"op": "wait", "pid": pid})["code"]
+
+    def run(self, project, recipe, metrics, log) -> None:
+        """A run to its end; it must succeed."""
+        code = self.wait(self.start(project, recipe, metrics, log))
+        assert code == 0, f"torchrun failed (exit {code}):\n{Path(log).read_text()[-4000:]}"
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_tree(server: _Server, pid: int) -> None:
     """SIGKILL torchrun and every rank at once, as a lost host would end them."""
     try:
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         family = []
     for member in family:
@@ -48,36 +101,39 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             member.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    proc.wait(timeout=30)
+    server.wait(pid)
     psutil.wait_procs(family, timeout=10)
 
 
-def _kill_during_a_save(project, recipe, root, log, rng: random.Random) -> bool:
+def _saves_begun(root, seen: set) -> set:
+    """The ``step_<N>.tmp-<id>`` folders of saves begun since ``seen`` (not the
+    ``.tmp-removed-`` and ``.tmp-replaced-`` folders of a prune or a publish)."""
+    if not root.is_dir():
+        return set()
+    return {p for p in root.iterdir() if _SAVE_BEGUN.match(p.name)} - seen
+
+
+def _kill_during_a_save(server: _Server, project, recipe, root, log, rng: random.Random) -> bool:
     """Start training, SIGKILL it at a random instant after its first, second or third
     save began (the first save after a start is the slowest). False if the run finished
     first."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(_command(recipe, log.with_suffix(".json")), cwd=project, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
-        # A save this run began (the last kill's partial folders are there until its start
-        # removes them).
-        seen = set(root.iterdir()) if root.is_dir() else set()
-        saves = rng.randint(1, 3)
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline:
-            new = {p for p in root.iterdir() if ".tmp-" in p.name} - seen if root.is_dir() else set()
-            saves -= len(new)
-            seen |= new
-            if saves <= 0:
-                time.sleep(rng.uniform(0, KILL_WINDOW_S))
-                _kill_tree(proc)
-                return True
-            time.sleep(0.002)
-        _kill_tree(proc)
-        return False
+    # A save this run began (the last kill's partial folders are there until its start
+    # removes them).
+    seen = _saves_begun(root, set())
+    pid = server.start(project, recipe, log.with_suffix(".json"), log)
+    saves = rng.randint(1, 3)
+    deadline = time.monotonic() + 300
+    while _running(pid) and time.monotonic() < deadline:
+        new = _saves_begun(root, seen)
+        saves -= len(new)
+        seen |= new
+        if saves <= 0:
+            time.sleep(rng.uniform(0, KILL_WINDOW_S))
+            _kill_tree(server, pid)
+            return True
+        time.sleep(0.002)
+    _kill_tree(server, pid)
+    return False
 
 
 def test_sigkill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path_factory, tmp_path):
@@ -90,11 +146,19 @@ def test_sigkill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path_f
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     root = recipe.parent / "checkpoints"
     rng = random.Random(16)
+    server = _Server()
+    try:
+        _trials_and_the_end(server, project, recipe, data, root, rng, tmp_path)
+    finally:
+        server.close()
+
+
+def _trials_and_the_end(server, project, recipe, data, root, rng, tmp_path):
     killed_with_partial = 0
     newest = None
     for trial in range(TRIALS):
         log = tmp_path / f"trial{trial}.txt"
-        assert _kill_during_a_save(project, recipe, root, log, rng), log.read_text()[-3000:]
+        assert _kill_during_a_save(server, project, recipe, root, log, rng), log.read_text()[-3000:]
         text = log.read_text()
         if newest is not None:  # this start resumed from what the last kill left
             assert f"resumed from checkpoint {newest}" in text, text[-3000:]
@@ -111,17 +175,13 @@ def test_sigkill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path_f
     data["training"]["steps"] = int(newest.name.split("_")[1]) + 2
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
 
-    proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics",
-                     str(tmp_path / "resumed.json")], project, nproc=2, preload=(QWEN3_MOE_MODELING,))
-    assert_ran(proc)
+    server.run(project, recipe, tmp_path / "resumed.json", tmp_path / "resumed.txt")
     assert not scan(root)[1]  # partial folders removed
     resumed = json.loads((tmp_path / "resumed.json").read_text())
 
     data["training"]["checkpoint"] = {"dir": "reference"}
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
-    proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics",
-                     str(tmp_path / "whole.json")], project, nproc=2, preload=(QWEN3_MOE_MODELING,))
-    assert_ran(proc)
+    server.run(project, recipe, tmp_path / "whole.json", tmp_path / "whole.txt")
     whole = {r["step"]: r for r in json.loads((tmp_path / "whole.json").read_text())}
     assert [r["step"] for r in resumed] == [data["training"]["steps"] - 1, data["training"]["steps"]]
     for record in resumed:
