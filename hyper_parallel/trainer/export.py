@@ -10,7 +10,8 @@ model's HF ``config.json`` and, for a generated bundle, its recorded weight map 
 the map is derived from the config on a meta model, the same way codegen derives it).
 The weight map says which part of which trained tensor each HF tensor is; export reads
 the trained tensors from the DCP files one at a time (blocks of a packed tensor joined),
-cuts the HF tensors out of them, and writes them in files of at most ``max_shard_bytes``.
+cuts the HF tensors out of them, and streams them one by one into files of about
+``max_shard_bytes`` (``safetensors_stream``: a rank holds one output tensor, not a file).
 Under torchrun each rank exports every R-th HF tensor and writes its own files; rank 0
 writes ``model.safetensors.index.json`` last. No rank ever holds the whole model.
 """
@@ -24,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hyper_parallel.distributed.weight_map import Rule, WeightMapError, compile_pattern, parse_rule
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.trainer.safetensors_stream import StreamedSafetensors
 
 _LOG = logging.getLogger(__name__)
 
@@ -236,26 +237,23 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_byte
     mine = set(targets[rank::world])
     out.mkdir(parents=True, exist_ok=True)
     reader = _Reader(checkpoint, trained, by_target)
-    written, batch, size, total = [], {}, 0, 0
+    written: list[Path] = []
     index: dict[str, str] = {}
-
-    def flush():
-        """Write the batch as one file: a rank never holds more than ``max_shard_bytes`` of output."""
-        nonlocal batch, size
-        if batch:
-            path = out / f"model-rank{rank:03d}-{len(written):05d}.safetensors"
-            save_file(batch, str(path), metadata={"format": "pt"})
-            written.append(path)
-            index.update((key, path.name) for key in batch)
-        batch, size = {}, 0
-
+    total, file = 0, None
     for key in sorted((k for k in rules if rules[k][0].target in mine), key=lambda k: (rules[k][0].target, k)):
-        batch[key] = _assemble([(rule, _region(reader.get(rule.target), rule)) for rule in rules[key]]).contiguous()
-        size += batch[key].nbytes
-        total += batch[key].nbytes
-        if size >= max_shard_bytes:
-            flush()
-    flush()
+        if file is None:
+            file = StreamedSafetensors(out / f"model-rank{rank:03d}-{len(written):05d}.safetensors", {"format": "pt"})
+        # one HF tensor at a time, streamed into its file: a rank holds one tensor of output
+        tensor = _assemble([(rule, _region(reader.get(rule.target), rule)) for rule in rules[key]])
+        file.add(key, tensor)
+        index[key] = file.path.name
+        total += tensor.nbytes
+        del tensor
+        if file.nbytes >= max_shard_bytes:
+            written.append(file.close())
+            file = None
+    if file is not None:
+        written.append(file.close())
     _write_index(out, checkpoint, index, total, rank, world)
     return written
 
