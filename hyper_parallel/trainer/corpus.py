@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
-from hyper_parallel.trainer.data import DataError
+from hyper_parallel.trainer.data import DataError, existing_dataset_path
 
 _LOG = logging.getLogger(__name__)
 
@@ -59,12 +59,7 @@ class PackedCorpus:
 def dataset_files(dataset: DatasetConfig, where: str) -> list[Path]:
     """The dataset's files: ``dataset.path`` itself, or a folder's files of the kind's
     suffixes in name order. Relative paths start at the recipe's folder."""
-    path = Path(dataset.path)
-    if not path.is_absolute():
-        path = Path(where).parent / path
-    if not path.exists():
-        raise DataError(f"{where}: dataset.path: {path} does not exist (relative paths start at the recipe's "
-                        f"folder); fix dataset.path")
+    path = existing_dataset_path(dataset, where)
     if path.is_file():
         return [path]
     if not path.is_dir():

@@ -38,17 +38,24 @@ def seed_step(step: int, training: TrainingConfig) -> None:
     torch.manual_seed(training.seed * 1_000_003 + step + 1)
 
 
-def bytes_dataset_file(dataset: DatasetConfig, needed: int, where: str) -> Path:
-    """The bytes dataset's file, checked before any rank builds a model: it exists, is a
-    file and holds at least one step's bytes. Relative paths start at the recipe's folder."""
-    if not dataset.path:
-        raise DataError(f"{where}: dataset.path: required when dataset.kind is 'bytes'")
+def existing_dataset_path(dataset: DatasetConfig, where: str) -> Path:
+    """``dataset.path`` resolved against the recipe's folder (``where``), refused in one line
+    naming the key when it does not exist."""
     path = Path(dataset.path)
     if not path.is_absolute():
         path = Path(where).parent / path
     if not path.exists():
         raise DataError(f"{where}: dataset.path: {path} does not exist (relative paths start at the recipe's "
                         f"folder); fix dataset.path")
+    return path
+
+
+def bytes_dataset_file(dataset: DatasetConfig, needed: int, where: str) -> Path:
+    """The bytes dataset's file, checked before any rank builds a model: it exists, is a
+    file and holds at least one step's bytes. Relative paths start at the recipe's folder."""
+    if not dataset.path:
+        raise DataError(f"{where}: dataset.path: required when dataset.kind is 'bytes'")
+    path = existing_dataset_path(dataset, where)
     if not path.is_file():
         raise DataError(f"{where}: dataset.path: {path} is not a file; expected a local file")
     size = path.stat().st_size
