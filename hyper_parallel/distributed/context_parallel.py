@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 CP_AXIS = "cp"
 ATTENTION_NAMES = {"sdpa": "hyper_cp_sdpa", "eager": "hyper_cp_eager"}
 CONTEXT_ATTRIBUTE = "_hyper_cp_attention"
+# A module class of the project's own whose forward does the cp work itself (allgather_kv
+# and ulysses: ``models/common``'s ``BaseAttention``), for a model that has no attention
+# interface to route.
+OWN_ATTENTION_MARK = "hyper_splits_attention_over_cp"
 
 
 class ContextParallelError(ValueError, HyperParallelError):
@@ -389,15 +393,7 @@ def install_context_parallel(model: nn.Module, attention_blocks: list[str], devi
     """Make the planned attention blocks (``attention_blocks``, FQNs) gather K/V over the
     mesh's cp axis (``algorithm`` allgather_kv) or exchange sequence and heads (ulysses);
     returns their contexts (one per block)."""
-    config = getattr(model, "config", None)
-    current = getattr(config, "_attn_implementation", None)
-    inner = next((name for name, wrapper in ATTENTION_NAMES.items() if current in (name, wrapper)), None)
-    if inner is None:
-        raise ContextParallelError(f"accelerator.context_parallel.algorithm: {algorithm} runs on attention "
-                                   f"implementation sdpa or eager, the model has {current!r}; set "
-                                   f"model.attn_implementation: sdpa (or eager), or algorithm: gather_sequence")
-    register_attention_functions()
-    config._attn_implementation = ATTENTION_NAMES[inner]
+    inner = _route_attention(model, attention_blocks, algorithm)
     group = device_mesh.get_group(CP_AXIS)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     contexts = []
@@ -411,3 +407,39 @@ def install_context_parallel(model: nn.Module, attention_blocks: list[str], devi
     logger.info("context parallel: %s on %d attention blocks (cp=%d, inner %s, load balance %s)",
                 algorithm, len(contexts), size, inner, order is not None)
     return contexts
+
+
+def _route_attention(model: nn.Module, attention_blocks: list[str], algorithm: str) -> str:
+    """A transformers model's attention function routed through the wrappers: the inner
+    implementation's name. A model with no attention implementation in its config
+    (``models/common``) computes attention in modules of its own, which must do the cp
+    work themselves (class attribute ``OWN_ATTENTION_MARK``): "own"."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "_attn_implementation"):
+        for fqn in attention_blocks:
+            if not any(getattr(type(module), OWN_ATTENTION_MARK, False)
+                       for module in model.get_submodule(fqn).modules()):
+                raise ContextParallelError(f"accelerator.context_parallel.algorithm: {algorithm}: {fqn} "
+                                           f"({type(model.get_submodule(fqn)).__name__}) has no attention module "
+                                           "that splits its work over cp; set algorithm: gather_sequence")
+        return "own"
+    current = config._attn_implementation
+    inner = next((name for name, wrapper in ATTENTION_NAMES.items() if current in (name, wrapper)), None)
+    if inner is None:
+        raise ContextParallelError(f"accelerator.context_parallel.algorithm: {algorithm} runs on attention "
+                                   f"implementation sdpa or eager, the model has {current!r}; set "
+                                   f"model.attn_implementation: sdpa (or eager), or algorithm: gather_sequence")
+    register_attention_functions()
+    config._attn_implementation = ATTENTION_NAMES[inner]
+    return inner
+
+
+def cp_context(module: nn.Module) -> CpAttention | None:
+    """The cp context the applier attached to ``module`` (None: no split attention)."""
+    return getattr(module, CONTEXT_ATTRIBUTE, None)
+
+
+def local_rows(context: CpAttention, table: torch.Tensor, dim: int) -> torch.Tensor:
+    """The rows (along ``dim``) of a per-position table made for the whole sequence (rotary
+    cos / sin) that belong to this rank's tokens, in their local order."""
+    return table.index_select(dim, context.local_positions(table.shape[dim], table.device))

@@ -7,6 +7,13 @@ stay distributed. It applies the rotary embedding too, because that is per-head 
 
 Numerics follow HF's eager path (Qwen3MoeAttention / Qwen3_5Attention): fp32 softmax
 cast back to the query dtype, additive causal mask with the dtype's minimum.
+
+Under context parallel that splits attention (the applier attaches a cp context,
+``distributed.context_parallel``), ``BaseAttention`` gets this rank's tokens and does the
+cp work itself: ``allgather_kv`` gathers K and V over cp and masks by this rank's global
+query positions; ``ulysses`` exchanges q/k/v for the whole sequence of a group of heads
+and the output back. The rotary tables come for the whole sequence and are cut to this
+rank's positions (load-balanced or not) here.
 """
 
 from dataclasses import dataclass
@@ -14,6 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from hyper_parallel import platform
+from hyper_parallel.distributed.context_parallel import (
+    cp_context,
+    gather_kv,
+    local_rows,
+    ulysses_attention,
+)
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import apply_rotary_pos_emb
@@ -27,19 +40,41 @@ class BaseAttention(Module):
         is_causal: bool = True
         dropout: float = 0.0
 
+    # context parallel: this module does the cp work of allgather_kv and ulysses itself
+    hyper_splits_attention_over_cp = True
+
     def __init__(self, config: "BaseAttention.Config"):
         Module.__init__(self, config)
         self.scaling = config.head_dim ** -0.5
+        self.is_causal = config.is_causal  # read by context parallel's mask rows
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``q`` [b, heads, s, d], ``k``/``v`` [b, kv_heads, s, d] → [b, s, heads, d]."""
+        context = cp_context(self)
+        if context is not None and cos.shape[-2] == q.shape[2] * context.size:
+            cos, sin = local_rows(context, cos, cos.dim() - 2), local_rows(context, sin, sin.dim() - 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if context is None:
+            return self._attend(q, k, v, self._mask(q.shape[2], k.shape[2], q))
+        if context.algorithm == "ulysses":
+            return ulysses_attention(self, self._ulysses_inner, q, k, v, None)[0]
+        k, v, mask = gather_kv(self, q, k, v, None, additive=True)
+        return self._attend(q, k, v, mask)
+
+    def _ulysses_inner(self, module, q, k, v, mask, **kwargs):
+        """The whole sequence of this rank's head group (ulysses' inner call)."""
+        return self._attend(q, k, v, self._mask(q.shape[2], k.shape[2], q)), None
+
+    def _mask(self, q_len: int, kv_len: int, q: torch.Tensor) -> torch.Tensor | None:
+        return _causal_mask(q_len, kv_len, q.dtype, q.device) if self.config.is_causal else None
+
+    def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         n_rep = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
-        if self.config.is_causal:
-            scores = scores + _causal_mask(q.shape[2], k.shape[2], q.dtype, q.device)
+        if mask is not None:
+            scores = scores + mask
         probs = platform.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         probs = platform.dropout(probs, p=self.config.dropout, training=self.training)
         return torch.matmul(probs, v).transpose(1, 2).contiguous()

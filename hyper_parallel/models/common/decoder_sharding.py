@@ -27,8 +27,14 @@ outputs. Placements follow torchtitan's tensor/sequence parallel styles on ``tp`
   on local tensors (``local_map``; their routing ops have no DTensor rules). Expert
   parallelism, which would split the experts themselves, is outside these helpers.
 
-Activation placements name only the ``tp`` axis: context parallel needs attention to
-gather K/V, which these components do not do yet.
+Context parallel that splits attention (``allgather_kv`` / ``ulysses``, helper argument
+``split_sequence_over_cp``): the tokens are split over ``cp`` as they enter the embedding
+(``Shard(1)``; load-balanced by the applier when asked), every activation placement
+names ``cp`` too (the token dim: 1 of ``[b, s, ...]``, 2 of the per-head ``[b, heads, s,
+d]``, 0 of the MoE's flattened ``[tokens, ...]``), so a replicated weight's gradient is
+summed over cp, ``BaseAttention`` does the cp work itself, and the logits are gathered
+over cp on the way out. Without it every placement names ``tp`` only and each cp rank
+computes the whole sequence.
 """
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -55,34 +61,42 @@ def dense_activation_placement(*, tp: Placement, cp: Placement | None = Shard(1)
     return {TP: tp} if cp is None else {TP: tp, CP: cp}
 
 
-def _tp(placement: Placement) -> NamedPlacement:
-    return dense_activation_placement(tp=placement, cp=None)
+def _act(placement: Placement, tokens: int | None) -> NamedPlacement:
+    """An activation ``placement`` on tp; with ``tokens`` (the token dim) split over cp there."""
+    return dense_activation_placement(tp=placement, cp=None if tokens is None else Shard(tokens))
+
+
+def _whole_sequence(placement: Placement, tokens: int | None) -> NamedPlacement:
+    """An activation ``placement`` on tp that holds the whole sequence on every cp rank
+    (named ``Replicate`` on cp where the plan splits over cp, so the applier splits or
+    gathers it there)."""
+    return dense_activation_placement(tp=placement, cp=None if tokens is None else Replicate())
 
 
 def _replicated_state(*names: str) -> dict[str, NamedPlacement]:
     return {name: dense_param_placement(tp=Replicate()) for name in names}
 
 
-def colwise_config() -> ShardingConfig:
+def colwise_config(*, tokens: int | None = None) -> ShardingConfig:
     return ShardingConfig(
         state_shardings={"weight": dense_param_placement(tp=Shard(0)),
                          "bias": dense_param_placement(tp=Shard(0))},
-        in_src=_tp(Replicate()), in_dst=_tp(Replicate()),
-        out_src=_tp(Shard(-1)), out_dst=_tp(Shard(-1)),
+        in_src=_act(Replicate(), tokens), in_dst=_act(Replicate(), tokens),
+        out_src=_act(Shard(-1), tokens), out_dst=_act(Shard(-1), tokens),
     )
 
 
-def rowwise_config(*, output_sp: bool) -> ShardingConfig:
+def rowwise_config(*, output_sp: bool, tokens: int | None = None) -> ShardingConfig:
     return ShardingConfig(
         state_shardings={"weight": dense_param_placement(tp=Shard(1)),
                          "bias": dense_param_placement(tp=Replicate())},
-        in_src=_tp(Shard(-1)), in_dst=_tp(Shard(-1)),
-        out_src=_tp(Partial()), out_dst=_tp(Shard(1) if output_sp else Replicate()),
+        in_src=_act(Shard(-1), tokens), in_dst=_act(Shard(-1), tokens),
+        out_src=_act(Partial(), tokens), out_dst=_act(Shard(1) if output_sp else Replicate(), tokens),
     )
 
 
-def norm_config(*, enable_sp: bool) -> ShardingConfig:
-    return _replicated_weight_config(_tp(Shard(1) if enable_sp else Replicate()))
+def norm_config(*, enable_sp: bool, tokens: int | None = None) -> ShardingConfig:
+    return _replicated_weight_config(_act(Shard(1) if enable_sp else Replicate(), tokens))
 
 
 def _replicated_weight_config(io: NamedPlacement) -> ShardingConfig:
@@ -98,77 +112,97 @@ def _for_linear(config: ShardingConfig, linear_cfg: Linear.Config) -> ShardingCo
     return config
 
 
-def set_qkv_linear_sharding(qkv_cfg: GQAttention.Config) -> None:
+def set_qkv_linear_sharding(qkv_cfg: GQAttention.Config, *, tokens: int | None = None) -> None:
     for proj in (qkv_cfg.q_proj, qkv_cfg.k_proj, qkv_cfg.v_proj):
-        proj.sharding_config = _for_linear(colwise_config(), proj)
+        proj.sharding_config = _for_linear(colwise_config(tokens=tokens), proj)
 
 
-def set_gqa_attention_sharding(attn_cfg: GQAttention.Config, *, enable_sp: bool) -> None:
-    x_arrives = _tp(Shard(1) if enable_sp else Replicate())
-    # inputs: (x, cos, sin); the rope tables are plain tensors and stay so
+def set_gqa_attention_sharding(attn_cfg: GQAttention.Config, *, enable_sp: bool,
+                               split_sequence_over_cp: bool = False) -> None:
+    """With ``split_sequence_over_cp`` the block keeps this rank's tokens (``BaseAttention``
+    gathers K/V or exchanges heads over cp itself)."""
+    tokens = 1 if split_sequence_over_cp else None
+    x_arrives = _act(Shard(1) if enable_sp else Replicate(), tokens)
+    # inputs: (x, cos, sin); the rope tables are plain tensors for the whole sequence and stay so
+    # With the tokens split the block runs on local tensors (local_map): its reshapes to
+    # heads take the local sequence length, which a DTensor input would give globally.
     attn_cfg.sharding_config = ShardingConfig(in_src=(x_arrives, None, None),
-                                              in_dst=(_tp(Replicate()), None, None))
-    set_qkv_linear_sharding(attn_cfg)
-    attn_cfg.o_proj.sharding_config = _for_linear(rowwise_config(output_sp=enable_sp), attn_cfg.o_proj)
+                                              in_dst=(_act(Replicate(), tokens), None, None),
+                                              local_map=tokens is not None)
+    set_qkv_linear_sharding(attn_cfg, tokens=tokens)
+    attn_cfg.o_proj.sharding_config = _for_linear(rowwise_config(output_sp=enable_sp, tokens=tokens),
+                                                  attn_cfg.o_proj)
     if attn_cfg.qk_norm:
         # per-head norms act on [b, s, heads, head_dim], heads split by the colwise q/k_proj
-        attn_cfg.q_norm.sharding_config = _replicated_weight_config(_tp(Shard(2)))
-        attn_cfg.k_norm.sharding_config = _replicated_weight_config(_tp(Shard(2)))
-    heads = _tp(Shard(1))
+        attn_cfg.q_norm.sharding_config = _replicated_weight_config(_act(Shard(2), tokens))
+        attn_cfg.k_norm.sharding_config = _replicated_weight_config(_act(Shard(2), tokens))
+    heads = _act(Shard(1), None if tokens is None else 2)  # [b, heads, s, d]
+    out = _act(Shard(2), tokens)  # [b, s, heads, d]
     attn_cfg.inner_attention.sharding_config = ShardingConfig(
         in_src=(heads, heads, heads, None, None), in_dst=(heads, heads, heads, None, None),
-        out_src=_tp(Shard(2)), out_dst=_tp(Shard(2)), local_map=True,
+        out_src=out, out_dst=dict(out), local_map=True,
     )
 
 
 def set_dense_ffn_sharding(ffn_cfg: FeedForward.Config, *, attn_x_placement: NamedPlacement,
-                           enable_sp: bool) -> None:
-    """``attn_x_placement``: how the FFN input arrives (the residual stream's layout)."""
-    ffn_cfg.sharding_config = ShardingConfig(in_src=attn_x_placement, in_dst=_tp(Replicate()))
-    ffn_cfg.w1.sharding_config = _for_linear(colwise_config(), ffn_cfg.w1)
-    ffn_cfg.w3.sharding_config = _for_linear(colwise_config(), ffn_cfg.w3)
-    ffn_cfg.w2.sharding_config = _for_linear(rowwise_config(output_sp=enable_sp), ffn_cfg.w2)
+                           enable_sp: bool, tokens: int | None = None) -> None:
+    """``attn_x_placement``: how the FFN input arrives (the residual stream's layout);
+    ``tokens``: the input's token dim where it is split over cp (None: not split)."""
+    ffn_cfg.sharding_config = ShardingConfig(in_src=attn_x_placement, in_dst=_act(Replicate(), tokens))
+    ffn_cfg.w1.sharding_config = _for_linear(colwise_config(tokens=tokens), ffn_cfg.w1)
+    ffn_cfg.w3.sharding_config = _for_linear(colwise_config(tokens=tokens), ffn_cfg.w3)
+    ffn_cfg.w2.sharding_config = _for_linear(rowwise_config(output_sp=enable_sp, tokens=tokens), ffn_cfg.w2)
 
 
-def _set_moe_sharding(moe_cfg: MoE.Config, *, x_placement: NamedPlacement, enable_sp: bool) -> None:
-    replicate = _tp(Replicate())
-    moe_cfg.sharding_config = ShardingConfig(
+def _set_moe_sharding(moe_cfg: MoE.Config, *, x_placement: NamedPlacement, enable_sp: bool,
+                      tokens: int | None = None) -> None:
+    """``tokens``: the sequence dim of the MoE's input where it is split over cp; inside,
+    the router and experts see the tokens flattened (dim 0)."""
+    flat = None if tokens is None else 0
+    replicate, flat_replicate = _act(Replicate(), tokens), _act(Replicate(), flat)
+    moe_cfg.sharding_config = ShardingConfig(  # local_map with cp: it flattens the local tokens
         in_src=x_placement, in_dst=replicate,
-        out_src=replicate, out_dst=_tp(Shard(1)) if enable_sp else replicate,
+        out_src=replicate, out_dst=_act(Shard(1), tokens) if enable_sp else replicate,
+        local_map=tokens is not None,
     )
     moe_cfg.router.sharding_config = ShardingConfig(
         state_shardings=_replicated_state("weight"), in_src=replicate, in_dst=replicate,
-        out_src=(replicate, replicate, replicate), out_dst=(replicate, replicate, replicate),
-        local_map=True,
+        out_src=(flat_replicate,) * 3, out_dst=(flat_replicate,) * 3, local_map=True,
     )
     moe_cfg.experts.sharding_config = ShardingConfig(
         state_shardings={"gate_up_proj": dense_param_placement(tp=_StridedShard(1, split_factor=2)),
                          "down_proj": dense_param_placement(tp=Shard(2))},
-        in_src=(replicate, replicate, replicate), in_dst=(replicate, replicate, replicate),
-        out_src=_tp(Partial()), out_dst=replicate, local_map=True,
+        in_src=(flat_replicate,) * 3, in_dst=(flat_replicate,) * 3,
+        out_src=_act(Partial(), flat), out_dst=flat_replicate, local_map=True,
     )
     if isinstance(moe_cfg, SharedExpertMoE.Config):
-        set_dense_ffn_sharding(moe_cfg.shared_expert, attn_x_placement=replicate, enable_sp=False)
-        moe_cfg.shared_expert_gate.sharding_config = _replicated_weight_config(replicate)
+        set_dense_ffn_sharding(moe_cfg.shared_expert, attn_x_placement=flat_replicate, enable_sp=False, tokens=flat)
+        moe_cfg.shared_expert_gate.sharding_config = _replicated_weight_config(flat_replicate)
 
 
-def set_decoder_sharding_config(cfg: Decoder.Config, *, loss_parallel: bool, enable_sp: bool) -> None:
-    residual = _tp(Shard(1) if enable_sp else Replicate())
+def set_decoder_sharding_config(cfg: Decoder.Config, *, loss_parallel: bool, enable_sp: bool,
+                                split_sequence_over_cp: bool = False) -> None:
+    """The whole decoder's plan. With ``split_sequence_over_cp`` the tokens are split over
+    cp at the embedding's input and the logits gathered over cp at the output's."""
+    tokens = 1 if split_sequence_over_cp else None
+    residual = _act(Shard(1) if enable_sp else Replicate(), tokens)
     cfg.tok_embeddings.sharding_config = ShardingConfig(
         state_shardings={"weight": dense_param_placement(tp=Shard(0))},
-        in_src=_tp(Replicate()), in_dst=_tp(Replicate()),
-        out_src=_tp(Partial()), out_dst=residual,
+        in_src=_whole_sequence(Replicate(), tokens),
+        in_dst=_act(Replicate(), tokens),
+        out_src=_act(Partial(), tokens), out_dst=residual,
     )
     for layer in cfg.layers:
-        layer.attention_norm.sharding_config = norm_config(enable_sp=enable_sp)
-        layer.ffn_norm.sharding_config = norm_config(enable_sp=enable_sp)
-        set_gqa_attention_sharding(layer.attention, enable_sp=enable_sp)
+        layer.attention_norm.sharding_config = norm_config(enable_sp=enable_sp, tokens=tokens)
+        layer.ffn_norm.sharding_config = norm_config(enable_sp=enable_sp, tokens=tokens)
+        set_gqa_attention_sharding(layer.attention, enable_sp=enable_sp, split_sequence_over_cp=bool(tokens))
         if layer.moe is not None:
-            _set_moe_sharding(layer.moe, x_placement=residual, enable_sp=enable_sp)
+            _set_moe_sharding(layer.moe, x_placement=residual, enable_sp=enable_sp, tokens=tokens)
         else:
-            set_dense_ffn_sharding(layer.feed_forward, attn_x_placement=residual, enable_sp=enable_sp)
-    cfg.norm.sharding_config = norm_config(enable_sp=enable_sp)
-    output = colwise_config()
+            set_dense_ffn_sharding(layer.feed_forward, attn_x_placement=residual, enable_sp=enable_sp,
+                                   tokens=tokens)
+    cfg.norm.sharding_config = norm_config(enable_sp=enable_sp, tokens=tokens)
+    output = colwise_config(tokens=tokens)
     output.in_src = residual
-    output.out_dst = _tp(Shard(-1) if loss_parallel else Replicate())
+    output.out_dst = _whole_sequence(Shard(-1) if loss_parallel else Replicate(), tokens)
     cfg.output.sharding_config = _for_linear(output, cfg.output)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
 from hyper_parallel.errors import HyperParallelError
@@ -244,8 +245,10 @@ def parallelize_with_planner(model: nn.Module, config: TrainerConfig, mesh_conte
 def parallelize_custom(custom_module: ModuleType, model: nn.Module, config: TrainerConfig,
                        mesh_context: MeshContext) -> nn.Module:
     acc = config.accelerator
+    context_parallel = ContextParallel.effective(acc.context_parallel.algorithm, acc.context_parallel.load_balance,
+                                                 acc.cp_size)
     return custom_module.parallelize_custom_model(model, mesh_context.device_mesh, loss_parallel=acc.loss_parallel,
-                                                  enable_sp=acc.sequence_parallel)
+                                                  enable_sp=acc.sequence_parallel, context_parallel=context_parallel)
 
 
 def target_device(config: TrainerConfig) -> torch.device:

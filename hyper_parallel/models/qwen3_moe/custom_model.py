@@ -101,11 +101,40 @@ class _no_context:
         return None
 
 
-def parallelize_custom_model(model: Decoder, mesh: Any, *, loss_parallel: bool, enable_sp: bool) -> Decoder:
+def parallelize_custom_model(model: Decoder, mesh: Any, *, loss_parallel: bool, enable_sp: bool,
+                             context_parallel: Any = None) -> Decoder:
     """Fill the model's config tree with the declarative plan and apply it with the one
     applier. With ``loss_parallel`` the logits come back as local vocab shards
-    (``Shard(-1)`` on ``tp``)."""
+    (``Shard(-1)`` on ``tp``). ``context_parallel`` (``config.ContextParallel``, effective
+    for the mesh's cp size): allgather_kv or ulysses split each attention over cp (the
+    logits come back whole over cp); gather_sequence or None: every cp rank computes the
+    whole sequence."""
     from hyper_parallel.distributed.applier import apply_sharding_plan
+    from hyper_parallel.distributed.sequence_layout import ATTENTION_ROLE
 
-    set_decoder_sharding_config(model.config, loss_parallel=loss_parallel, enable_sp=enable_sp)
-    return apply_sharding_plan(model, collect_sharding_plan(model), mesh)
+    cp = _mesh_size(mesh, "cp")
+    split = context_parallel is not None and context_parallel.splits_attention and cp > 1
+    if split and context_parallel.algorithm == "ulysses":
+        _check_ulysses_heads(model, _mesh_size(mesh, "tp") * cp)
+    set_decoder_sharding_config(model.config, loss_parallel=loss_parallel, enable_sp=enable_sp,
+                                split_sequence_over_cp=split)
+    roles = {fqn: ATTENTION_ROLE[context_parallel.algorithm]
+             for fqn, module in model.named_modules() if isinstance(module, GQAttention)} if split else None
+    return apply_sharding_plan(model, collect_sharding_plan(model), mesh,
+                               context_parallel=context_parallel if split else None, roles=roles)
+
+
+def _mesh_size(mesh: Any, axis: str) -> int:
+    names = tuple(mesh.mesh_dim_names or ())
+    return mesh.size(names.index(axis)) if axis in names else 1
+
+
+def _check_ulysses_heads(model: Decoder, ranks: int) -> None:
+    """ulysses gives each of tp*cp ranks a group of query and of kv heads."""
+    attention = model.config.layers[0].attention
+    for name, heads in (("num_attention_heads", attention.n_heads), ("num_key_value_heads", attention.n_kv_heads)):
+        if heads % ranks:
+            raise UnsupportedHFConfigError(
+                f"accelerator.context_parallel.algorithm: ulysses splits the heads over tp_size*cp_size = {ranks}, "
+                f"but the model's {name} is {heads}; use algorithm: allgather_kv, or a tp_size/cp_size whose "
+                f"product divides {heads}")

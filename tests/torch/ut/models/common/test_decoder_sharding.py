@@ -150,3 +150,41 @@ def test_sub_tree_helpers_keep_bias_entries_only_for_biased_linears(two_layer_co
     assert ffn.sharding_config == ShardingConfig(in_src=tp(Shard(1)), in_dst=R)
     assert ffn.w2.sharding_config == rowwise(tp(Shard(1)))
     assert isinstance(ffn.w1._param_init, Function.Config)  # helpers touch sharding only
+
+
+def test_split_sequence_over_cp_names_the_token_dim_of_every_activation(two_layer_config):
+    """Tokens split over cp at the embedding's input, logits gathered at the output's;
+    in between every activation names cp on its token dim (1 of [b, s, ...], 2 of the
+    per-head [b, heads, s, d], 0 of the MoE's flattened tokens), so replicated weights'
+    gradients are summed over cp; the attention and MoE blocks run on local tensors."""
+    config = two_layer_config()
+    set_decoder_sharding_config(config, loss_parallel=True, enable_sp=True, split_sequence_over_cp=True)
+    model = config.build()
+    actual = {fqn: m.config.sharding_config for fqn, m in model.named_modules() if isinstance(m, Module)}
+
+    def act(placement, dim=1):
+        return {TP: placement, CP: Shard(dim)}
+
+    x, whole_r = act(Shard(1)), {TP: Replicate(), CP: Replicate()}
+    r, flat_r = act(Replicate()), act(Replicate(), 0)
+    assert actual["tok_embeddings"] == ShardingConfig(state_shardings={"weight": tp(Shard(0))}, in_src=whole_r,
+                                                      in_dst=r, out_src=act(Partial()), out_dst=x)
+    assert actual["output"] == ShardingConfig(state_shardings={"weight": tp(Shard(0))}, in_src=x, in_dst=r,
+                                              out_src=act(Shard(-1)), out_dst={TP: Shard(-1), CP: Replicate()})
+    heads = act(Shard(1), 2)
+    assert actual["layers.0.attention"] == ShardingConfig(in_src=(x, None, None), in_dst=(r, None, None),
+                                                          local_map=True)
+    assert actual["layers.0.attention.q_norm"] == replicated_weight(act(Shard(2)))
+    assert actual["layers.0.attention.inner_attention"] == ShardingConfig(
+        in_src=(heads, heads, heads, None, None), in_dst=(heads, heads, heads, None, None),
+        out_src=act(Shard(2)), out_dst=act(Shard(2)), local_map=True)
+    assert actual["layers.0.attention.o_proj"] == ShardingConfig(
+        state_shardings={"weight": tp(Shard(1))}, in_src=act(Shard(-1)), in_dst=act(Shard(-1)),
+        out_src=act(Partial()), out_dst=x)
+    assert actual["layers.1.moe"] == ShardingConfig(in_src=x, in_dst=r, out_src=r, out_dst=x, local_map=True)
+    assert actual["layers.1.moe.router"].out_src == (flat_r,) * 3
+    assert actual["layers.1.moe.experts"].out_src == act(Partial(), 0)
+    for fqn, sharding in actual.items():
+        for named in (sharding.in_src, sharding.in_dst, sharding.out_src, sharding.out_dst) if sharding else ():
+            for placement in named if isinstance(named, tuple) else (named,):
+                assert placement is None or CP in placement, f"{fqn}: {placement} does not name cp"
