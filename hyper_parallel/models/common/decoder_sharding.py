@@ -24,8 +24,8 @@ outputs. Placements follow torchtitan's tensor/sequence parallel styles on ``tp`
   gate and the up half of ``gate_up_proj`` (``_StridedShard(1, split_factor=2)``, so the
   local ``chunk(2)`` still pairs gate with up) and in ``down_proj`` (``Shard(2)``), and
   the experts' output, a partial sum over ``tp``, is reduced to ``Replicate``. Both run
-  on local tensors (``local_map``; their routing ops have no DTensor rules). Expert
-  parallelism, which would split the experts themselves, is outside these helpers.
+  on local tensors (``local_map``; their routing ops have no DTensor rules). With
+  ``expert_parallel`` the experts are split over ``ep`` too (dim 0), on the expert mesh.
 
 Context parallel that splits attention (``allgather_kv`` / ``ulysses``, helper argument
 ``split_sequence_over_cp``): the tokens are split over ``cp`` as they enter the embedding
@@ -49,6 +49,7 @@ from hyper_parallel.protocols import MeshAxisName, NamedPlacement, ShardingConfi
 
 TP = MeshAxisName.TP
 CP = MeshAxisName.CP
+EP = MeshAxisName.EP
 
 
 def dense_param_placement(*, tp: Placement) -> NamedPlacement:
@@ -155,9 +156,12 @@ def set_dense_ffn_sharding(ffn_cfg: FeedForward.Config, *, attn_x_placement: Nam
 
 
 def _set_moe_sharding(moe_cfg: MoE.Config, *, x_placement: NamedPlacement, enable_sp: bool,
-                      tokens: int | None = None) -> None:
+                      tokens: int | None = None, expert_parallel: bool = False) -> None:
     """``tokens``: the sequence dim of the MoE's input where it is split over cp; inside,
-    the router and experts see the tokens flattened (dim 0)."""
+    the router and experts see the tokens flattened (dim 0). ``expert_parallel``: the
+    experts are split over ``ep`` (dim 0 of both weights) and live on the expert mesh,
+    where each rank's tokens are its own (``Shard(0)`` on ep) and the applier's dispatch
+    sends them to the rank holding their expert."""
     flat = None if tokens is None else 0
     replicate, flat_replicate = _act(Replicate(), tokens), _act(Replicate(), flat)
     moe_cfg.sharding_config = ShardingConfig(  # local_map with cp: it flattens the local tokens
@@ -169,11 +173,15 @@ def _set_moe_sharding(moe_cfg: MoE.Config, *, x_placement: NamedPlacement, enabl
         state_shardings=_replicated_state("weight"), in_src=replicate, in_dst=replicate,
         out_src=(flat_replicate,) * 3, out_dst=(flat_replicate,) * 3, local_map=True,
     )
+    experts = {"gate_up_proj": dense_param_placement(tp=_StridedShard(1, split_factor=2)),
+               "down_proj": dense_param_placement(tp=Shard(2))}
+    arrive, partial = flat_replicate, _act(Partial(), flat)
+    if expert_parallel:
+        experts = {name: {**placement, EP: Shard(0)} for name, placement in experts.items()}
+        arrive, partial = {TP: Replicate(), EP: Shard(0)}, {TP: Partial(), EP: Shard(0)}
     moe_cfg.experts.sharding_config = ShardingConfig(
-        state_shardings={"gate_up_proj": dense_param_placement(tp=_StridedShard(1, split_factor=2)),
-                         "down_proj": dense_param_placement(tp=Shard(2))},
-        in_src=(flat_replicate,) * 3, in_dst=(flat_replicate,) * 3,
-        out_src=_act(Partial(), flat), out_dst=flat_replicate, local_map=True,
+        state_shardings=experts, in_src=(arrive,) * 3, in_dst=(arrive,) * 3,
+        out_src=partial, out_dst=dict(arrive), local_map=True,
     )
     if isinstance(moe_cfg, SharedExpertMoE.Config):
         set_dense_ffn_sharding(moe_cfg.shared_expert, attn_x_placement=flat_replicate, enable_sp=False, tokens=flat)
@@ -181,9 +189,10 @@ def _set_moe_sharding(moe_cfg: MoE.Config, *, x_placement: NamedPlacement, enabl
 
 
 def set_decoder_sharding_config(cfg: Decoder.Config, *, loss_parallel: bool, enable_sp: bool,
-                                split_sequence_over_cp: bool = False) -> None:
+                                split_sequence_over_cp: bool = False, expert_parallel: bool = False) -> None:
     """The whole decoder's plan. With ``split_sequence_over_cp`` the tokens are split over
-    cp at the embedding's input and the logits gathered over cp at the output's."""
+    cp at the embedding's input and the logits gathered over cp at the output's; with
+    ``expert_parallel`` the routed experts are split over ep."""
     tokens = 1 if split_sequence_over_cp else None
     residual = _act(Shard(1) if enable_sp else Replicate(), tokens)
     cfg.tok_embeddings.sharding_config = ShardingConfig(
@@ -197,7 +206,8 @@ def set_decoder_sharding_config(cfg: Decoder.Config, *, loss_parallel: bool, ena
         layer.ffn_norm.sharding_config = norm_config(enable_sp=enable_sp, tokens=tokens)
         set_gqa_attention_sharding(layer.attention, enable_sp=enable_sp, split_sequence_over_cp=bool(tokens))
         if layer.moe is not None:
-            _set_moe_sharding(layer.moe, x_placement=residual, enable_sp=enable_sp, tokens=tokens)
+            _set_moe_sharding(layer.moe, x_placement=residual, enable_sp=enable_sp, tokens=tokens,
+                              expert_parallel=expert_parallel)
         else:
             set_dense_ffn_sharding(layer.feed_forward, attn_x_placement=residual, enable_sp=enable_sp,
                                    tokens=tokens)

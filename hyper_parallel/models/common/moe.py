@@ -60,10 +60,13 @@ class Experts(Module):
         self.gate_up_proj = platform.Parameter(
             torch.empty(config.num_experts, 2 * config.hidden_dim, config.dim))
         self.down_proj = platform.Parameter(torch.empty(config.num_experts, config.dim, config.hidden_dim))
+        # the experts this module computes: expert parallel's dispatch sets the local count
+        # while it runs the module on the tokens sent to this rank (HF's experts interface)
+        self.num_experts = config.num_experts
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, dim]; ``top_ids`` / ``top_weights`` [tokens, k] → [tokens, dim]."""
-        num_experts = self.config.num_experts
+        num_experts = self.num_experts
         out = torch.zeros_like(x)
         with torch.no_grad():
             # [experts + 1, k, tokens]; the extra class absorbs out-of-range ids (dropped tokens)

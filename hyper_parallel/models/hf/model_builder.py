@@ -247,7 +247,7 @@ def parallelize_custom(custom_module: ModuleType, model: nn.Module, config: Trai
     acc = config.accelerator
     context_parallel = ContextParallel.effective(acc.context_parallel.algorithm, acc.context_parallel.load_balance,
                                                  acc.cp_size)
-    return custom_module.parallelize_custom_model(model, mesh_context.device_mesh, loss_parallel=acc.loss_parallel,
+    return custom_module.parallelize_custom_model(model, mesh_context, loss_parallel=acc.loss_parallel,
                                                   enable_sp=acc.sequence_parallel, context_parallel=context_parallel)
 
 

@@ -104,20 +104,24 @@ class _no_context:
 def parallelize_custom_model(model: Decoder, mesh: Any, *, loss_parallel: bool, enable_sp: bool,
                              context_parallel: Any = None) -> Decoder:
     """Fill the model's config tree with the declarative plan and apply it with the one
-    applier. With ``loss_parallel`` the logits come back as local vocab shards
-    (``Shard(-1)`` on ``tp``). ``context_parallel`` (``config.ContextParallel``, effective
-    for the mesh's cp size): allgather_kv or ulysses split each attention over cp (the
-    logits come back whole over cp); gather_sequence or None: every cp rank computes the
-    whole sequence."""
+    applier. ``mesh``: a ``MeshContext`` (its dims' ``ep`` > 1 splits the routed experts
+    over ep) or a ``DeviceMesh``. With ``loss_parallel`` the logits come back as local
+    vocab shards (``Shard(-1)`` on ``tp``). ``context_parallel`` (``config.ContextParallel``,
+    effective for the mesh's cp size): allgather_kv or ulysses split each attention over
+    cp (the logits come back whole over cp); gather_sequence or None: every cp rank
+    computes the whole sequence."""
     from hyper_parallel.distributed.applier import apply_sharding_plan
+    from hyper_parallel.distributed.mesh import MeshContext
     from hyper_parallel.distributed.sequence_layout import ATTENTION_ROLE
 
-    cp = _mesh_size(mesh, "cp")
+    device_mesh = mesh.device_mesh if isinstance(mesh, MeshContext) else mesh
+    cp = _mesh_size(device_mesh, "cp")
     split = context_parallel is not None and context_parallel.splits_attention and cp > 1
     if split and context_parallel.algorithm == "ulysses":
-        _check_ulysses_heads(model, _mesh_size(mesh, "tp") * cp)
+        _check_ulysses_heads(model, _mesh_size(device_mesh, "tp") * cp)
     set_decoder_sharding_config(model.config, loss_parallel=loss_parallel, enable_sp=enable_sp,
-                                split_sequence_over_cp=split)
+                                split_sequence_over_cp=split,
+                                expert_parallel=isinstance(mesh, MeshContext) and mesh.dims.ep > 1)
     roles = {fqn: ATTENTION_ROLE[context_parallel.algorithm]
              for fqn, module in model.named_modules() if isinstance(module, GQAttention)} if split else None
     return apply_sharding_plan(model, collect_sharding_plan(model), mesh,

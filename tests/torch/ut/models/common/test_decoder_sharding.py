@@ -188,3 +188,18 @@ def test_split_sequence_over_cp_names_the_token_dim_of_every_activation(two_laye
         for named in (sharding.in_src, sharding.in_dst, sharding.out_src, sharding.out_dst) if sharding else ():
             for placement in named if isinstance(named, tuple) else (named,):
                 assert placement is None or CP in placement, f"{fqn}: {placement} does not name cp"
+
+
+def test_expert_parallel_splits_the_experts_over_ep(two_layer_config):
+    """Both expert weights split on dim 0 over ep (besides their tp split); the tokens
+    arrive as each rank's own (Shard(0) on ep), the applier's dispatch routes them."""
+    config = two_layer_config()
+    set_decoder_sharding_config(config, loss_parallel=False, enable_sp=False, expert_parallel=True)
+    EP = MeshAxisName.EP
+    arrive = {TP: Replicate(), EP: Shard(0)}
+    assert config.layers[1].moe.experts.sharding_config == ShardingConfig(
+        state_shardings={"gate_up_proj": {TP: _StridedShard(1, split_factor=2), EP: Shard(0)},
+                         "down_proj": {TP: Shard(2), EP: Shard(0)}},
+        in_src=(arrive,) * 3, in_dst=(arrive,) * 3, out_src={TP: Partial(), EP: Shard(0)}, out_dst=arrive,
+        local_map=True)
+    assert config.layers[1].moe.router.sharding_config.state_shardings == {"weight": R}  # the router stays whole

@@ -2,8 +2,9 @@
 that splits attention, against the single-process HF model with the same weights.
 
 Launched by test_custom_model_cp.py as ``-m tests.torch.ut.models.qwen3_moe.cp_custom_backend_worker
---out DIR VARIANT ...``; a variant is ``cp=2:tp=1:sp=0:lp=0:alg=allgather_kv:lb=1:tie=0:kv=2``
-(the world size is cp*tp; ``kv``: the kv heads). For each variant every rank trains three AdamW steps on both
+--out DIR VARIANT ...``; a variant is ``cp=2:tp=1:sp=0:lp=0:alg=allgather_kv:lb=1:tie=0:kv=2[:ep=2]``
+(the world size is cp*tp; ``kv``: the kv heads; ``ep``: the routed experts split over ep,
+which borrows the cp ranks). For each variant every rank trains three AdamW steps on both
 models and records the losses, every gradient that differs from the reference (first
 step rtol 1e-4 / atol 1e-6; after AdamW steps, which amplify fp32 rounding, 1e-3 / 1e-5) and the
 (heads, queries) its attention computed; it writes ``DIR/rank<N>.json``
@@ -19,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.context_parallel import CONTEXT_ATTRIBUTE
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model, parallelize_custom_model
 from hyper_parallel.models.qwen3_moe.hf_state_dict import hf_key_to_custom, load_hf_state_dict
 from tests.rank_exit import leave_after_barrier
@@ -69,19 +70,19 @@ def parallel_step(model, ids, labels, tp_mesh, lp: bool) -> float:
 
 
 def run_variant(flags: dict, reference) -> dict:
-    cp, tp = int(flags["cp"]), int(flags["tp"])
+    dims = ParallelDims(cp=int(flags["cp"]), tp=int(flags["tp"]), ep=int(flags.get("ep", 1)))
     base, ids, labels, ref_losses, ref_grads = reference
-    mesh = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
+    mesh = MeshContext(build_device_mesh(dims, "cpu"), dims)
     model = build_custom_model(base["config"])
     load_hf_state_dict(model, base["state"])
-    context_parallel = ContextParallel.effective(flags["alg"], flags["lb"] == "1", cp)
+    context_parallel = ContextParallel.effective(flags["alg"], flags["lb"] == "1", dims.cp)
     parallelize_custom_model(model, mesh, loss_parallel=flags["lp"] == "1", enable_sp=flags["sp"] == "1",
                              context_parallel=context_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     losses, mismatches = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
-        losses.append(parallel_step(model, ids, labels, mesh["tp"], flags["lp"] == "1"))
+        losses.append(parallel_step(model, ids, labels, mesh.device_mesh["tp"], flags["lp"] == "1"))
         for name, param in model.named_parameters():
             grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
             want = ref_grads[step][name]
@@ -94,7 +95,8 @@ def run_variant(flags: dict, reference) -> dict:
                 mismatches.append(f"step {step}: grad of {name} differs (max abs diff {diff})")
         optimizer.step()
     context = getattr(model.layers[0].attention.inner_attention, CONTEXT_ATTRIBUTE, None)
-    return {"losses": losses, "reference_losses": ref_losses, "grad_mismatches": mismatches,
+    experts = model.layers[0].moe.experts.gate_up_proj
+    return {"local_experts": (experts.to_local() if isinstance(experts, DTensor) else experts).shape[0],"losses": losses, "reference_losses": ref_losses, "grad_mismatches": mismatches,
             "inner_shapes": sorted(context.inner_shapes) if context else None,
             "contexts": sum(hasattr(m, CONTEXT_ATTRIBUTE) for m in model.modules())}
 

@@ -2,7 +2,8 @@
 attention, against the single-process HF model with the same weights: three AdamW steps,
 loss (rtol 1e-5) and every gradient of every step (``cp_custom_backend_worker``), at cp2,
 cp4 and tp2+cp2 (with sequence and loss parallel), allgather_kv with and without load
-balance, ulysses, GQA and tied embeddings; and each rank's attention computed S/cp
+balance, ulysses, GQA, tied embeddings and the experts split over ep (cp2+ep2,
+tp2+cp2+ep2); and each rank's attention computed S/cp
 queries (allgather_kv) or the whole sequence of heads/(tp*cp) heads (ulysses), so the
 work was split. One launch per world size runs its variants in turn."""
 
@@ -15,17 +16,18 @@ from tests.project_fixtures import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-SEQ, HEADS = 16, 4
+SEQ, HEADS, EXPERTS = 16, 4, 4
 WORKER = "tests.torch.ut.models.qwen3_moe.cp_custom_backend_worker"
 
 
-def variant(*, cp, tp=1, sp=0, lp=0, alg="allgather_kv", lb=0, tie=0, kv=2) -> str:
-    return f"cp={cp}:tp={tp}:sp={sp}:lp={lp}:alg={alg}:lb={lb}:tie={tie}:kv={kv}"
+def variant(*, cp, tp=1, sp=0, lp=0, alg="allgather_kv", lb=0, tie=0, kv=2, ep=1) -> str:
+    return f"cp={cp}:tp={tp}:sp={sp}:lp={lp}:alg={alg}:lb={lb}:tie={tie}:kv={kv}:ep={ep}"
 
 
 VARIANTS = {
-    2: [variant(cp=2), variant(cp=2, lb=1, tie=1), variant(cp=2, alg="ulysses")],
+    2: [variant(cp=2), variant(cp=2, lb=1, tie=1), variant(cp=2, alg="ulysses"), variant(cp=2, ep=2, lb=1)],
     4: [variant(cp=2, tp=2, sp=1, lp=1, lb=1), variant(cp=2, tp=2, alg="ulysses", tie=1, kv=4),
+        variant(cp=2, tp=2, ep=2, sp=1, alg="ulysses", kv=4),
         variant(cp=4, lb=1), variant(cp=4, alg="ulysses", kv=4),
         variant(cp=2, tp=2, alg="ulysses")],  # kv heads 2 over tp*cp = 4: refused
 }
@@ -56,6 +58,7 @@ def test_custom_backend_context_parallel_matches_hf(results, name):
         assert result["contexts"] > 0, f"rank {rank}: no attention module got a cp context"
         expected = (HEADS // (tp * cp), SEQ) if flags["alg"] == "ulysses" else (HEADS // tp, SEQ // cp)
         assert result["inner_shapes"] == [list(expected)], f"rank {rank}: the attention's (heads, queries)"
+        assert result["local_experts"] == EXPERTS // int(flags["ep"]), f"rank {rank}: experts held"
 
 
 def test_custom_backend_ulysses_refuses_kv_heads_tp_times_cp_does_not_divide(results):
