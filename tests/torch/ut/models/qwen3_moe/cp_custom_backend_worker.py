@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hyper_parallel.config.context_parallel import ContextParallel
@@ -30,6 +29,7 @@ from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_dev
 from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model, parallelize_custom_model
 from hyper_parallel.models.qwen3_moe.hf_state_dict import hf_key_to_custom, load_hf_state_dict
 from tests.rank_exit import leave_after_barrier
+from tests.torch.ut.models.qwen3_moe.tp_custom_backend_worker import parallel_loss
 
 CONFIG_DIR = "recipes/tiny_cpu/models/tiny-qwen3-moe"
 BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-2
@@ -56,19 +56,6 @@ def hf_run(tie: bool, kv_heads: int) -> tuple[dict, torch.Tensor, torch.Tensor, 
     return {"config": config, "state": state}, ids, labels, losses, grads
 
 
-def parallel_step(model, ids, labels, tp_mesh, lp: bool) -> float:
-    logits = model(ids)
-    if not lp:
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        loss.backward()
-        return loss.item()
-    logits = DTensor.from_local(logits, tp_mesh, [Shard(2)])
-    with loss_parallel():
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        loss.backward()
-    return loss.full_tensor().item()
-
-
 def run_variant(flags: dict, reference) -> dict:
     dims = ParallelDims(cp=int(flags["cp"]), tp=int(flags["tp"]), ep=int(flags.get("ep", 1)))
     base, ids, labels, ref_losses, ref_grads = reference
@@ -82,7 +69,7 @@ def run_variant(flags: dict, reference) -> dict:
     losses, mismatches = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
-        losses.append(parallel_step(model, ids, labels, mesh.device_mesh["tp"], flags["lp"] == "1"))
+        losses.append(parallel_loss(model, ids, labels, mesh.device_mesh["tp"], flags["lp"] == "1").item())
         for name, param in model.named_parameters():
             grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
             want = ref_grads[step][name]
