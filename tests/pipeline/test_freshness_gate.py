@@ -40,7 +40,8 @@ def test_an_edited_bundle_and_a_changed_recipe_fail_the_gate_with_diffs_until_fi
         assert "\n-# edited by hand\n" in out, out  # the hand edit, as the fix would remove it
         assert '+    "applied_axes": ["tp", "sp"],' in out, out  # the recipe's change, as the fix would write it
         assert f"{project / BUNDLE / META_FILE}: stale" in out, out
-        assert f"fix: doit generate config={project / TINY_RECIPE}" in out and "check --all --fix" in out, out
+        assert f"fix: doit generate config={TINY_RECIPE}" in out and "check --all --fix" in out, out
+        assert f"config={project / TINY_RECIPE}" not in out, out  # relative to where it runs: pasteable there
 
     fixed = cli(project, "check", "--config", TINY_RECIPE, "--fix", env=ENV)
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr

@@ -10,7 +10,14 @@ from hyper_parallel.codegen.spec.types import CodegenSpec
 
 
 def fix_command(spec: CodegenSpec) -> str:
-    return f"doit generate config={spec.recipe_path}"
+    """The command that regenerates the bundle, run from here: the recipe path relative to
+    the working directory when it lies under it (what a user pastes), else absolute."""
+    recipe = Path(spec.recipe_path)
+    try:
+        recipe = recipe.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        pass
+    return f"doit generate config={recipe}"
 
 
 def bundle_file_problems(bundle_dir: Path, meta: dict) -> list[str]:
