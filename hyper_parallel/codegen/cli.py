@@ -122,25 +122,21 @@ def _dispatch(args: argparse.Namespace, recipe: str) -> int:
 
 def check_bundle(spec: CodegenSpec, *, fix: bool) -> int:
     """The freshness gate for one recipe, then (for a current bundle) verify and preflight."""
-    from hyper_parallel.codegen.check.drift import fix_command
-    from hyper_parallel.codegen.check.freshness import freshness_problems
-    from hyper_parallel.codegen.stages import verify_installed
+    from hyper_parallel.codegen.check.freshness import stale_report
+    from hyper_parallel.codegen.stages import check_installed
 
-    problems = freshness_problems(spec)
-    if problems and fix:
+    report = stale_report(spec)
+    fixed = False
+    if report and fix:
         print(f"{spec.bundle_dir}: stale; regenerating it (--fix)")
-        run_pipeline(spec, STAGES)
-        problems = freshness_problems(spec)
-        fixed = not problems
-    else:
-        fixed = False
-    if problems:
-        print("\n".join(problems) + f"\n  fix: {fix_command(spec)} (or: python -m hyper_parallel.codegen check "
-              f"--all --fix)", file=sys.stderr)
+        run_pipeline(spec, STAGES)  # generate verifies and preflights what it installs
+        report = stale_report(spec)
+        fixed = not report
+    if report:
+        print(report, file=sys.stderr)
         return 1
-    if not fixed:  # generate has just verified and preflighted what it installed
-        verify_installed(spec)
-        run_pipeline(spec, ["preflight"], force=True)
+    if not fixed:
+        check_installed(spec)
     print(f"{spec.bundle_dir}: {'regenerated; ' if fixed else ''}check passed (current, verified, preflight ok)")
     return 0
 

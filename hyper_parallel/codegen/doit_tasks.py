@@ -103,18 +103,15 @@ def run_stage_action(stage: str, path: str):
 
 
 def check_action(path: str):
-    from hyper_parallel.codegen.check.drift import fix_command
-    from hyper_parallel.codegen.check.freshness import freshness_problems
-    from hyper_parallel.codegen.stages import run_stage, verify_installed
+    from hyper_parallel.codegen.check.freshness import stale_report
+    from hyper_parallel.codegen.stages import check_installed
     configure_console_logging(indent=ACTION_INDENT)
     try:
         spec = spec_for(path)
-        problems = freshness_problems(spec)
-        if problems:
-            return TaskFailed("\n".join(problems) + f"\n  fix: {fix_command(spec)} (or: python -m "
-                              f"hyper_parallel.codegen check --all --fix)")
-        verify_installed(spec)
-        run_stage(spec, "preflight")
+        report = stale_report(spec)
+        if report:
+            return TaskFailed(report)
+        check_installed(spec)
     except Exception as exc:
         return _failure(exc, path)
     return None

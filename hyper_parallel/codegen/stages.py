@@ -226,6 +226,13 @@ def verify_installed(spec: CodegenSpec) -> dict[str, Any]:
                          meta["model"]["model_class"])
 
 
+def check_installed(spec: CodegenSpec) -> None:
+    """What ``check`` runs on a bundle the freshness gate passed: verify on the installed
+    files, then preflight."""
+    verify_installed(spec)
+    run_stage(spec, "preflight")
+
+
 def expected_verified(spec: CodegenSpec) -> dict[str, Any]:
     """What codegen_meta.json says about the verify run: how it runs for this layout, not
     its timings or measured errors (the meta is committed; its bytes must not move with

@@ -74,6 +74,15 @@ def stale_files(spec: CodegenSpec) -> list[StaleFile]:
     return stale
 
 
+def stale_report(spec: CodegenSpec) -> str | None:
+    """The gate's failure for ``spec``: every problem and the command that fixes it; None
+    when the committed bundle is current."""
+    problems = freshness_problems(spec)
+    if not problems:
+        return None
+    return "\n".join(problems) + f"\n  fix: {fix_command(spec)} (or: python -m hyper_parallel.codegen check --all --fix)"
+
+
 def freshness_problems(spec: CodegenSpec) -> list[str]:
     """What the gate reports for one recipe (empty when the bundle is current): one line
     when there is no readable bundle or another transformers built it, else what its own
