@@ -20,11 +20,12 @@ from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TOKENIZED_KINDS, TrainerConfig
 from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
+from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
 from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_device_type
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import PackedCorpus, check_vocabulary, corpus_batch, prepare_corpus
-from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens, seed_step
+from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
 
 _LOG = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class BaseTrainer:
                 batch = corpus_batch(self.corpus, row, training, dataset.shuffle)
             else:
                 batch = global_batch(step, training, dataset, vocab, byte_tokens)
-            seed_step(step, training)
+            seed_step(step, training.seed)
             parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
             total = None
             for micro in parts:

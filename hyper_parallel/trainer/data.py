@@ -28,16 +28,6 @@ def global_batch(step: int, training: TrainingConfig, dataset: DatasetConfig, vo
     return text_tokens[start:start + count].view(shape)
 
 
-def seed_step(step: int, training: TrainingConfig) -> None:
-    """Seed the global random state for ``step``, the same on every rank and in the
-    single-process reference: a model drawing random numbers in training (PhiMoE's router
-    samples its experts) then draws, on every tensor-parallel rank, exactly what one process
-    draws for the same tokens (each rank runs the whole batch; a layout that splits the
-    tokens cannot, and verify refuses it). Seeding per step, not once, keeps the draws of a
-    step independent of what ran before it (model building, loading, logging)."""
-    torch.manual_seed(training.seed * 1_000_003 + step + 1)
-
-
 def existing_dataset_path(dataset: DatasetConfig, where: str) -> Path:
     """``dataset.path`` resolved against the recipe's folder (``where``), refused in one line
     naming the key when it does not exist."""

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TOKENIZED_KINDS
+from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.trainer.corpus import corpus_batch, prepare_corpus
-from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens, seed_step
+from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
 
 
 # fp32's relative precision: the size of the error a different summation order (a sharded
@@ -61,7 +62,7 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
             batch = corpus_batch(corpus, step * training.global_batch_size, training, dataset.shuffle)
         else:
             batch = global_batch(step, training, dataset, model.config.vocab_size, byte_tokens)
-        seed_step(step, config.training)
+        seed_step(step, config.training.seed)
         parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "reference"))
         total = 0.0
         for micro in parts:

@@ -29,16 +29,14 @@ from hyper_parallel.codegen.check.verify_mode import STEPS
 from hyper_parallel.distributed.rank_exit import exit_rank
 
 LR = 1e-3
+VERIFY_SEED = 0
 
 
 def seed_step(step: int) -> None:
-    """The global random state for ``step``, the same in the reference run and on every
-    rank: a model that draws in training (PhiMoE's sampling router) draws on each rank what
-    one process draws for the same tokens, where every rank runs all of them (verify
-    refuses such a model under layouts that split the tokens)."""
-    import torch
+    """verify's step seed (``distributed.step_seed``), the reference's and every rank's."""
+    from hyper_parallel.distributed.step_seed import seed_step as seeded
 
-    torch.manual_seed(1_000 + step)
+    seeded(step, VERIFY_SEED)
 
 
 def main(argv: list[str] | None = None) -> int:
