@@ -4,7 +4,8 @@ that splits attention, against the single-process HF model with the same weights
 Launched by test_custom_model_cp.py as ``-m tests.torch.ut.models.qwen3_moe.cp_custom_backend_worker
 --out DIR VARIANT ...``; a variant is ``cp=2:tp=1:sp=0:lp=0:alg=allgather_kv:lb=1:tie=0:kv=2[:ep=2]``
 (the world size is cp*tp; ``kv``: the kv heads; ``ep``: the routed experts split over ep,
-which borrows the cp ranks). For each variant every rank trains three AdamW steps on both
+which borrows the cp ranks; ``recipe=PATH``: parallelized as HyperAutoModel does, from
+that recipe's accelerator section, which must say the same). For each variant every rank trains three AdamW steps on both
 models and records the losses, every gradient that differs from the reference (first
 step rtol 1e-4 / atol 1e-6; after AdamW steps, which amplify fp32 rounding, 1e-3 / 1e-5) and the
 (heads, queries) its attention computed; it writes ``DIR/rank<N>.json``
@@ -23,9 +24,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hyper_parallel.config import load_training_config
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.context_parallel import CONTEXT_ATTRIBUTE
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+from hyper_parallel.models.hf.model_builder import parallelize_custom
+from hyper_parallel.models.qwen3_moe import custom_model
 from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model, parallelize_custom_model
 from hyper_parallel.models.qwen3_moe.hf_state_dict import hf_key_to_custom, load_hf_state_dict
 from tests.rank_exit import leave_after_barrier
@@ -62,9 +66,13 @@ def run_variant(flags: dict, reference) -> dict:
     mesh = MeshContext(build_device_mesh(dims, "cpu"), dims)
     model = build_custom_model(base["config"])
     load_hf_state_dict(model, base["state"])
-    context_parallel = ContextParallel.effective(flags["alg"], flags["lb"] == "1", dims.cp)
-    parallelize_custom_model(model, mesh, loss_parallel=flags["lp"] == "1", enable_sp=flags["sp"] == "1",
-                             context_parallel=context_parallel)
+    if flags.get("recipe"):  # as HyperAutoModel does: the recipe's accelerator section decides
+        config = load_training_config(flags["recipe"])
+        parallelize_custom(custom_model, model, config, mesh)
+    else:
+        context_parallel = ContextParallel.effective(flags["alg"], flags["lb"] == "1", dims.cp)
+        parallelize_custom_model(model, mesh, loss_parallel=flags["lp"] == "1", enable_sp=flags["sp"] == "1",
+                                 context_parallel=context_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     losses, mismatches = [], []
     for step in range(STEPS):

@@ -10,8 +10,10 @@ work was split. One launch per world size runs its variants in turn."""
 import json
 
 import pytest
+import yaml
 
 from tests.launch import assert_ran, torchrun
+from tests.models.model_helpers import tiny_project_recipe
 from tests.project_fixtures import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -32,24 +34,35 @@ VARIANTS = {
         variant(cp=2, tp=2, alg="ulysses")],  # kv heads 2 over tp*cp = 4: refused
 }
 REFUSED = variant(cp=2, tp=2, alg="ulysses")
+# the recipe's accelerator section says the same (tests the recipe -> context_parallel path)
+RECIPE_VARIANT = variant(cp=2, lb=1)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict]]:
-    """``{variant: [rank 0's result, rank 1's, ...]}`` of every world size's launch."""
+    """``{variant: [rank 0's result, rank 1's, ...]}`` of every world size's launch; world 2
+    also runs the recipe variant (RECIPE_VARIANT), parallelized as HyperAutoModel does."""
+    recipe = tiny_project_recipe(tmp_path_factory.mktemp("project"), codegen=False, modeling_backend="custom")
+    data = yaml.safe_load(recipe.read_text())
+    data["accelerator"].update(nproc_per_node=2, cp_size=2,
+                               context_parallel={"algorithm": "allgather_kv", "load_balance": True})
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     by_variant = {}
     for world, variants in VARIANTS.items():
+        variants = variants + ([f"{RECIPE_VARIANT}:recipe={recipe}"] if world == 2 else [])
         out = tmp_path_factory.mktemp(f"world{world}")
         assert_ran(torchrun(["-m", WORKER, "--out", str(out), *variants], cwd=REPO, nproc=world, timeout=400))
         ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
         for name in variants:
-            by_variant[name] = [rank[name] for rank in ranks]
+            by_variant[name.split(":recipe=")[0] + (":recipe" if ":recipe=" in name else "")] = [
+                rank[name] for rank in ranks]
     return by_variant
 
 
-@pytest.mark.parametrize("name", [v for vs in VARIANTS.values() for v in vs if v != REFUSED])
+@pytest.mark.parametrize("name", [v for vs in VARIANTS.values() for v in vs if v != REFUSED]
+                         + [f"{RECIPE_VARIANT}:recipe"])
 def test_custom_backend_context_parallel_matches_hf(results, name):
-    flags = dict(item.split("=") for item in name.split(":"))
+    flags = dict(item.split("=") for item in name.removesuffix(":recipe").split(":"))
     cp, tp = int(flags["cp"]), int(flags["tp"])
     for rank, result in enumerate(results[name]):
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
