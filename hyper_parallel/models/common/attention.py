@@ -24,7 +24,6 @@ from hyper_parallel import platform
 from hyper_parallel.distributed.context_parallel import (
     cp_context,
     gather_kv,
-    local_rows,
     ulysses_attention,
 )
 from hyper_parallel.models.common.linear import Linear
@@ -53,7 +52,7 @@ class BaseAttention(Module):
         """``q`` [b, heads, s, d], ``k``/``v`` [b, kv_heads, s, d] → [b, s, heads, d]."""
         context = cp_context(self)
         if context is not None and cos.shape[-2] == q.shape[2] * context.size:
-            cos, sin = local_rows(context, cos, cos.dim() - 2), local_rows(context, sin, sin.dim() - 2)
+            cos, sin = context.local_rows(cos, cos.dim() - 2), context.local_rows(sin, sin.dim() - 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if context is None:
             return self._attend(q, k, v, self._mask(q.shape[2], k.shape[2], q))
