@@ -445,8 +445,9 @@ def _check_even_split(shape, placements, sub_mesh, axes, where: str) -> None:
         if shape[dim] % count:
             sizes = "*".join(f"{axis}={sub_mesh.size(axes.index(axis))}" for axis in split_axes)
             what = "sequence length" if dim == 1 else "size"
+            product = f"={count}" if len(split_axes) > 1 else ""
             raise PlanApplyError(f"{where}: dim {dim} ({what} {shape[dim]}) of a tensor of shape {list(shape)} "
-                                 f"must be divisible by {sizes}={count}, over which the plan splits it")
+                                 f"must be divisible by {sizes}{product}, over which the plan splits it")
 
 
 def _convert_outputs(output, out_pairs, sub_mesh, axes, where: str, order: SequenceOrder | None = None):
