@@ -40,24 +40,67 @@ CASES = {
 }
 
 
-def run_worker(world: int, flags: list[str], out) -> list[dict]:
-    run = torchrun(["-m", "tests.distributed.context_parallel_worker", "--out", str(out), "--seq-len", str(SEQ),
-                    *flags], cwd=REPO, nproc=world, timeout=300)
-    assert_ran(run)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+# the explicit baseline, run in the world-2 batch with the cases above
+GATHER_SEQUENCE = "cp2_gather_sequence_balanced"
+BATCHED = {**CASES, GATHER_SEQUENCE: (2, ["--cp", "2", "--algorithm", "gather_sequence", "--load-balance"])}
+
+
+class Batches:
+    """One torchrun launch per world size runs every layout of that size in turn, in the
+    same ranks (tests/distributed/context_parallel_worker.py --cases): about 8 s of rank
+    start-up (python, torch, transformers) per launch instead of per layout. Each test
+    reads its own layout's per-rank results, so a failure names the layout."""
+
+    def __init__(self, root):
+        self.root = root
+        self.launches = {}
+
+    def results(self, case: str) -> list[dict]:
+        world = BATCHED[case][0]
+        if world not in self.launches:
+            self.launches[world] = self._launch(world)
+        run, out = self.launches[world]
+        folder = out / case
+        errors = sorted(folder.glob("error_rank*.txt")) if folder.is_dir() else []
+        assert not errors, f"layout {case} raised:\n" + "\n".join(e.read_text() for e in errors)
+        files = [folder / f"rank{rank}.json" for rank in range(world)]
+        if not all(f.is_file() for f in files):
+            failed = sorted(e.parent.name for e in out.glob("*/error_rank*.txt"))
+            pytest.fail(f"layout {case} did not run: the world-{world} batch stopped at "
+                        f"{failed or 'no layout (the launch itself failed)'}\n"
+                        f"{run.stdout[-4000:]}\n{run.stderr[-4000:]}")
+        if not any(out.glob("*/error_rank*.txt")):  # else the layout that raised fails, by name
+            assert_ran(run)  # the ranks left cleanly
+        return [json.loads(f.read_text()) for f in files]
+
+    def _launch(self, world: int):
+        out = self.root / f"world{world}"
+        out.mkdir()
+        cases = {name: ["--seq-len", str(SEQ), *flags] for name, (size, flags) in sorted(BATCHED.items())
+                 if size == world}
+        (out / "cases.json").write_text(json.dumps(cases))
+        run = torchrun(["-m", "tests.distributed.context_parallel_worker", "--out", str(out),
+                        "--cases", str(out / "cases.json")],
+                       cwd=REPO, nproc=world, timeout=600)
+        return run, out
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory):
+    return Batches(tmp_path_factory.mktemp("context_parallel"))
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_allgather_kv_matches_single_process(case, tmp_path):
+def test_allgather_kv_matches_single_process(case, batches):
     world, flags = CASES[case]
     ulysses = "ulysses" in flags
     algorithm, role = ("ulysses", "ulysses_attention") if ulysses else ("allgather_kv", "kv_gathered_attention")
     balanced = "--load-balance" in flags
     tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
     cp = int(flags[flags.index("--cp") + 1])
-    for result in run_worker(world, flags, tmp_path):
+    for result in batches.results(case):
         assert result["context_parallel"] == {"algorithm": algorithm, "load_balance": balanced}
         assert role in result["roles"] and "attention_block" not in result["roles"]
         assert result["grad_failures"] == [], result["grad_failures"]
@@ -86,9 +129,9 @@ def test_allgather_kv_matches_single_process(case, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_gather_sequence_keeps_whole_sequence_attention(tmp_path):
+def test_gather_sequence_keeps_whole_sequence_attention(batches):
     """The explicit baseline: the block gathers its input, no attention wrapper is installed."""
-    for result in run_worker(2, ["--cp", "2", "--algorithm", "gather_sequence", "--load-balance"], tmp_path):
+    for result in batches.results(GATHER_SEQUENCE):
         assert result["context_parallel"] is None  # the document's default: absent means gather_sequence
         assert "attention_block" in result["roles"]
         assert result["attention_blocks"] == 0
