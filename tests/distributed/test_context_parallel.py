@@ -65,7 +65,7 @@ class Batches:
         assert not errors, f"layout {case} raised:\n" + "\n".join(e.read_text() for e in errors)
         files = [folder / f"rank{rank}.json" for rank in range(world)]
         if not all(f.is_file() for f in files):
-            failed = sorted(e.parent.name for e in out.glob("*/error_rank*.txt"))
+            failed = sorted({e.parent.name for e in out.glob("*/error_rank*.txt")})
             pytest.fail(f"layout {case} did not run: the world-{world} batch stopped at "
                         f"{failed or 'no layout (the launch itself failed)'}\n"
                         f"{run.stdout[-4000:]}\n{run.stderr[-4000:]}")
