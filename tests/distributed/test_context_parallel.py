@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hyper_parallel.distributed.context_parallel import SequenceOrder, balanced_order
-from tests.launch import assert_ran, torchrun
+from tests.batch_launch import Batches
+from tests.launch import torchrun
 from tests.project_fixtures import REPO
 
 SEQ = 16
@@ -45,49 +46,19 @@ GATHER_SEQUENCE = "cp2_gather_sequence_balanced"
 BATCHED = {**CASES, GATHER_SEQUENCE: (2, ["--cp", "2", "--algorithm", "gather_sequence", "--load-balance"])}
 
 
-class Batches:
-    """One torchrun launch per world size runs every layout of that size in turn, in the
-    same ranks (tests/distributed/context_parallel_worker.py --cases): about 8 s of rank
-    start-up (python, torch, transformers) per launch instead of per layout. Each test
-    reads its own layout's per-rank results, so a failure names the layout."""
-
-    def __init__(self, root):
-        self.root = root
-        self.launches = {}
-
-    def results(self, case: str) -> list[dict]:
-        world = BATCHED[case][0]
-        if world not in self.launches:
-            self.launches[world] = self._launch(world)
-        run, out = self.launches[world]
-        folder = out / case
-        errors = sorted(folder.glob("error_rank*.txt")) if folder.is_dir() else []
-        assert not errors, f"layout {case} raised:\n" + "\n".join(e.read_text() for e in errors)
-        files = [folder / f"rank{rank}.json" for rank in range(world)]
-        if not all(f.is_file() for f in files):
-            failed = sorted({e.parent.name for e in out.glob("*/error_rank*.txt")})
-            pytest.fail(f"layout {case} did not run: the world-{world} batch stopped at "
-                        f"{failed or 'no layout (the launch itself failed)'}\n"
-                        f"{run.stdout[-4000:]}\n{run.stderr[-4000:]}")
-        if not any(out.glob("*/error_rank*.txt")):  # else the layout that raised fails, by name
-            assert_ran(run)  # the ranks left cleanly
-        return [json.loads(f.read_text()) for f in files]
-
-    def _launch(self, world: int):
-        out = self.root / f"world{world}"
-        out.mkdir()
-        cases = {name: ["--seq-len", str(SEQ), *flags] for name, (size, flags) in sorted(BATCHED.items())
-                 if size == world}
-        (out / "cases.json").write_text(json.dumps(cases))
-        run = torchrun(["-m", "tests.distributed.context_parallel_worker", "--out", str(out),
-                        "--cases", str(out / "cases.json")],
-                       cwd=REPO, nproc=world, timeout=600)
-        return run, out
+def _launch(world: int, out, cases):
+    return torchrun(["-m", "tests.distributed.context_parallel_worker", "--out", str(out), "--cases", str(cases)],
+                    cwd=REPO, nproc=world, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def batches(tmp_path_factory):
-    return Batches(tmp_path_factory.mktemp("context_parallel"))
+    """One torchrun launch per world size runs every layout of that size in turn, in the
+    same ranks (tests/batch_launch.py): rank start-up (python, torch, transformers) once
+    per launch, not once per layout. Each test reads its own layout's per-rank results,
+    so a failure names the layout."""
+    cases = {name: (world, ["--seq-len", str(SEQ), *flags]) for name, (world, flags) in BATCHED.items()}
+    return Batches(tmp_path_factory.mktemp("context_parallel"), cases, _launch)
 
 
 @pytest.mark.slow
