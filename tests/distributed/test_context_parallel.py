@@ -5,7 +5,6 @@ single-process HF model (fp32: loss of three AdamW steps rtol 1e-5, every gradie
 1e-4 / atol 1e-6), and the attention really computes S/cp queries (allgather_kv) or the
 whole sequence of 1/cp of the heads (ulysses)."""
 
-import json
 import math
 
 import pytest
