@@ -12,11 +12,20 @@ document (with its ``context_parallel`` key) as JSON, reads it back and applies 
 way a generated file does (``runtime.hyper_parallelize``), trains three AdamW steps on
 both and writes ``OUT_DIR/rank<N>.json``: losses, every gradient compared, and the
 local query lengths the attention function saw.
+
+``--cases FILE`` runs several layouts in turn in the same processes (one launch instead
+of one per layout; every layout of a batch has the same world size): FILE is a JSON
+object ``{name: [flags...]}``; every rank runs every layout in the file's order, each on
+a fresh mesh and fresh models, and writes ``OUT_DIR/<name>/rank<N>.json``. A layout that
+raises writes ``OUT_DIR/<name>/error_rank<N>.txt`` (its traceback) and ends the rank
+with exit code 1 (its peers may be inside a collective it will never join), so the
+layouts after it have no results and the test names the one that failed.
 """
 
 import argparse
 import copy
 import json
+import traceback
 from pathlib import Path
 
 import torch
@@ -30,6 +39,7 @@ from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_dev
 from hyper_parallel.distributed.plan_format import plan_to_json
 from hyper_parallel.distributed.planner import ShardingPlanner
 from tests.distributed.tp_equivalence_worker import compare_grads, train_steps
+from hyper_parallel.distributed.rank_exit import exit_rank
 from tests.rank_exit import leave_after_barrier
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 128, 64, 4, 2, 16, 2
@@ -51,9 +61,10 @@ def tiny_config(family: str, attn: str, kv_heads: int = KV_HEADS):
     return config
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=argv is None)
+    parser.add_argument("--cases", help="JSON file {name: [flags...]}: run these layouts in turn")
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
@@ -66,7 +77,7 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fused", action="store_true", help="the project's fused attention replacement")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def fused(model):
@@ -81,6 +92,26 @@ def fused(model):
 
 def main() -> None:
     args = parse_args()
+    if args.cases is None:
+        out = run_layout(args)
+        Path(args.out, f"rank{out['rank']}.json").write_text(json.dumps(out, indent=1))
+    else:
+        for name, flags in json.loads(Path(args.cases).read_text()).items():
+            folder = Path(args.out, name)
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                out = run_layout(parse_args(flags))
+            except BaseException:  # noqa: B036 (the layout is named, then the rank ends)
+                rank = dist.get_rank() if dist.is_initialized() else "unknown"
+                (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+                exit_rank(1)
+            (folder / f"rank{out['rank']}.json").write_text(json.dumps(out, indent=1))
+    leave_after_barrier(dist)
+
+
+def run_layout(args) -> dict:
+    """One layout: a fresh mesh (a new DeviceMesh over the same process group), fresh
+    models from seed 0, three steps on both; what this rank measured."""
     dims = ParallelDims(cp=args.cp, tp=args.tp, ep=args.ep)
     mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
     rank = dist.get_rank()
@@ -128,8 +159,7 @@ def main() -> None:
         "reference_attn_implementation": reference.config._attn_implementation,
         "local_logits_shape": logits_shape,
     }
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out, indent=1))
-    leave_after_barrier(dist)
+    return out
 
 
 if __name__ == "__main__":

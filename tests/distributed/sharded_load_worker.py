@@ -4,9 +4,17 @@ single-process HF model.
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.distributed.sharded_load_worker \
         --model-dir DIR --out OUT_DIR
+
+``--cases FILE`` (instead of ``--model-dir``) loads several model folders in turn in the
+same processes, on the same tp2 mesh (one launch instead of one per folder): FILE is a
+JSON object ``{name: ["--model-dir", DIR]}``; each writes ``OUT_DIR/<name>/rank<N>.json``,
+and one that raises writes ``OUT_DIR/<name>/error_rank<N>.txt`` and ends the rank with
+exit code 1 (tests/batch_launch.py reads them).
 """
 
+import argparse
 import json
+import traceback
 from pathlib import Path
 
 import accelerate
@@ -17,18 +25,45 @@ import transformers
 from safetensors.torch import load_file
 
 from hyper_parallel.distributed.applier import apply_sharding_plan
-from hyper_parallel.distributed.mesh import build_offline_mesh
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
+from hyper_parallel.distributed.rank_exit import exit_rank
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.distributed.sharded_load import materialize_and_load
 from hyper_parallel.distributed.weight_map import weight_map_text
-from tests.distributed.tp_equivalence_worker import one_step_against_reference, start_tp2_worker
+from tests.distributed.tp_equivalence_worker import one_step_against_reference
 from tests.rank_exit import leave_after_barrier
 
 
 def main() -> None:
-    args, mesh_context = start_tp2_worker("--model-dir", "--out")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--model-dir")
+    target.add_argument("--cases", help="JSON file {name: ['--model-dir', DIR]}: load these folders in turn")
+    args = parser.parse_args()
+    dims = ParallelDims(tp=2)
+    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    if args.cases is None:
+        result = load_and_compare(args.model_dir, mesh_context)
+        Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    else:
+        for name, flags in json.loads(Path(args.cases).read_text()).items():
+            folder = Path(args.out, name)
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                result = load_and_compare(flags[flags.index("--model-dir") + 1], mesh_context)
+            except BaseException:  # noqa: B036 (the case is named, then the rank ends)
+                (folder / f"error_rank{dist.get_rank()}.txt").write_text(traceback.format_exc())
+                exit_rank(1)
+            (folder / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    leave_after_barrier(dist)
+
+
+def load_and_compare(model_dir: str, mesh_context) -> dict:
+    """The model of ``model_dir`` loaded shard by shard at tp2 against the HF model of its
+    ``reference.safetensors.ref``: one step's losses and gradients, and the bytes read."""
     dims = mesh_context.dims
-    config = transformers.AutoConfig.from_pretrained(args.model_dir)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
     with accelerate.init_empty_weights(include_buffers=False):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     plan = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan()
@@ -37,10 +72,10 @@ def main() -> None:
     # holds the model's own names, which load as they are
     with torch.device("meta"):
         recorded = weight_map_text(transformers.AutoModelForCausalLM.from_config(config))
-    report = materialize_and_load(model, args.model_dir, weight_map=recorded)
+    report = materialize_and_load(model, model_dir, weight_map=recorded)
 
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    reference.load_state_dict(load_file(str(Path(args.model_dir) / "reference.safetensors.ref")))
+    reference.load_state_dict(load_file(str(Path(model_dir) / "reference.safetensors.ref")))
     ref_loss, loss, failures, checked = one_step_against_reference(reference, model, config.vocab_size,
                                                                    seq_len=10, seed=3)
     full_bytes = sum(p.nbytes for p in reference.parameters())
@@ -49,8 +84,7 @@ def main() -> None:
               # a replicated parameter with whole inputs stays a plain tensor: all of it is local
               "local_param_bytes": sum((p.to_local() if isinstance(p, DTensor) else p).nbytes
                                        for p in model.parameters())}
-    Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    leave_after_barrier(dist)
+    return result
 
 
 if __name__ == "__main__":

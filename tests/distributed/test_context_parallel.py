@@ -5,14 +5,14 @@ single-process HF model (fp32: loss of three AdamW steps rtol 1e-5, every gradie
 1e-4 / atol 1e-6), and the attention really computes S/cp queries (allgather_kv) or the
 whole sequence of 1/cp of the heads (ulysses)."""
 
-import json
 import math
 
 import pytest
 import torch
 
 from hyper_parallel.distributed.context_parallel import SequenceOrder, balanced_order
-from tests.launch import assert_ran, torchrun
+from tests.batch_launch import Batches
+from tests.launch import torchrun
 from tests.project_fixtures import REPO
 
 SEQ = 16
@@ -40,24 +40,37 @@ CASES = {
 }
 
 
-def run_worker(world: int, flags: list[str], out) -> list[dict]:
-    run = torchrun(["-m", "tests.distributed.context_parallel_worker", "--out", str(out), "--seq-len", str(SEQ),
-                    *flags], cwd=REPO, nproc=world, timeout=300)
-    assert_ran(run)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+# the explicit baseline, run in the world-2 batch with the cases above
+GATHER_SEQUENCE = "cp2_gather_sequence_balanced"
+BATCHED = {**CASES, GATHER_SEQUENCE: (2, ["--cp", "2", "--algorithm", "gather_sequence", "--load-balance"])}
+
+
+def _launch(world: int, out, cases):
+    return torchrun(["-m", "tests.distributed.context_parallel_worker", "--out", str(out), "--cases", str(cases)],
+                    cwd=REPO, nproc=world, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory):
+    """One torchrun launch per world size runs every layout of that size in turn, in the
+    same ranks (tests/batch_launch.py): rank start-up (python, torch, transformers) once
+    per launch, not once per layout. Each test reads its own layout's per-rank results,
+    so a failure names the layout."""
+    cases = {name: (world, ["--seq-len", str(SEQ), *flags]) for name, (world, flags) in BATCHED.items()}
+    return Batches(tmp_path_factory.mktemp("context_parallel"), cases, _launch)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_allgather_kv_matches_single_process(case, tmp_path):
+def test_allgather_kv_matches_single_process(case, batches):
     world, flags = CASES[case]
     ulysses = "ulysses" in flags
     algorithm, role = ("ulysses", "ulysses_attention") if ulysses else ("allgather_kv", "kv_gathered_attention")
     balanced = "--load-balance" in flags
     tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
     cp = int(flags[flags.index("--cp") + 1])
-    for result in run_worker(world, flags, tmp_path):
+    for result in batches.results(case):
         assert result["context_parallel"] == {"algorithm": algorithm, "load_balance": balanced}
         assert role in result["roles"] and "attention_block" not in result["roles"]
         assert result["grad_failures"] == [], result["grad_failures"]
@@ -86,9 +99,9 @@ def test_allgather_kv_matches_single_process(case, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_gather_sequence_keeps_whole_sequence_attention(tmp_path):
+def test_gather_sequence_keeps_whole_sequence_attention(batches):
     """The explicit baseline: the block gathers its input, no attention wrapper is installed."""
-    for result in run_worker(2, ["--cp", "2", "--algorithm", "gather_sequence", "--load-balance"], tmp_path):
+    for result in batches.results(GATHER_SEQUENCE):
         assert result["context_parallel"] is None  # the document's default: absent means gather_sequence
         assert "attention_block" in result["roles"]
         assert result["attention_blocks"] == 0

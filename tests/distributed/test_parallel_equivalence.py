@@ -2,14 +2,14 @@
 equals the single-process HF model — first loss (rtol 1e-5), every gathered gradient
 (rtol 1e-4, atol 1e-6), and the losses of three AdamW steps."""
 
-import json
 import math
 import subprocess
 
 import pytest
 
+from tests.batch_launch import Batches
 from tests.distributed.test_tp_equivalence import CONFIG_DIR, REPO, _save_random_weights
-from tests.launch import assert_ran, torchrun
+from tests.launch import torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -34,22 +34,28 @@ def weights(tmp_path_factory):
     return path
 
 
-def launch_worker(world: int, flags: list[str], weights, out) -> subprocess.CompletedProcess:
+def launch_worker(world: int, flags: list[str], weights, out, timeout: float = 300) -> subprocess.CompletedProcess:
     return torchrun(["-m", "tests.distributed.tp_equivalence_worker",
                      "--config-dir", str(CONFIG_DIR), "--weights", str(weights), "--out", str(out), *flags],
-                    cwd=REPO, nproc=world, timeout=300)
+                    cwd=REPO, nproc=world, timeout=timeout)
 
 
-def run_worker(world: int, flags: list[str], weights, out) -> list[dict]:
-    run = launch_worker(world, flags, weights, out)
-    assert_ran(run)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+@pytest.fixture(scope="module")
+def batches(weights, tmp_path_factory):
+    """One torchrun launch per world size runs every form of that size in turn, in the
+    same ranks (tests/batch_launch.py): rank start-up (python, torch, transformers) once
+    per launch, not once per form. Each test reads its own form's per-rank results, so a
+    failure names the form."""
+    def launch(world: int, out, cases) -> subprocess.CompletedProcess:
+        return launch_worker(world, ["--cases", str(cases)], weights, out, timeout=600)
+
+    return Batches(tmp_path_factory.mktemp("forms"), {name: form[:2] for name, form in FORMS.items()}, launch)
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_parallel_form_matches_single_process(form, weights, tmp_path):
+def test_parallel_form_matches_single_process(form, batches):
     world, flags, applied, logits_shape, expert_shape = FORMS[form]
-    for result in run_worker(world, flags, weights, tmp_path):
+    for result in batches.results(form):
         assert result["applied_axes"] == applied
         # the form really splits what it says (fsdp2: the shard is gathered for compute)
         assert result["local_logits_shape"] == logits_shape

@@ -1,6 +1,5 @@
 """Each rank reads only its own shards from safetensors, and the model is the HF model."""
 
-import json
 import math
 import shutil
 
@@ -9,7 +8,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tests.launch import assert_ran, torchrun
+from tests.batch_launch import Batches
+from tests.launch import torchrun
 from tests.project_fixtures import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -35,10 +35,13 @@ def _per_expert(state: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout", ["fused", "per_expert"])
-def test_tp2_sharded_load_equals_hf_and_reads_less(tmp_path, layout):
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
+LAYOUTS = ("fused", "per_expert")
+
+
+def _model_dir(model_dir, layout: str):
+    """The tiny model's config, its random weights whole (``reference.safetensors.ref``)
+    and as the checkpoint in ``layout``."""
+    model_dir.mkdir(parents=True)
     shutil.copy(CONFIG_DIR / "config.json", model_dir)
     config = transformers.AutoConfig.from_pretrained(model_dir)
     torch.manual_seed(99)
@@ -46,12 +49,26 @@ def test_tp2_sharded_load_equals_hf_and_reads_less(tmp_path, layout):
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(model_dir / "reference.safetensors.ref"))
     save_file(_per_expert(state) if layout == "per_expert" else state, str(model_dir / "model.safetensors"))
+    return model_dir
 
-    proc = torchrun(["-m", "tests.distributed.sharded_load_worker", "--model-dir", str(model_dir), "--out", str(tmp_path)],
-                    cwd=REPO)
-    assert_ran(proc)
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory):
+    """Both checkpoint layouts loaded by the same two ranks, one after the other (one
+    launch; tests/batch_launch.py), each test reading its own layout's results."""
+    root = tmp_path_factory.mktemp("sharded_load")
+    cases = {layout: (2, ["--model-dir", str(_model_dir(root / layout / "model", layout))]) for layout in LAYOUTS}
+
+    def launch(world: int, out, cases_file):
+        return torchrun(["-m", "tests.distributed.sharded_load_worker", "--cases", str(cases_file),
+                         "--out", str(out)], cwd=REPO, nproc=world)
+
+    return Batches(root / "out", cases, launch)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tp2_sharded_load_equals_hf_and_reads_less(batches, layout):
+    for result in batches.results(layout):
         assert math.isclose(result["loss"], result["ref_loss"], rel_tol=1e-5), result
         assert result["grad_failures"] == [], result["grad_failures"]
         assert result["grads_checked"] == 25

@@ -8,11 +8,21 @@ Run from the repo root::
 Every rank builds the reference model and the parallel model from the same weights,
 plans on a meta-device model, applies the plan (round-tripped through its JSON form,
 keys compressed to globs) and writes ``OUT_DIR/rank<N>.json`` with what it measured.
+
+``--cases FILE`` runs several forms in turn in the same processes (one launch instead
+of one per form; every form of a batch has the same world size): FILE is a JSON object
+``{name: [flags...]}`` (the flags after ``--config-dir``, ``--weights`` and ``--out``);
+every rank runs every form in the file's order, each on a fresh mesh and fresh models,
+and writes ``OUT_DIR/<name>/rank<N>.json``. A form that raises writes
+``OUT_DIR/<name>/error_rank<N>.txt`` (its traceback) and ends the rank with exit code 1
+(its peers may be inside a collective it will never join), so the forms after it have
+no results and the test names the one that failed.
 """
 
 import argparse
 import json
 import re
+import traceback
 from pathlib import Path
 
 import torch
@@ -28,6 +38,7 @@ from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.protocols.placement_text import local_shard_shape
 from hyper_parallel.protocols.placements import placement_to_text
+from hyper_parallel.distributed.rank_exit import exit_rank
 from tests.rank_exit import leave_after_barrier
 
 
@@ -143,18 +154,19 @@ def compare_grads(reference, parallel) -> tuple[list[str], int]:
     return failures, checked
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--config-dir", required=True)
     parser.add_argument("--weights", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", help="JSON file {name: [flags...]}: run these forms in turn")
     for axis in ("dp", "cp", "tp", "ep"):
         parser.add_argument(f"--{axis}", type=int, default=2 if axis == "tp" else 1)
     parser.add_argument("--sp", action="store_true", help="sequence parallel")
     parser.add_argument("--loss-parallel", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=12)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def train_steps(reference, parallel, batch, steps: int, data_parallel=None) -> dict:
@@ -179,6 +191,27 @@ def train_steps(reference, parallel, batch, steps: int, data_parallel=None) -> d
 
 def main() -> None:
     args = parse_args()
+    if args.cases is None:
+        result = run_form(args)
+        Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1))
+    else:
+        common = ["--config-dir", args.config_dir, "--weights", args.weights, "--out", args.out]
+        for name, flags in json.loads(Path(args.cases).read_text()).items():
+            folder = Path(args.out, name)
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                result = run_form(parse_args([*common, *flags]))
+            except BaseException:  # noqa: B036 (the form is named, then the rank ends)
+                rank = dist.get_rank() if dist.is_initialized() else "unknown"
+                (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+                exit_rank(1)
+            (folder / f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1))
+    leave_after_barrier(dist)
+
+
+def run_form(args) -> dict:
+    """One form: a fresh mesh (a new DeviceMesh over the same process group), fresh models
+    from the same weights, three steps on both; what this rank measured."""
     dims = ParallelDims(dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep)
     device_mesh = build_device_mesh(dims, "cpu")
     rank = dist.get_rank()
@@ -219,8 +252,7 @@ def main() -> None:
         "expert_local_shape": list(parallel.get_submodule("model.layers.0.mlp.experts").down_proj.to_local().shape),
         "sharded_loss": not isinstance(parallel.loss_function, type(reference.loss_function)),
     }
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    leave_after_barrier(dist)
+    return result
 
 
 if __name__ == "__main__":

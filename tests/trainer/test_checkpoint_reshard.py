@@ -1,7 +1,7 @@
 """A checkpoint saved at one layout resumes at another (``trainer/checkpoint_layout.py``)
 and trains on exactly as one process does from the same state (fp32, CPU, gloo).
 
-One chain, five launches: tp2+cp2+ep2 at world 4 saves step 2 (its gate_up_proj is a
+One chain, five trainings: tp2+cp2+ep2 at world 4 saves step 2 (its gate_up_proj is a
 strided shard, saved as blocks); one process resumes it (blocks loaded whole), trains
 steps 3 to 6 and saves steps 4 and 6 whole: its losses and gradient norms are the
 reference. tp2 at world 2 resumes step 2 of the world-4 run and saves step 4 (blocks);
@@ -9,7 +9,11 @@ dp2 with FSDP2 (gate_up_proj unpacked, sharded over dp) resumes that; tp2 resume
 one process's step 4 (whole, loaded into strided blocks). The world-4, one-process and
 dp2 runs use the hf backend (planned at start), the tp2 runs the tiny recipe's own
 generated bundle, so no launch regenerates a bundle. Last, two ranks export tp2's
-checkpoint as an HF folder (``trainer export``)."""
+checkpoint as an HF folder (``trainer export``).
+
+The three world-2 trainings (tp2, dp2, tp2 again) run one after another in one launch
+(tests/trainer/train_chain_worker.py: a new trainer per run, in the same ranks), so the
+chain takes four launches, not six."""
 
 import json
 import math
@@ -33,6 +37,7 @@ from tests.trainer.test_export import exported_keys
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 QWEN3_MOE_MODELING = "transformers.models.qwen3_moe.modeling_qwen3_moe"  # imported once, before the ranks fork
+CHAIN_MARKER = "train_chain_worker: run "  # the line rank 0 prints before each run of a chain
 
 LAYOUTS = {
     "tp2_cp2_ep2": {"nproc_per_node": 4, "dp_size": 1, "tp_size": 2, "cp_size": 2, "ep_size": 2},
@@ -42,9 +47,10 @@ LAYOUTS = {
 }
 
 
-def _recipe(project, name: str, layout: str, steps: int, checkpoints: str, *, gen: bool):
+def _recipe(project, name: str, layout: str, steps: int, checkpoints: str, *, gen: bool, write: bool = True):
     """The tiny recipe at ``layout``: a copy beside it for the hf backend; for the gen
-    backend the recipe itself (the tp2 bundle is generated for it)."""
+    backend the recipe itself (the tp2 bundle is generated for it). Its path, and with
+    ``write=False`` its text, unwritten (the chain worker writes it before its run)."""
     data = yaml.safe_load((REPO / TINY_RECIPE).read_text())
     data["accelerator"].update(LAYOUTS[layout])
     if not gen:
@@ -54,6 +60,8 @@ def _recipe(project, name: str, layout: str, steps: int, checkpoints: str, *, ge
         "dir": checkpoints, "every_steps": 2, "keep_last": 0, "async": False})
     # the gen runs keep the recipe's own name: its bundle is current (checkpoints are no codegen input)
     path = project / TINY_RECIPE if gen else (project / TINY_RECIPE).with_name(f"{name}.yaml")
+    if not write:
+        return path, yaml.safe_dump(data, sort_keys=False)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -63,6 +71,27 @@ def _train(project, recipe, metrics, nproc: int):
                     project, nproc=nproc, preload=(QWEN3_MOE_MODELING,))
     assert_ran(proc)
     return proc, json.loads(metrics.read_text())
+
+
+def _train_chain(project, tmp_path, runs):
+    """``runs`` (name, (recipe, text), [(source, destination) checkpoint copies]) trained in
+    turn by two ranks of one launch (tests/trainer/train_chain_worker.py); each run's
+    stdout and rank 0's metrics, in order."""
+    chain = [{"name": name, "recipe": str(recipe), "text": text, "metrics": str(tmp_path / f"{name}.json"),
+              "copies": [[str(a), str(b)] for a, b in copies]} for name, (recipe, text), copies in runs]
+    (tmp_path / "chain.json").write_text(json.dumps(chain))
+    proc = torchrun(["-m", "tests.trainer.train_chain_worker", "--chain", str(tmp_path / "chain.json")],
+                    project, nproc=2, preload=(QWEN3_MOE_MODELING,))
+    assert_ran(proc)
+    outputs, current = {}, None
+    for line in proc.stdout.splitlines():
+        if line.startswith(CHAIN_MARKER):
+            current = line[len(CHAIN_MARKER):]
+            outputs[current] = ""
+        elif current is not None:
+            outputs[current] += line + "\n"
+    assert list(outputs) == [name for name, _, _ in runs], proc.stdout
+    return outputs, [json.loads((tmp_path / f"{name}.json").read_text()) for name, _, _ in runs]
 
 
 def _assert_same_steps(got, want, where: str):
@@ -86,17 +115,19 @@ def test_resume_at_another_layout_trains_like_one_process(tmp_path_factory, tmp_
     assert [r["step"] for r in reference] == [3, 4, 5, 6]
     assert "model.model.layers.0.mlp.experts.gate_up_proj" in saved_tensors(folder / "ck_one" / "step_4")
 
-    proc, tp2 = _train(project, _recipe(project, "tp2", "tp2", 4, "ck_tp2", gen=True), tmp_path / "tp2.json", 2)
-    assert "resumed from checkpoint" in proc.stdout
+    # the world-2 legs, in one launch: tp2 resumes the world-4 step 2 and saves step 4;
+    # dp2 with FSDP2 resumes that; and back: saved whole by one process, resumed with
+    # tp2's strided gate_up_proj
+    outputs, (tp2, dp2, back) = _train_chain(project, tmp_path, [
+        ("tp2", _recipe(project, "tp2", "tp2", 4, "ck_tp2", gen=True, write=False), []),
+        ("dp2", _recipe(project, "dp2", "dp2_fsdp2", 6, "ck_dp2", gen=False, write=False),
+         [(folder / "ck_tp2" / "step_4", folder / "ck_dp2" / "step_4")]),
+        ("back", _recipe(project, "back", "tp2", 6, "ck_back", gen=True, write=False),
+         [(folder / "ck_one" / "step_4", folder / "ck_back" / "step_4")]),
+    ])
+    assert "resumed from checkpoint" in outputs["tp2"], outputs["tp2"]
     _assert_same_steps(tp2, reference[:2], "tp2+cp2+ep2 at world 4 -> tp2")
-
-    shutil.copytree(folder / "ck_tp2" / "step_4", folder / "ck_dp2" / "step_4")
-    _, dp2 = _train(project, _recipe(project, "dp2", "dp2_fsdp2", 6, "ck_dp2", gen=False), tmp_path / "dp2.json", 2)
     _assert_same_steps(dp2, reference[2:], "tp2 -> dp2 with FSDP2")
-
-    # and back: saved whole by one process, resumed with tp2's strided gate_up_proj
-    shutil.copytree(folder / "ck_one" / "step_4", folder / "ck_back" / "step_4")
-    _, back = _train(project, _recipe(project, "back", "tp2", 6, "ck_back", gen=True), tmp_path / "back.json", 2)
     _assert_same_steps(back, reference[2:], "one process -> tp2")
 
     _check_export(project, folder / "ck_tp2" / "step_4", tmp_path / "hf", folder / "dp2.yaml", dp2[0]["loss"])

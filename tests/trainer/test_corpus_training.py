@@ -6,8 +6,9 @@ not fit (another hidden size, another model's names) or is damaged (a shard file
 deleted, truncated or overwritten, the metadata, the marker or an RNG file corrupt) is refused in one line naming the tensor or the file, exit code 2, the
 checkpoint folder unchanged; so is a bad dataset.
 
-One uninterrupted run (a module fixture) feeds every test; each of the other launches
-copies its folder."""
+One launch (a module fixture) makes the uninterrupted run, which feeds every test, and
+then, in the same ranks, the resumed run in a copy of its folder; each of the other
+launches copies its folder."""
 
 import json
 import math
@@ -42,15 +43,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 QWEN3_MOE_MODELING = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 SEQ_LEN, BATCH, STEPS = 12, 4, 4
+RESUME_MARKER = "corpus_worker: the resumed run starts"  # printed by rank 0 between the two runs
 
 
-def _worker(recipe, out):
-    """Train ``recipe`` on two ranks, recording each rank's inputs (tests/trainer/corpus_worker.py)."""
-    out.mkdir(exist_ok=True)
-    proc = torchrun(["-m", "tests.trainer.corpus_worker", "--config", str(recipe), "--out", str(out)], REPO,
-                    preload=(QWEN3_MOE_MODELING,))
-    assert_ran(proc)
-    return proc, [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+def _ranks(out) -> list[dict]:
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
 def _trainer(recipe):
@@ -63,15 +60,25 @@ def _trainer(recipe):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A folder with the tiny model and its tokenizer, corpus.jsonl, the recipe, and the
-    checkpoints ``step_2`` and ``step_4`` of an uninterrupted 4-step run; its per-rank results."""
+    checkpoints ``step_2`` and ``step_4`` of an uninterrupted 4-step run; its per-rank
+    results; and the per-rank results and output of the run that resumed a copy of the
+    folder without ``step_4``, in the same ranks (tests/trainer/corpus_worker.py)."""
     folder = tmp_path_factory.mktemp("corpus_run")
     model_with_tokenizer(folder / "model")
     write_jsonl(folder / "corpus.jsonl")
     recipe = corpus_recipe(folder, {"kind": "jsonl", "path": "corpus.jsonl", "shuffle": False}, training={
         "steps": STEPS, "checkpoint": {"dir": "checkpoints", "every_steps": 2, "keep_last": 0}})
-    proc, ranks = _worker(recipe, tmp_path_factory.mktemp("corpus_out"))
-    assert "dataset: 30 documents" in proc.stdout, proc.stdout
-    return folder, ranks
+    out, resumed_out = tmp_path_factory.mktemp("corpus_out"), tmp_path_factory.mktemp("resumed_out")
+    proc = torchrun(["-m", "tests.trainer.corpus_worker", "--config", str(recipe), "--out", str(out),
+                     "--resume-copy", str(tmp_path_factory.mktemp("resumed") / "run"),
+                     "--drop", "checkpoints/step_4", "--resume-out", str(resumed_out),
+                     "--marker", RESUME_MARKER], REPO,
+                    preload=(QWEN3_MOE_MODELING,))
+    assert_ran(proc)
+    whole_stdout, marker, resumed_stdout = proc.stdout.partition(RESUME_MARKER)
+    assert marker, proc.stdout
+    assert "dataset: 30 documents" in whole_stdout, proc.stdout
+    return folder, _ranks(out), (resumed_stdout, _ranks(resumed_out))
 
 
 def _direct_rows(model_dir) -> tuple[list[list[int]], int]:
@@ -85,7 +92,7 @@ def _direct_rows(model_dir) -> tuple[list[list[int]], int]:
 
 
 def test_each_rank_trains_on_its_slice_of_the_packed_corpus(trained):
-    folder, ranks = trained
+    folder, ranks, _ = trained
     rows, eos = _direct_rows(folder / "model")
     assert len(rows) >= STEPS * BATCH
     for rank, result in enumerate(ranks):
@@ -104,12 +111,9 @@ def test_each_rank_trains_on_its_slice_of_the_packed_corpus(trained):
     assert marker["data"]["next_row"] == 2 * BATCH and marker["data"]["rows"] == len(rows)
 
 
-def test_a_resumed_run_continues_at_the_data_position(trained, tmp_path):
-    folder, whole = trained
-    shutil.copytree(folder, tmp_path / "run")
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_4")
-    proc, resumed = _worker(tmp_path / "run" / "recipe.yaml", tmp_path / "out")
-    assert "resumed from checkpoint" in proc.stdout and "(step 2)" in proc.stdout
+def test_a_resumed_run_continues_at_the_data_position(trained):
+    _, whole, (stdout, resumed) = trained  # the resumed run: a new trainer in the same ranks
+    assert "resumed from checkpoint" in stdout and "(step 2)" in stdout, stdout
     for rank in (0, 1):
         assert resumed[rank]["steps"] == [3, 4]
         assert resumed[rank]["inputs"] == whole[rank]["inputs"][4:]  # steps 3 and 4: the same rows
@@ -128,7 +132,7 @@ def _refused(proc, line_start: str) -> str:
 
 
 def test_a_checkpoint_of_another_config_names_the_tensor_and_both_shapes(trained, tmp_path):
-    folder, _ = trained
+    folder, _, _ = trained
     run = shutil.copytree(folder, tmp_path / "run")
     recipe = run / "recipe.yaml"
     data = yaml.safe_load(recipe.read_text())
@@ -144,7 +148,7 @@ def test_a_checkpoint_of_another_config_names_the_tensor_and_both_shapes(trained
 
 
 def test_a_missing_shard_file_is_named(trained, tmp_path):
-    folder, _ = trained
+    folder, _, _ = trained
     run = shutil.copytree(folder, tmp_path / "run")
     shard = run / "checkpoints" / "step_4" / "__1_0.distcp"
     shard.unlink()
@@ -156,7 +160,7 @@ def test_a_missing_shard_file_is_named(trained, tmp_path):
 
 def test_a_damaged_shard_or_metadata_file_is_named(trained, tmp_path):
     """The same checks in one process (the launch path is the test above's)."""
-    folder, _ = trained
+    folder, _, _ = trained
     step = shutil.copytree(folder / "checkpoints" / "step_4", tmp_path / "step_4")
     shard = step / "__0_0.distcp"
     damaged = bytearray(shard.read_bytes())  # same size, other bytes: only loading finds it
