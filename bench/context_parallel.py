@@ -18,7 +18,9 @@ output's sum, per rank, for:
   chunks; ``allgather_kv_unbalanced``: contiguous halves);
 - ``ulysses``: cp2, q/k/v exchanged all-to-all to the whole sequence of half the heads.
 
-Per mode and rank: the median fwd+bwd seconds of ``--repeats`` runs and the bytes the
+Per mode and rank: the median fwd+bwd seconds of ``--repeats`` runs (the modes take turns,
+round by round, after a warm-up round; freed memory stays in the heap, ``KEEP_FREED_MEMORY``)
+and the bytes the
 forward saved for backward (autograd's saved tensors, unique storages, the weights left
 out: the block's activation memory; CPU has no allocator peak to read). The JSON has
 ``time_ratio`` and ``memory_ratio`` (allgather_kv balanced at cp2 over cp1, the slowest /
@@ -42,6 +44,12 @@ import time
 from pathlib import Path
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
+# glibc malloc serves each large buffer with its own mmap and unmaps it when freed, so every
+# fwd+bwd faults its megabytes in again; how long that takes swings with the host (measured
+# here: the same mode 0.16 s or 0.30 s from one run to the next). Keeping freed memory in the
+# heap, as jemalloc / tcmalloc or these settings do in training, leaves the attention's own
+# cost to be measured, the same for every mode. --system-malloc measures without them.
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
 def _config(transformers, attn: str):
@@ -75,8 +83,9 @@ def _parallel(model, config, algorithm: str, balance: bool, mesh_context, dims):
     return hyper_parallelize(model, mesh_context, json.loads(json.dumps(document)))
 
 
-def _measure(model, seq_len: int, local: int, rank: int, repeats: int) -> dict:
-    """Median fwd+bwd seconds of the layer's attention block and the bytes it saved."""
+def _runner(model, seq_len: int, local: int, rank: int):
+    """One fwd+bwd of the layer's attention block: a function returning its seconds and
+    the bytes its forward saved for backward."""
     import torch
 
     attention = model.model.layers[0].self_attn
@@ -84,10 +93,10 @@ def _measure(model, seq_len: int, local: int, rank: int, repeats: int) -> dict:
     hidden = hidden[:, rank * local:(rank + 1) * local] if local < seq_len else hidden
     positions = torch.arange(seq_len).unsqueeze(0)
     cos, sin = model.model.rotary_emb(hidden, positions)
-    times, saved = [], 0
     # the weights autograd keeps a reference to are not activations (the same at every cp)
     weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    for repeat in range(repeats + 1):
+
+    def run() -> tuple[float, int]:
         x = hidden.clone().requires_grad_(True)
         storages: dict[int, int] = {}
 
@@ -102,10 +111,11 @@ def _measure(model, seq_len: int, local: int, rank: int, repeats: int) -> dict:
             out = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
         out.sum().backward()
         elapsed = time.perf_counter() - start
-        if repeat:  # the first run warms up
-            times.append(elapsed)
-            saved = sum(storages.values())
-    return {"seconds": statistics.median(times), "saved_bytes": saved, "local_queries": int(out.shape[1])}
+        for parameter in model.parameters():  # as the optimizer's zero_grad: the next backward
+            parameter.grad = None               # stores its gradients, it does not add to these
+        return elapsed, sum(storages.values())
+
+    return run
 
 
 def _local(tensor):
@@ -140,15 +150,26 @@ def worker(args) -> None:
     config = _config(transformers, args.attn)
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn, dtype=torch.float32)
-    results = {"cp1": _measure(copy.deepcopy(base), args.seq_len, args.seq_len, 0, args.repeats)}
-    dist.barrier()
+    runners = {"cp1": _runner(copy.deepcopy(base), args.seq_len, args.seq_len, 0)}
     for name, algorithm, balance in (("gather_sequence", "gather_sequence", False),
                                      ("allgather_kv", "allgather_kv", True),
                                      ("allgather_kv_unbalanced", "allgather_kv", False),
                                      ("ulysses", "ulysses", False)):
         model = _parallel(copy.deepcopy(base), config, algorithm, balance, mesh_context, dims)
-        results[name] = _measure(model, args.seq_len, args.seq_len // 2, rank, args.repeats)
-        dist.barrier()
+        runners[name] = _runner(model, args.seq_len, args.seq_len // 2, rank)
+    # round-robin, the first round a warm-up: a drift in the machine's speed (a shared host)
+    # falls on every mode alike instead of on whichever ran during it
+    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    saved: dict[str, int] = {}
+    for repeat in range(args.repeats + 1):
+        for name, run in runners.items():
+            dist.barrier()  # both ranks run the same mode at once
+            elapsed, saved[name] = run()
+            if repeat:
+                seconds[name].append(elapsed)
+    results = {name: {"seconds": statistics.median(seconds[name]), "saved_bytes": saved[name],
+                      "local_queries": args.seq_len if name == "cp1" else args.seq_len // 2}
+               for name in runners}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
@@ -192,6 +213,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
     parser.add_argument("--json", help="write the summary here")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="glibc's default thresholds: large buffers go back to the OS after each call "
+                             "and are faulted in again on the next (see KEEP_FREED_MEMORY)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -200,6 +224,8 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if not args.system_malloc:
+            env.update(KEEP_FREED_MEMORY)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                    __file__, "--worker", "--out", out, "--seq-len", str(args.seq_len), "--repeats",
                    str(args.repeats), "--attn", args.attn]

@@ -14,6 +14,8 @@ log-sum-exp (the ring-attention decomposition):
 Backward runs the flash backward of each call with the *merged* output and log-sum-exp,
 which gives each call's exact share of the gradient (softmax over the union of keys).
 With an ``exchange`` (allgather_kv) the K/V arrive as this rank's tokens and are gathered
+(``exchange.whole_async(key, value)``, ``exchange.local_grad(d_key, d_value)`` its adjoint; the
+diagonal calls, on the rank's own keys, run while the exchange is under way)
 inside: backward keeps only the local K/V and gathers them again, so a rank's saved
 activations hold no whole-sequence K/V, and hands back the local K/V gradients (the
 exchange's reduce-scatter). Only where the fused CPU kernel is there (``_scaled_dot_product_flash_attention_for_cpu``)
@@ -30,10 +32,19 @@ def usable(query: torch.Tensor, dropout: float) -> bool:
             and not dropout and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
-def _parts(chunk: int, size: int) -> list[tuple[int, int, bool]]:
-    """(key start, key end, causal) of the calls for global chunk ``chunk`` of ``size``."""
-    parts = [(0, chunk * size, False)] if chunk else []
-    return parts + [(chunk * size, (chunk + 1) * size, True)]
+def _diagonal(chunk: int, size: int) -> tuple[int, int]:
+    """(key start, key end) of global chunk ``chunk``'s own keys: its causal call."""
+    return chunk * size, (chunk + 1) * size
+
+
+def _merge(merged: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attention results over disjoint key sets as one: weighted by log-sum-exp."""
+    if merged is None:
+        return out.float(), lse
+    merged_out, merged_lse = merged
+    total = torch.logaddexp(merged_lse, lse)
+    return (merged_out * torch.exp(merged_lse - total).unsqueeze(-1)
+            + out.float() * torch.exp(lse - total).unsqueeze(-1)), total
 
 
 def _repeat(tensor: torch.Tensor, groups: int) -> torch.Tensor:
@@ -54,36 +65,32 @@ def _summed(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 class _ChunkedCausal(torch.autograd.Function):
     """Saves the kv heads as given (not repeated per query head): this rank's K/V with an
-    exchange, else the whole sequence's kv-head-sized K/V."""
+    exchange, else the whole sequence's kv-head-sized K/V. Each chunk's diagonal call needs
+    only its own keys, which with an exchange are this rank's: they run while the
+    exchange brings the others (forward and backward), the calls on earlier keys after."""
 
     @staticmethod
     def forward(ctx, query, kv_key, kv_value, chunks: tuple[int, ...], size: int, scale: float, exchange):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        saved_key, saved_value = kv_key, kv_value
-        if exchange is not None:
-            kv_key, kv_value = exchange.whole(kv_key), exchange.whole(kv_value)
         groups = query.shape[1] // kv_key.shape[1]
-        key, value = _repeat(kv_key, groups), _repeat(kv_value, groups)
-        outputs, sums = [], []
+        whole = exchange.whole_async(kv_key, kv_value) if exchange is not None else None
+        merged = []
         for index, chunk in enumerate(chunks):
-            q = query[:, :, index * size:(index + 1) * size]
-            merged_out, merged_lse = None, None
-            for start, end, causal in _parts(chunk, size):
-                out, lse = flash(q, key[:, :, start:end], value[:, :, start:end], 0.0, causal, scale=scale)
-                if merged_out is None:
-                    merged_out, merged_lse = out.float(), lse
-                    continue
-                total = torch.logaddexp(merged_lse, lse)
-                merged_out = (merged_out * torch.exp(merged_lse - total).unsqueeze(-1)
-                              + out.float() * torch.exp(lse - total).unsqueeze(-1))
-                merged_lse = total
-            outputs.append(merged_out.to(query.dtype))
-            sums.append(merged_lse)
+            rows = slice(index * size, (index + 1) * size)
+            key, value = _own_keys(kv_key, kv_value, index, chunk, size, exchange is not None)
+            merged.append(_merge(None, *flash(query[:, :, rows], _repeat(key, groups), _repeat(value, groups),
+                                              0.0, True, scale=scale)))
+        key, value = _earlier_keys(whole() if whole is not None else (kv_key, kv_value), chunks, size, groups)
+        for index, chunk in enumerate(chunks):
+            if chunk:  # the keys before the chunk: no mask
+                rows, end = slice(index * size, (index + 1) * size), chunk * size
+                merged[index] = _merge(merged[index], *flash(query[:, :, rows], key[:, :, :end], value[:, :, :end],
+                                                             0.0, False, scale=scale))
         # laid out [batch, tokens, heads, dim] in memory, as sdpa's CPU kernel returns it: the
         # caller's transpose(1, 2).contiguous() is then free and o_proj's saved input is this
         # very storage, not a second copy of the output
-        out = torch.cat([piece.transpose(1, 2) for piece in outputs], dim=1).transpose(1, 2)
-        ctx.save_for_backward(query, saved_key, saved_value, out, torch.cat(sums, dim=2))
+        out = torch.cat([piece.to(query.dtype).transpose(1, 2) for piece, _ in merged], dim=1).transpose(1, 2)
+        ctx.save_for_backward(query, kv_key, kv_value, out, torch.cat([lse for _, lse in merged], dim=2))
         ctx.chunks, ctx.size, ctx.scale, ctx.groups, ctx.exchange = chunks, size, scale, groups, exchange
         return out
 
@@ -91,26 +98,52 @@ class _ChunkedCausal(torch.autograd.Function):
     def backward(ctx, grad):
         query, kv_key, kv_value, out, lse = ctx.saved_tensors
         size, scale, groups, exchange = ctx.size, ctx.scale, ctx.groups, ctx.exchange
-        if exchange is not None:
-            kv_key, kv_value = exchange.whole(kv_key), exchange.whole(kv_value)
-        key, value = _repeat(kv_key, groups), _repeat(kv_value, groups)
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        whole = exchange.whole_async(kv_key, kv_value) if exchange is not None else None
         grad = grad.contiguous()
-        d_query, d_key, d_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-        for index, chunk in enumerate(ctx.chunks):
+        # K/V gradients summed per kv head as they come (no query-head-sized buffers), in
+        # the whole sequence's natural order
+        length = kv_key.shape[2] * (exchange.size if exchange is not None else 1)
+        d_query = torch.empty_like(query)
+        d_key = kv_key.new_zeros(*kv_key.shape[:2], length, kv_key.shape[3])
+        d_value = torch.zeros_like(d_key)
+
+        def part(index, key, value, start, end, causal, first):
             rows = slice(index * size, (index + 1) * size)
-            for start, end, causal in _parts(chunk, size):
-                # the kernel reads strided slices (no copies)
-                dq, dk, dv = backward(grad[:, :, rows], query[:, :, rows], key[:, :, start:end],
-                                      value[:, :, start:end], out[:, :, rows], lse[:, :, rows], 0.0, causal,
-                                      scale=scale)
+            # the kernel reads strided slices (no copies)
+            dq, dk, dv = backward(grad[:, :, rows], query[:, :, rows], key, value, out[:, :, rows],
+                                  lse[:, :, rows], 0.0, causal, scale=scale)
+            if first:
+                d_query[:, :, rows] = dq
+            else:
                 d_query[:, :, rows] += dq
-                d_key[:, :, start:end] += dk
-                d_value[:, :, start:end] += dv
-        d_key, d_value = _summed(d_key, groups), _summed(d_value, groups)
+            d_key[:, :, start:end] += _summed(dk, groups)
+            d_value[:, :, start:end] += _summed(dv, groups)
+
+        for index, chunk in enumerate(ctx.chunks):
+            key, value = _own_keys(kv_key, kv_value, index, chunk, size, exchange is not None)
+            part(index, _repeat(key, groups), _repeat(value, groups), *_diagonal(chunk, size), True, True)
+        key, value = _earlier_keys(whole() if whole is not None else (kv_key, kv_value), ctx.chunks, size, groups)
+        for index, chunk in enumerate(ctx.chunks):
+            if chunk:
+                part(index, key[:, :, :chunk * size], value[:, :, :chunk * size], 0, chunk * size, False, False)
         if exchange is not None:
-            d_key, d_value = exchange.local_grad(d_key), exchange.local_grad(d_value)
+            d_key, d_value = exchange.local_grad(d_key, d_value)
         return d_query, d_key, d_value, None, None, None, None
+
+
+def _earlier_keys(whole: tuple[torch.Tensor, torch.Tensor], chunks: tuple[int, ...], size: int, groups: int):
+    """The whole sequence's K/V up to the last chunk's start (what the calls on earlier
+    keys read), repeated per query head."""
+    end = max(chunks) * size
+    return tuple(_repeat(tensor[:, :, :end], groups) for tensor in whole)
+
+
+def _own_keys(kv_key, kv_value, index: int, chunk: int, size: int, local: bool):
+    """The K/V of the ``index``-th of the rank's chunks (global chunk ``chunk``): rows of
+    this rank's K/V (``local``) or of the whole sequence's."""
+    start = index * size if local else chunk * size
+    return kv_key[:, :, start:start + size], kv_value[:, :, start:start + size]
 
 
 def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: tuple[int, ...],
@@ -118,7 +151,7 @@ def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     """Causal attention of ``query`` ([batch, heads, len(chunks)*C, dim], its rows the
     global chunks ``chunks`` of C tokens, in that order) against the whole sequence's
     ``key``/``value`` ([batch, kv heads, S, dim], natural order; kv heads divide heads),
-    or, with ``exchange`` (``whole(local)`` / ``local_grad(grad)``), against this rank's
+    or, with ``exchange`` (``whole_async(key, value)`` / ``local_grad(d_key, d_value)``), against this rank's
     K/V, which it gathers in forward and again in backward."""
     size = query.shape[2] // len(chunks)
     return _ChunkedCausal.apply(query.contiguous(), key.contiguous(), value.contiguous(), tuple(chunks), size,
