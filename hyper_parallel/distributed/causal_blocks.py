@@ -156,3 +156,49 @@ def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     size = query.shape[2] // len(chunks)
     return _ChunkedCausal.apply(query.contiguous(), key.contiguous(), value.contiguous(), tuple(chunks), size,
                                 float(scale), exchange)
+
+
+class _HeadSplitAttention(torch.autograd.Function):
+    """ulysses' inner attention by the flash kernel: q/k/v exchanged to this rank's head
+    group over the whole sequence, attended, and the output exchanged back to this rank's
+    tokens. Saved: q and the kv-head-sized K/V in the head layout, the log-sum-exp, and
+    the output in the token layout it is returned in (what o_proj keeps as its input);
+    backward exchanges that output and the gradient back to the head layout."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, causal: bool, scale: float, exchange):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        query = exchange.to_heads(query)
+        key, value = _paired(exchange.to_heads, key, value)
+        groups = query.shape[1] // key.shape[1]
+        out, lse = flash(query, _repeat(key, groups), _repeat(value, groups), 0.0, causal, scale=scale)
+        local = exchange.to_tokens(out)
+        ctx.save_for_backward(query, key, value, local, lse)
+        ctx.causal, ctx.scale, ctx.groups, ctx.exchange = causal, scale, groups, exchange
+        return local
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, local, lse = ctx.saved_tensors
+        exchange, groups = ctx.exchange, ctx.groups
+        out, grad = _paired(exchange.to_heads, local.transpose(1, 2), grad.transpose(1, 2))
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dq, dk, dv = backward(grad, query, _repeat(key, groups), _repeat(value, groups), out, lse, 0.0,
+                              ctx.causal, scale=ctx.scale)
+        dk, dv = _paired(exchange.heads_of, _summed(dk, groups), _summed(dv, groups))
+        return exchange.heads_of(dq), dk, dv, None, None, None
+
+
+def _paired(exchange, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two tensors of one shape through one exchange (one all-to-all), stacked on the batch dim."""
+    both = exchange(torch.cat([first, second]))
+    return both[:first.shape[0]], both[first.shape[0]:]
+
+
+def head_split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float,
+                         exchange) -> torch.Tensor:
+    """ulysses' attention of this rank's tokens ``query`` [batch, heads, local tokens,
+    dim] and ``key``/``value`` [batch, kv heads, local tokens, dim] (``exchange``:
+    ``to_heads`` / ``to_tokens`` / ``heads_of``): the output [batch, local tokens, heads, dim]."""
+    return _HeadSplitAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), bool(causal),
+                                     float(scale), exchange)

@@ -356,17 +356,58 @@ def _heads_to_sequence(output: torch.Tensor, context: CpAttention) -> torch.Tens
     return received.permute(1, 2, 0, 3, 4).reshape(batch, length // cp, cp * group, dim)
 
 
-def ulysses_attention(module: nn.Module, function, query, key, value, attention_mask, **kwargs):
-    """``function`` (the inner attention) on this rank's head group over the whole sequence;
-    returns (output [batch, local tokens, heads, dim], None)."""
-    context: CpAttention = getattr(module, CONTEXT_ATTRIBUTE)
+class HeadExchange:
+    """ulysses' exchanges without autograd, for ``causal_blocks.head_split_attention``:
+    ``to_heads`` [batch, heads, local tokens, dim] -> [batch, heads / cp, whole sequence,
+    dim], ``to_tokens`` [batch, heads / cp, whole sequence, dim] -> [batch, local tokens,
+    heads, dim] (the attention output's layout), and ``heads_of`` the first's inverse."""
+
+    def __init__(self, context: CpAttention):
+        self.context = context
+
+    def to_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _sequence_to_heads(tensor, self.context)
+
+    def to_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _heads_to_sequence(tensor.transpose(1, 2), self.context)
+
+    def heads_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[batch, heads / cp, whole sequence, dim] -> [batch, heads, local tokens, dim]."""
+        return self.to_tokens(tensor).transpose(1, 2)
+
+
+def _count_ulysses_call(module: nn.Module, context: CpAttention, query, kwargs) -> None:
+    """Refuse what ulysses cannot split; count the call (tests read the split)."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ContextParallelError(f"ulysses: {type(module).__name__} has per-head attention sinks, which ulysses "
                                    "does not split by head group yet; use allgather_kv")
     context.calls += 1
     context.query_lengths.add(int(query.shape[2]))
+    context.inner_shapes.add((int(query.shape[1]) // context.size, int(query.shape[2]) * context.size))
+
+
+def ulysses_without_mask(module: nn.Module, query, key, value, attention_mask, *, dropout: float = 0.0,
+                         scaling: float | None = None, **kwargs):
+    """sdpa's case without a mask under ulysses, by the flash kernel directly
+    (``causal_blocks.head_split_attention``): backward keeps the output in this rank's
+    token layout, the very tensor o_proj keeps, not a second copy in the head layout. The
+    output [batch, local tokens, heads, dim], or None where that path does not apply."""
+    context: CpAttention = getattr(module, CONTEXT_ATTRIBUTE)
+    if (attention_mask is not None or not causal_blocks.usable(query, dropout)
+            or any(kwargs.get(k) is not None for k in _SPECIAL_KWARGS)):
+        return None
+    _count_ulysses_call(module, context, query, kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    causal = bool(getattr(module, "is_causal", True)) and query.shape[2] * context.size > 1
+    return causal_blocks.head_split_attention(query, key, value, causal, scale, HeadExchange(context))
+
+
+def ulysses_attention(module: nn.Module, function, query, key, value, attention_mask, **kwargs):
+    """``function`` (the inner attention) on this rank's head group over the whole sequence;
+    returns (output [batch, local tokens, heads, dim], None)."""
+    context: CpAttention = getattr(module, CONTEXT_ATTRIBUTE)
+    _count_ulysses_call(module, context, query, kwargs)
     query, key, value = (_sequence_to_heads(t, context) for t in (query, key, value))
-    context.inner_shapes.add((int(query.shape[1]), int(query.shape[2])))
     if isinstance(attention_mask, torch.Tensor):
         attention_mask = attention_mask[:, :, :, :key.shape[2]]
     output, _ = function(module, query, key, value, attention_mask, **kwargs)
@@ -379,6 +420,10 @@ def _make_wrapper(inner: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         context = getattr(module, CONTEXT_ATTRIBUTE, None)
         if context is not None and context.algorithm == "ulysses":
+            if inner == "sdpa":
+                out = ulysses_without_mask(module, query, key, value, attention_mask, **kwargs)
+                if out is not None:
+                    return out, None
             if inner == "eager":
                 function = _eager_function(module)
             else:
