@@ -6,8 +6,8 @@ its worker does anything; a parametrized test that launched once per layout paid
 layout. A worker that takes ``--cases FILE`` (a JSON object ``{name: [flags...]}``) runs
 every layout of the file in turn in the same ranks and writes ``OUT/<name>/rank<N>.json``;
 a layout that raises writes ``OUT/<name>/error_rank<N>.txt`` and ends its rank, so the
-layouts after it have no results (tests/distributed/context_parallel_worker.py and
-tests/distributed/tp_equivalence_worker.py do this).
+layouts after it have no results (``tests/batch_worker.run_cases``, which the workers of
+context parallel, tp equivalence and the sharded load call).
 
 ``Batches(root, cases, launch)`` launches a world size's batch the first time one of its
 layouts is asked for (``launch(world, out, cases_file)`` starts the worker) and hands each

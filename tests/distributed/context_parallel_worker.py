@@ -25,7 +25,6 @@ layouts after it have no results and the test names the one that failed.
 import argparse
 import copy
 import json
-import traceback
 from pathlib import Path
 
 import torch
@@ -38,8 +37,8 @@ from hyper_parallel.distributed.context_parallel import CONTEXT_ATTRIBUTE
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
 from hyper_parallel.distributed.plan_format import plan_to_json
 from hyper_parallel.distributed.planner import ShardingPlanner
-from tests.distributed.tp_equivalence_worker import compare_grads, train_steps
-from hyper_parallel.distributed.rank_exit import exit_rank
+from tests.batch_worker import run_cases
+from tests.distributed.tp_equivalence_worker import train_steps
 from tests.rank_exit import leave_after_barrier
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 128, 64, 4, 2, 16, 2
@@ -96,16 +95,7 @@ def main() -> None:
         out = run_layout(args)
         Path(args.out, f"rank{out['rank']}.json").write_text(json.dumps(out, indent=1))
     else:
-        for name, flags in json.loads(Path(args.cases).read_text()).items():
-            folder = Path(args.out, name)
-            folder.mkdir(parents=True, exist_ok=True)
-            try:
-                out = run_layout(parse_args(flags))
-            except BaseException:  # noqa: B036 (the layout is named, then the rank ends)
-                rank = dist.get_rank() if dist.is_initialized() else "unknown"
-                (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
-                exit_rank(1)
-            (folder / f"rank{out['rank']}.json").write_text(json.dumps(out, indent=1))
+        run_cases(args.cases, args.out, lambda flags: run_layout(parse_args(flags)))
     leave_after_barrier(dist)
 
 

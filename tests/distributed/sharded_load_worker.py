@@ -14,7 +14,6 @@ exit code 1 (tests/batch_launch.py reads them).
 
 import argparse
 import json
-import traceback
 from pathlib import Path
 
 import accelerate
@@ -26,10 +25,10 @@ from safetensors.torch import load_file
 
 from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
-from hyper_parallel.distributed.rank_exit import exit_rank
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.distributed.sharded_load import materialize_and_load
 from hyper_parallel.distributed.weight_map import weight_map_text
+from tests.batch_worker import run_cases
 from tests.distributed.tp_equivalence_worker import one_step_against_reference
 from tests.rank_exit import leave_after_barrier
 
@@ -47,15 +46,8 @@ def main() -> None:
         result = load_and_compare(args.model_dir, mesh_context)
         Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     else:
-        for name, flags in json.loads(Path(args.cases).read_text()).items():
-            folder = Path(args.out, name)
-            folder.mkdir(parents=True, exist_ok=True)
-            try:
-                result = load_and_compare(flags[flags.index("--model-dir") + 1], mesh_context)
-            except BaseException:  # noqa: B036 (the case is named, then the rank ends)
-                (folder / f"error_rank{dist.get_rank()}.txt").write_text(traceback.format_exc())
-                exit_rank(1)
-            (folder / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+        run_cases(args.cases, args.out,
+                  lambda flags: load_and_compare(flags[flags.index("--model-dir") + 1], mesh_context))
     leave_after_barrier(dist)
 
 

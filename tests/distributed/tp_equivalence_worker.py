@@ -22,7 +22,6 @@ no results and the test names the one that failed.
 import argparse
 import json
 import re
-import traceback
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_
 from hyper_parallel.distributed.planner import ShardingPlanner
 from hyper_parallel.protocols.placement_text import local_shard_shape
 from hyper_parallel.protocols.placements import placement_to_text
-from hyper_parallel.distributed.rank_exit import exit_rank
+from tests.batch_worker import run_cases
 from tests.rank_exit import leave_after_barrier
 
 
@@ -196,16 +195,7 @@ def main() -> None:
         Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1))
     else:
         common = ["--config-dir", args.config_dir, "--weights", args.weights, "--out", args.out]
-        for name, flags in json.loads(Path(args.cases).read_text()).items():
-            folder = Path(args.out, name)
-            folder.mkdir(parents=True, exist_ok=True)
-            try:
-                result = run_form(parse_args([*common, *flags]))
-            except BaseException:  # noqa: B036 (the form is named, then the rank ends)
-                rank = dist.get_rank() if dist.is_initialized() else "unknown"
-                (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
-                exit_rank(1)
-            (folder / f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1))
+        run_cases(args.cases, args.out, lambda flags: run_form(parse_args([*common, *flags])))
     leave_after_barrier(dist)
 
 
