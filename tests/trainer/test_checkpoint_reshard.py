@@ -80,8 +80,9 @@ def _train_chain(project, tmp_path, runs):
     chain = [{"name": name, "recipe": str(recipe), "text": text, "metrics": str(tmp_path / f"{name}.json"),
               "copies": [[str(a), str(b)] for a, b in copies]} for name, (recipe, text), copies in runs]
     (tmp_path / "chain.json").write_text(json.dumps(chain))
+    # run in the project (its relative paths), the worker imported from this checkout
     proc = torchrun(["-m", "tests.trainer.train_chain_worker", "--chain", str(tmp_path / "chain.json")],
-                    project, nproc=2, preload=(QWEN3_MOE_MODELING,))
+                    project, nproc=2, preload=(QWEN3_MOE_MODELING,), env={"PYTHONPATH": str(REPO)})
     assert_ran(proc)
     outputs, current = {}, None
     for line in proc.stdout.splitlines():
