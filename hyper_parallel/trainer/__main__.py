@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
-from hyper_parallel.trainer.base import BaseTrainer, write_metrics
+from hyper_parallel.trainer.base import BaseTrainer, check_trainable_backend, write_metrics
 from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
 from hyper_parallel.trainer.data import DataError, bytes_dataset_file
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_training_config(args.config)
+        check_trainable_backend(config)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
