@@ -252,12 +252,11 @@ class KvExchange:
         order: one concatenation of the chunks where they belong."""
         if self.context.order is None:
             return torch.cat(pieces, dim=dim)
-        chunks = {}
-        for rank, piece in enumerate(pieces):
-            size = piece.shape[dim] // 2
-            first, second = rank, 2 * self.size - 1 - rank
-            chunks[first], chunks[second] = piece.narrow(dim, 0, size), piece.narrow(dim, size, size)
-        return torch.cat([chunks[index] for index in range(2 * self.size)], dim=dim)
+        size = pieces[0].shape[dim] // 2
+        balanced = [piece.narrow(dim, half * size, size) for piece in pieces for half in (0, 1)]
+        chunk_at = self.context.order.chunk_order()  # the natural chunk at each balanced position
+        return torch.cat([balanced[position] for position in sorted(range(len(balanced)), key=chunk_at.__getitem__)],
+                         dim=dim)
 
     def local_grad(self, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stacked = torch.stack(grads)
