@@ -144,6 +144,7 @@ def check_bundle(spec: CodegenSpec, *, fix: bool) -> int:
 def _under_torchrun(args: argparse.Namespace, recipe: str, config: TrainerConfig, spec: CodegenSpec) -> int:
     """One rank: rank 0 generates (or reuses) the bundle, the others wait for it; then
     every rank checks the installed bundle's integrity."""
+    from hyper_parallel.codegen.check.drift import fix_command
     from hyper_parallel.codegen.check.preflight import preflight_integrity_check
     from hyper_parallel.codegen.spec.project import signature_from_spec
 
@@ -151,6 +152,6 @@ def _under_torchrun(args: argparse.Namespace, recipe: str, config: TrainerConfig
     if args.command == "generate":
         ensure_bundle(spec)
     report = preflight_integrity_check(spec.bundle_dir, expected_signature=signature_from_spec(spec),
-                                       fix=f"doit generate config={recipe}")
+                                       fix=fix_command(spec))
     print(f"rank {os.environ.get('RANK', '0')}: {spec.bundle_dir} ok (digest {report['digest'][:12]})")
     return 0
