@@ -3,7 +3,6 @@ docstring and ``bench/family_sweep.py``'s docstring for the statuses).
 """
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -20,6 +19,7 @@ from hyper_parallel.codegen.check.launch import RANK_PREFIX, exit_text, rank_exi
 from hyper_parallel.codegen.spec.types import STAGES
 from hyper_parallel.families.tiny import REPO, family_dir, is_remote
 from hyper_parallel.trainer.reference import reference_training
+from hyper_parallel.trainer.metrics import read_metrics
 
 # layout -> accelerator keys; ep is borrowed from dp*cp, so ep2 needs dp2 (DESIGN §3).
 LAYOUTS = {
@@ -261,7 +261,7 @@ def run_training(project: Path, recipe: Path, world: int, timeout: float) -> tup
         return "fail", f"train: timed out after {timeout:.0f}s"
     if proc.returncode != 0 or not metrics.is_file():
         return "fail", training_crash(proc.returncode, proc.stdout, proc.stderr, metrics.is_file(), project)
-    got = json.loads(metrics.read_text())
+    got = read_metrics(metrics)
     want = reference_training(recipe)
     status, reason = compare_training(got, want)
     if status == "fail":  # measured only when needed: is the deviation AdamW's rounding noise?

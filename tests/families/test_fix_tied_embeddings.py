@@ -8,7 +8,6 @@ each rank's piece (the head), so its gradient is a sum of a complete and a parti
 The bundle rank 0 generates at start is verified as threads of one process (as in
 tests/trainer/test_train_equivalence.py: training is under test here)."""
 
-import json
 import math
 import types
 import warnings
@@ -23,6 +22,7 @@ from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
 from hyper_parallel.config import load_training_config
 from hyper_parallel.models.hf.model_builder import build_generated_model_sharded
 from hyper_parallel.trainer.reference import reference_training
+from hyper_parallel.trainer.metrics import read_metrics
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
 
@@ -96,7 +96,7 @@ def test_tied_family_trains_like_one_process(tied_recipe, tmp_path, layout):
                     cwd=tied_recipe.parents[2], nproc=world, env={MAX_PROCS_ENV: "1"},
                     plain=True)  # as a user launches it: each rank a fresh interpreter
     assert_ran(proc)
-    got, want = json.loads(metrics.read_text()), reference_training(tied_recipe)
+    got, want = read_metrics(metrics), reference_training(tied_recipe)
     assert len(got) == len(want) == STEPS
     for step, (have, ref) in enumerate(zip(got, want), start=1):
         assert math.isclose(have["loss"], ref["loss"], rel_tol=LOSS_RTOL), (step, got, want)

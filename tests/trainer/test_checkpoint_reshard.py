@@ -29,6 +29,7 @@ from hyper_parallel.config import load_training_config
 from hyper_parallel.distributed.weight_map import saved_layout
 from hyper_parallel.trainer.data import global_batch, micro_batches
 from hyper_parallel.trainer.checkpoint_layout import adapt_view, saved_tensors
+from hyper_parallel.trainer.metrics import read_metrics
 from tests.launch import assert_ran, torchrun
 from tests.pipeline.pipeline_helpers import copy_project, generated_tiny_project
 from tests.project_fixtures import REPO, TINY_RECIPE
@@ -70,7 +71,7 @@ def _train(project, recipe, metrics, nproc: int):
     proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics", str(metrics)],
                     project, nproc=nproc, preload=(QWEN3_MOE_MODELING,))
     assert_ran(proc)
-    return proc, json.loads(metrics.read_text())
+    return proc, read_metrics(metrics)
 
 
 def _train_chain(project, tmp_path, runs):
@@ -92,7 +93,7 @@ def _train_chain(project, tmp_path, runs):
         elif current is not None:
             outputs[current] += line + "\n"
     assert list(outputs) == [name for name, _, _ in runs], proc.stdout
-    return outputs, [json.loads((tmp_path / f"{name}.json").read_text()) for name, _, _ in runs]
+    return outputs, [read_metrics(tmp_path / f"{name}.json") for name, _, _ in runs]
 
 
 def _assert_same_steps(got, want, where: str):

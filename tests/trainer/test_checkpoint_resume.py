@@ -1,3 +1,4 @@
+from hyper_parallel.trainer.metrics import read_metrics
 """Checkpoints under torchrun (gloo, CPU): a run saves every 2 steps and keeps the last
 2; its last checkpoint is then made partial (marker gone, as a kill between the ranks'
 writes and the rename would leave it) and a killed save's ``.tmp-`` folder is planted;
@@ -33,7 +34,7 @@ def _train(project, recipe, metrics, *args):
     proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics", str(metrics), *args],
                     project, nproc=2, preload=(QWEN3_MOE_MODELING,))
     assert_ran(proc)
-    return proc, json.loads(metrics.read_text())
+    return proc, read_metrics(metrics)
 
 
 def _assert_same_steps(got, want):

@@ -7,7 +7,6 @@ tests/verify/test_verify_modes.py shows both modes give the same verdict and fig
 Training is what is under test here, and at world 4 a torchrun verify starts five more
 torch processes on a 2-core machine for each layout."""
 
-import json
 import math
 
 import pytest
@@ -19,6 +18,7 @@ from safetensors.torch import save_file
 from hyper_parallel.config import load_training_config
 from hyper_parallel.trainer.data import global_batch, micro_batches
 from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
+from hyper_parallel.trainer.metrics import read_metrics
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import TINY_RECIPE
 
@@ -120,7 +120,7 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
         assert '"context_parallel": {"algorithm": "allgather_kv", "load_balance": True}' in modeling
         assert '"kv_gathered_attention | ' in modeling  # the attention entries' line starts with the role
-    records = json.loads(metrics.read_text())
+    records = read_metrics(metrics)
     got, got_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
     want, want_norms = _reference_run(recipe)
     assert len(got) == STEPS
