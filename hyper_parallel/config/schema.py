@@ -27,6 +27,9 @@ MAX_SEQ_LEN = 1 << 24  # 16M tokens a sequence: beyond any model's context
 #   ulysses: all-to-all between sequence and heads around the attention function.
 CP_ALGORITHMS = ("gather_sequence", "allgather_kv", "ulysses")
 DEFAULT_CP_ALGORITHM = "gather_sequence"
+# training.mixed_precision's dtypes: the compute (param_dtype) and gradient-reduction dtypes.
+MIXED_PRECISION_DTYPES = ("float32", "bfloat16", "float16")
+LR_DECAYS = ("constant", "linear", "cosine")  # training.lr_schedule.decay after the warmup
 
 
 @dataclass
@@ -98,6 +101,47 @@ class CheckpointConfig:
 
 
 @dataclass
+class MixedPrecisionConfig:
+    """``training.mixed_precision``: master parameters and optimizer state stay float32;
+    forward and backward compute in ``param_dtype`` (None: ``model.torch_dtype``, the
+    dtype the weights are loaded in); gradients are reduced across ranks in
+    ``reduce_dtype``. The recipe value ``none`` trains in ``model.torch_dtype`` throughout
+    (pure low precision, an explicit opt-in)."""
+
+    param_dtype: str | None = None
+    reduce_dtype: str = "float32"
+
+
+@dataclass
+class LrScheduleConfig:
+    """``training.lr_schedule``: ``optimizer.lr`` ramps up linearly over ``warmup_steps``,
+    then ``decay`` takes it to ``min_lr_ratio * lr`` at ``training.steps``."""
+
+    warmup_steps: int = 0
+    decay: str = "constant"  # one of LR_DECAYS
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class EvalConfig:
+    """``training.eval``: every ``every_steps`` steps, the mean loss of ``batches`` held-out
+    global batches (no gradients) is recorded as the step's ``eval_loss``."""
+
+    every_steps: int = 100
+    batches: int = 1
+
+
+@dataclass
+class MetricsConfig:
+    """``training.metrics``: what the run reports besides the ``--metrics`` file."""
+
+    # A TensorBoard log folder (relative to the recipe's folder); null: none written.
+    tensorboard_dir: str | None = None
+    # The accelerator's peak FLOP/s per rank, for MFU; null: MFU is not reported.
+    peak_flops_per_s: float | None = None
+
+
+@dataclass
 class TrainingConfig:
     steps: int = 10
     global_batch_size: int = 8
@@ -109,6 +153,11 @@ class TrainingConfig:
     compile: bool = False
     max_grad_norm: float | None = None  # clip the global gradient norm to this; None: no clipping
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # A mapping (MixedPrecisionConfig), or the string "none".
+    mixed_precision: MixedPrecisionConfig | str = field(default_factory=MixedPrecisionConfig)
+    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
+    eval: EvalConfig | None = None  # null: no evaluation
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 @dataclass

@@ -34,11 +34,18 @@ _LOG = logging.getLogger(__name__)
 
 @dataclass
 class StepRecord:
+    """What rank 0 records of one step (the ``--metrics`` file's lines)."""
+
     step: int
     loss: float
     grad_norm: float
     tokens_per_s: float
     seconds: float
+    lr: float  # the learning rate this step's update used
+    eval_loss: float | None = None  # training.eval's held-out loss, on the steps it runs
+    mfu: float | None = None  # model FLOPs utilisation against training.metrics.peak_flops_per_s
+    peak_memory_bytes: int | None = None  # this rank's peak memory so far
+    eta_s: float | None = None  # seconds left at this step's pace
 
 
 class BaseTrainer:
@@ -137,30 +144,48 @@ class BaseTrainer:
                 batch = global_batch(step, training, dataset, vocab, byte_tokens)
             seed_step(step, training.seed)
             parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
-            total = None
-            for micro in parts:
-                loss = self.model(input_ids=micro, labels=micro).loss / len(parts)
-                loss.backward()
-                value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
-                total = value if total is None else total + value
+            total = self._forward_backward(parts)
             grad_norm = global_grad_norm(self.model.parameters())
             if training.max_grad_norm is not None:
                 clip_grads_to(self.model.parameters(), grad_norm, training.max_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            lr = self._optimizer_step()
             if dp_size > 1:
                 dist.all_reduce(total, group=self.mesh_context.device_mesh.get_group("dp"))
                 total /= dp_size
             seconds = time.perf_counter() - start
-            record = StepRecord(step + 1, total.item(), grad_norm, batch.numel() / seconds, seconds)
+            record = StepRecord(step + 1, total.item(), grad_norm, batch.numel() / seconds, seconds, lr)
             records.append(record)
-            if self.rank == 0 and (record.step % training.log_every == 0 or record.step == training.steps):
-                _LOG.info(f"step {record.step}/{training.steps} | loss {record.loss:.6f} | "
-                          f"grad norm {record.grad_norm:.4f} | "
-                          f"{record.tokens_per_s:,.0f} tok/s | {seconds:.2f}s")
+            self._observe(record)
             self.checkpointer.maybe_save(record.step, last=record.step == training.steps)
         self.checkpointer.finish()
         return records
+
+    def _forward_backward(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of one step's micro-batches, gradients accumulated; the
+        step's mean loss on this rank (a plain tensor, detached)."""
+        total = None
+        for micro in parts:
+            loss = self.model(input_ids=micro, labels=micro).loss / len(parts)
+            loss.backward()
+            value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+            total = value if total is None else total + value
+        return total
+
+    def _optimizer_step(self) -> float:
+        """The update from the accumulated gradients, which it then clears; the learning
+        rate the update used."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(lr)
+
+    def _observe(self, record: StepRecord) -> None:
+        """Rank 0's progress line, every ``training.log_every`` steps and after the last."""
+        steps = self.config.training.steps
+        if self.rank == 0 and (record.step % self.config.training.log_every == 0 or record.step == steps):
+            _LOG.info(f"step {record.step}/{steps} | loss {record.loss:.6f} | "
+                      f"grad norm {record.grad_norm:.4f} | "
+                      f"{record.tokens_per_s:,.0f} tok/s | {record.seconds:.2f}s")
 
     def _data_state(self, next_row: int) -> dict:
         """What a checkpoint records of the corpus: the next row and which rows these are."""
