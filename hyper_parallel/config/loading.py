@@ -16,6 +16,7 @@ from hyper_parallel.config.schema import (
     DATASET_KINDS,
     DEVICE_TYPES,
     MAX_SEQ_LEN,
+    MIXED_PRECISION_DTYPES,
     MODELING_BACKENDS,
     TEXT_SAMPLE_BY,
     TOKENIZED_KINDS,
@@ -170,12 +171,32 @@ def _validate_training(config: TrainerConfig, where: str) -> None:
         raise RecipeError(f"{where}: training.max_grad_norm: expected a number > 0 (or null: no clipping), "
                           f"got {training.max_grad_norm}")
     _validate_checkpoint(config, where)
+    _validate_mixed_precision(config, where)
+    if optimizer.name.lower() != "adamw":
+        raise RecipeError(f"{where}: optimizer.name: expected 'adamw' (the one optimizer the trainer builds), got "
+                          f"{optimizer.name!r}; set optimizer.name: adamw")
     if not optimizer.lr > 0:
         raise RecipeError(f"{where}: optimizer.lr: expected a number > 0, got {optimizer.lr}")
     if optimizer.weight_decay < 0:
         raise RecipeError(f"{where}: optimizer.weight_decay: expected a number >= 0, got {optimizer.weight_decay}")
     if len(optimizer.betas) != 2 or not all(0 <= beta < 1 for beta in optimizer.betas):
         raise RecipeError(f"{where}: optimizer.betas: expected two numbers in [0, 1), got {optimizer.betas}")
+
+
+def _validate_mixed_precision(config: TrainerConfig, where: str) -> None:
+    """``training.mixed_precision``: a mapping of known dtypes, or the string ``none``."""
+    key = "training.mixed_precision"
+    setting = config.training.mixed_precision
+    if isinstance(setting, str):
+        if setting != "none":
+            raise RecipeError(f"{where}: {key}: expected a mapping {{param_dtype, reduce_dtype}} or 'none' (train "
+                              f"in model.torch_dtype throughout), got {setting!r}")
+        return
+    for name in ("param_dtype", "reduce_dtype"):
+        value = getattr(setting, name)
+        if value is not None and value not in MIXED_PRECISION_DTYPES:
+            raise RecipeError(f"{where}: {key}.{name}: expected one of {', '.join(MIXED_PRECISION_DTYPES)}, got "
+                              f"{value!r}")
 
 
 def _validate_checkpoint(config: TrainerConfig, where: str) -> None:

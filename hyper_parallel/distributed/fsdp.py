@@ -19,7 +19,7 @@ def expert_parallel_modules(layer: nn.Module) -> list[nn.Module]:
     return found
 
 
-def fully_shard_over_dp(model: nn.Module, dp_mesh, expert_dp_mesh=None) -> nn.Module:
+def fully_shard_over_dp(model: nn.Module, dp_mesh, expert_dp_mesh=None, mp_policy=None) -> nn.Module:
     """FSDP2 ``fully_shard`` over the dp mesh: each decoder layer, then the root.
 
     Gradients are averaged over dp, so with equal-sized per-rank batches the result is
@@ -27,8 +27,12 @@ def fully_shard_over_dp(model: nn.Module, dp_mesh, expert_dp_mesh=None) -> nn.Mo
     their own over ``expert_dp_mesh`` (the expert mesh's ``edp`` axis: the dp*cp ranks
     that hold the same experts), since their ranks may overlap the dp mesh's. Their
     gradients already sum the tokens of every rank of their ep group, so the reduction
-    over edp divides by dp, as for every other parameter."""
+    over edp divides by dp, as for every other parameter. ``mp_policy`` (FSDP2's
+    ``MixedPrecisionPolicy``, None: compute in the parameters' dtype) applies to every
+    group alike."""
     from torch.distributed.fsdp import fully_shard
+
+    options = {} if mp_policy is None else {"mp_policy": mp_policy}
 
     dp_size = dp_mesh.size()
     for layer in decoder_layers(model):
@@ -36,7 +40,7 @@ def fully_shard_over_dp(model: nn.Module, dp_mesh, expert_dp_mesh=None) -> nn.Mo
             if expert_dp_mesh is None:
                 raise ValueError(f"{type(experts).__name__} is expert parallel; fully_shard_over_dp needs the "
                                  "expert mesh's edp axis (expert_dp_mesh)")
-            fully_shard(experts, mesh=expert_dp_mesh).set_gradient_divide_factor(float(dp_size))
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+            fully_shard(experts, mesh=expert_dp_mesh, **options).set_gradient_divide_factor(float(dp_size))
+        fully_shard(layer, mesh=dp_mesh, **options)
+    fully_shard(model, mesh=dp_mesh, **options)
     return model

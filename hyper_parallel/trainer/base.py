@@ -28,6 +28,7 @@ from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_dev
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import PackedCorpus, check_vocabulary, corpus_batch, prepare_corpus
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
+from hyper_parallel.trainer.precision import compute_context
 
 _LOG = logging.getLogger(__name__)
 
@@ -102,9 +103,8 @@ class BaseTrainer:
         return HyperAutoModel.from_pretrained(self.config, mesh_context=self.mesh_context)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW (optimizer.name is checked at recipe load) over the master parameters."""
         opt = self.config.optimizer
-        if opt.name.lower() != "adamw":
-            raise ValueError(f"{self.config._yaml_path}: optimizer.name: expected 'adamw', got {opt.name!r}")
         return torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                  weight_decay=opt.weight_decay, foreach=False)
 
@@ -165,7 +165,8 @@ class BaseTrainer:
         step's mean loss on this rank (a plain tensor, detached)."""
         total = None
         for micro in parts:
-            loss = self.model(input_ids=micro, labels=micro).loss / len(parts)
+            with compute_context(self.config, fsdp_casts=self.dims.dp > 1):
+                loss = self.model(input_ids=micro, labels=micro).loss / len(parts)
             loss.backward()
             value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
             total = value if total is None else total + value

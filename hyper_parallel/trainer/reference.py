@@ -1,7 +1,7 @@
 """The recipe trained by single-process HF: what a parallel run must reproduce.
 
 Same checkpoint, the trainer's batches and micro-batching, AdamW with the recipe's
-settings; per step the loss and the global gradient norm. Benches and tests compare
+settings, the recipe's precision (float32 masters, autocast compute); per step the loss and the global gradient norm. Benches and tests compare
 the trainer's ``--metrics`` with it.
 """
 
@@ -13,8 +13,10 @@ from transformers import AutoModelForCausalLM
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TOKENIZED_KINDS
 from hyper_parallel.distributed.step_seed import seed_step
+from hyper_parallel.models.hf.model_builder import parameter_dtype
 from hyper_parallel.trainer.corpus import corpus_batch, prepare_corpus
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
+from hyper_parallel.trainer.precision import compute_context
 
 
 # fp32's relative precision: the size of the error a different summation order (a sharded
@@ -43,7 +45,7 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
     recipe = Path(recipe)
     config = load_training_config(str(recipe))
     model = AutoModelForCausalLM.from_pretrained(recipe.parent / config.model.pretrained_model_name_or_path,
-                                                 attn_implementation="eager", dtype=torch.float32,
+                                                 attn_implementation="eager", dtype=parameter_dtype(config),
                                                  trust_remote_code=config.model.trust_remote_code).train()
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
@@ -66,7 +68,8 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
         parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "reference"))
         total = 0.0
         for micro in parts:
-            loss = model(input_ids=micro, labels=micro).loss / len(parts)
+            with compute_context(config, fsdp_casts=False):  # the recipe's precision, by autocast
+                loss = model(input_ids=micro, labels=micro).loss / len(parts)
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()

@@ -5,8 +5,9 @@ on the recipe, rank 0 writing the per-step metrics.
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.trainer.train_chain_worker --chain CHAIN.json
 
-CHAIN.json is a list of runs ``{"name", "recipe", "text", "metrics", "copies"}``, in
-order. Before a run, once every rank is done with the one before, rank 0 copies each
+CHAIN.json is a list of runs ``{"name", "recipe", "text", "metrics", "copies"}`` (and
+optionally ``"dtypes"``: a file where rank 0 writes the dtypes its trained parameters and
+AdamW state are held in), in order. Before a run, once every rank is done with the one before, rank 0 copies each
 ``[source, destination]`` folder of ``copies`` (a checkpoint the run resumes) and writes
 ``text`` to ``recipe`` (runs of the generated bundle share the recipe's own file), and
 prints the line ``CHAIN_MARKER + name``, so a test can tell each run's output apart.
@@ -46,7 +47,17 @@ def main() -> None:
         records = trainer.train()
         if trainer.rank == 0:
             write_metrics(records, run["metrics"])
+            if run.get("dtypes"):
+                Path(run["dtypes"]).write_text(json.dumps(_dtypes(trainer)))
     leave_after_barrier(dist)
+
+
+def _dtypes(trainer: BaseTrainer) -> dict[str, list[str]]:
+    """The dtypes of the trained model's parameters and of AdamW's tensors, as sets."""
+    state = [value for per_param in trainer.optimizer.state.values() for key, value in per_param.items()
+             if key != "step" and hasattr(value, "dtype")]
+    return {"parameters": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+            "optimizer_state": sorted({str(v.dtype) for v in state})}
 
 
 if __name__ == "__main__":

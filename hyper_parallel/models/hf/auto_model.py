@@ -23,8 +23,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
 from hyper_parallel.distributed.plan_format import plan_entries
@@ -190,6 +192,19 @@ def _check_plan_covers(model: nn.Module, module: Any, bundle_dir: Path) -> None:
                              f"{', '.join(uncovered[:5])}; run `doit generate`")
 
 
+def fsdp_mixed_precision(config: TrainerConfig) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for the recipe's precision (config/precision.py):
+    all-gathered parameters cast to the compute dtype, gradients reduced in the reduce
+    dtype into the float32 shards; None when nothing differs from the parameters' dtype
+    (the plain float32 path stays bit for bit what it was)."""
+    policy = precision_policy(config)
+    if not policy.mixed:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, policy.compute), reduce_dtype=getattr(torch, policy.reduce))
+
+
 def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
                                mesh_context: MeshContext | None) -> nn.Module:
     """The runtime's part after the plan (DESIGN §9): activation checkpointing, FSDP2
@@ -205,7 +220,8 @@ def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
 
         expert_mesh = mesh_context.expert_mesh
         fully_shard_over_dp(model, mesh_context.device_mesh["dp"],
-                            expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None)
+                            expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None,
+                            mp_policy=fsdp_mixed_precision(config))
     if training.compile:
         model.compile()
     return model

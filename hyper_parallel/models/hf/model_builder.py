@@ -1,6 +1,6 @@
 """Build a model from a recipe with one backend (hf | custom | gen), and shard it.
 
-Each ``build_*`` returns the model on the CPU in the recipe's dtype, with the weights
+Each ``build_*`` returns the model on the CPU in its parameter dtype (``parameter_dtype``), with the weights
 of the model folder when it holds safetensors, else freshly initialized. The
 ``parallelize_*`` functions shard it in place on a real mesh through the project's one
 applier (``hyper_parallel.distributed.applier``).
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.config.context_parallel import ContextParallel
+from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
 from hyper_parallel.errors import HyperParallelError
@@ -41,11 +42,15 @@ def recipe_model_dir(config: TrainerConfig) -> Path:
     return model_dir.resolve()
 
 
-def torch_dtype_of(config: TrainerConfig) -> torch.dtype:
-    dtype = getattr(torch, config.model.torch_dtype, None)
+def parameter_dtype(config: TrainerConfig) -> torch.dtype:
+    """The dtype the built model's parameters are held in: float32 master weights under
+    mixed precision (weights stored as bf16 are upcast exactly), ``model.torch_dtype``
+    under ``training.mixed_precision: none`` (config/precision.py decides)."""
+    name = precision_policy(config).master
+    dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.torch_dtype: expected a torch dtype "
-                              f"name (float32, bfloat16, ...), got {config.model.torch_dtype!r}")
+                              f"name (float32, bfloat16, ...), got {name!r}")
     return dtype
 
 
@@ -92,7 +97,7 @@ def build_generated_model(model_class: type, hf_config: Any, config: TrainerConf
     meta device (no init, no memory), takes over its tensors by name (same FQNs: the
     generated file is HF's source, and replacements keep parameter names)."""
     if not with_weights:
-        return model_class(hf_config).to(torch_dtype_of(config)).train()
+        return model_class(hf_config).to(parameter_dtype(config)).train()
     source = build_hf_model(hf_config, config, with_weights=True)
     with torch.device("meta"):
         model = model_class(hf_config)
@@ -124,7 +129,7 @@ def build_generated_model_sharded(model_class: type, hf_config: Any, config: Tra
     module.hyper_parallelize(model, mesh_context)
     with parameters_keep_identity():
         materialize_and_load(model, recipe_model_dir(config), device=target_device(config), weight_map=weight_map)
-        model = model.to(torch_dtype_of(config)).train()
+        model = model.to(parameter_dtype(config)).train()
     check_tied(model, tied, "after loading the checkpoint")
     return model
 
@@ -196,12 +201,12 @@ def build_hf_model(hf_config: Any, config: TrainerConfig, *, with_weights: bool)
     if with_weights:
         model = AutoModelForCausalLM.from_pretrained(str(recipe_model_dir(config)), config=hf_config,
                                                      trust_remote_code=_is_remote(hf_config),
-                                                     dtype=torch_dtype_of(config),
+                                                     dtype=parameter_dtype(config),
                                                      attn_implementation=config.model.attn_implementation)
         return model.train()
     model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=_is_remote(hf_config),
                                              attn_implementation=config.model.attn_implementation,
-                                             dtype=torch_dtype_of(config))
+                                             dtype=parameter_dtype(config))
     return model.train()
 
 
@@ -221,7 +226,7 @@ def build_custom_model(custom_module: ModuleType, hf_config: Any, config: Traine
     model = custom_module.build_custom_model(hf_config)
     if with_weights:
         custom_module.load_hf_state_dict(model, load_safetensors_state_dict(recipe_model_dir(config)))
-    return model.to(torch_dtype_of(config)).train()
+    return model.to(parameter_dtype(config)).train()
 
 
 # --- sharding -------------------------------------------------------------------------------------
