@@ -1,6 +1,7 @@
 """Read a recipe YAML into a TrainerConfig: strict keys, typed values, no side effects."""
 
 import dataclasses
+import importlib.util
 import os
 import types
 import typing
@@ -172,6 +173,7 @@ def _validate_training(config: TrainerConfig, where: str) -> None:
                           f"got {training.max_grad_norm}")
     _validate_checkpoint(config, where)
     _validate_mixed_precision(config, where)
+    _validate_metrics(config, where)
     if optimizer.name.lower() != "adamw":
         raise RecipeError(f"{where}: optimizer.name: expected 'adamw' (the one optimizer the trainer builds), got "
                           f"{optimizer.name!r}; set optimizer.name: adamw")
@@ -197,6 +199,22 @@ def _validate_mixed_precision(config: TrainerConfig, where: str) -> None:
         if value is not None and value not in MIXED_PRECISION_DTYPES:
             raise RecipeError(f"{where}: {key}.{name}: expected one of {', '.join(MIXED_PRECISION_DTYPES)}, got "
                               f"{value!r}")
+
+
+def _validate_metrics(config: TrainerConfig, where: str) -> None:
+    """``training.metrics``: a positive peak, and TensorBoard importable when a folder is named
+    (found by its spec, not imported: loading a recipe imports no heavy package)."""
+    metrics, key = config.training.metrics, "training.metrics"
+    if metrics.peak_flops_per_s is not None and not metrics.peak_flops_per_s > 0:
+        raise RecipeError(f"{where}: {key}.peak_flops_per_s: expected the accelerator's peak FLOP/s per rank, a "
+                          f"number > 0 (e.g. 989.0e12 for an H100's dense bf16), got {metrics.peak_flops_per_s}")
+    if metrics.tensorboard_dir is not None:
+        if not metrics.tensorboard_dir.strip():
+            raise RecipeError(f"{where}: {key}.tensorboard_dir: expected a folder (relative to the recipe's folder), "
+                              f"got an empty string; name a folder, or leave the key out")
+        if importlib.util.find_spec("tensorboard") is None:
+            raise RecipeError(f"{where}: {key}.tensorboard_dir: TensorBoard is not installed; "
+                              f'pip install -c constraints.txt -e ".[metrics]", or leave the key out')
 
 
 def _validate_checkpoint(config: TrainerConfig, where: str) -> None:
@@ -307,8 +325,21 @@ def _convert_scalar(hint: type, value: Any, where: str, key: str) -> Any:
     else:
         ok = isinstance(value, hint)
     if not ok:
-        raise RecipeError(f"{where}: {key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        raise RecipeError(f"{where}: {key}: expected {hint.__name__}, got {type(value).__name__} {value!r}"
+                          f"{_yaml_number_hint(hint, value)}")
     return value
+
+
+def _yaml_number_hint(hint: type, value: Any) -> str:
+    """YAML 1.1 reads ``1e-3`` and ``1.0e9`` (no dot, or no sign after the e) as text:
+    say how to write the number so it reads as one."""
+    if hint is not float or not isinstance(value, str) or not any(c.isdigit() for c in value):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    return f" (YAML reads {value} as text, not a number; write {yaml.safe_dump(number).splitlines()[0]})"
 
 
 __all__ = ["RecipeError", "load_training_config", "validate_training_config", "PlanOverride"]

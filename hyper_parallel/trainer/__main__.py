@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
-from hyper_parallel.trainer.base import BaseTrainer, check_trainable_backend, write_metrics
+from hyper_parallel.trainer.base import BaseTrainer, check_trainable_backend
 from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
 from hyper_parallel.trainer.data import DataError, bytes_dataset_file
 
@@ -29,7 +29,10 @@ and weight_decay; dataset is synthetic tokens (kind: synthetic), local documents
 with the model folder's tokenizer and packed into seq_len with EOS between documents
 (kind: text | jsonl | parquet, path, text_column, sample_by, shuffle; needs pip install
 -e ".[data]"), or a file's bytes as token ids (kind: bytes, path).
-Rank 0 prints one line per log_every steps: loss, gradient norm, tokens/s.
+Rank 0 prints one line per log_every steps: loss, gradient norm, lr, tokens/s, MFU (with
+training.metrics.peak_flops_per_s), peak memory, ETA. training.mixed_precision (default:
+float32 master weights, compute in model.torch_dtype, float32 reduction; none: all in
+model.torch_dtype).
 
 training.checkpoint: {dir, every_steps, keep_last, async, resume} saves step_<N>/
 folders under dir (relative to the recipe's folder); a restarted run resumes from the
@@ -37,6 +40,11 @@ newest complete one unless --no-resume (or resume: false) says otherwise.
 
 export: python -m hyper_parallel.trainer export --checkpoint DIR/step_N --out HF_DIR
 writes the checkpoint as an HF model folder (alone, or under torchrun: each rank its share).
+
+--metrics PATH streams one JSON line per finished step (loss, grad_norm, lr, tokens_per_s,
+mfu, peak_memory_bytes per rank, eta_s, eval_loss); training.metrics: {tensorboard_dir,
+peak_flops_per_s} adds TensorBoard scalars and MFU.
+plot: python -m hyper_parallel.trainer plot METRICS --out loss.png draws loss and tokens/s.
 """
 
 
@@ -46,13 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         from hyper_parallel.trainer.export import export_main
 
         return export_main(argv[1:])
+    if argv[:1] == ["plot"]:  # python -m hyper_parallel.trainer plot METRICS --out loss.png
+        from hyper_parallel.trainer.plot import plot_main
+
+        return plot_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.trainer", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a recipe under torchrun (gloo on CPU, nccl/hccl on accelerators).",
         epilog=EPILOG)
     parser.add_argument("--config", required=True, help="the training recipe (YAML)")
-    parser.add_argument("--metrics", help="rank 0 writes per-step loss, gradient norm and tokens/s here (JSON); "
-                                          "a resumed run lists the steps it ran")
+    parser.add_argument("--metrics", help="rank 0 streams one JSON line per step here as it ends (loss, grad_norm, "
+                                          "lr, tokens_per_s, mfu, peak_memory_bytes per rank, eta_s, eval_loss); "
+                                          "a resumed run keeps the lines up to its checkpoint's step")
     parser.add_argument("--no-resume", action="store_true",
                         help="start from the model's weights even when training.checkpoint.dir holds a checkpoint")
     args = parser.parse_args(argv)
@@ -80,12 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Data read and tokenized, a checkpoint checked before it is loaded: every rank finds
         # the same problem (the same files, the same global shapes), none waits for another.
-        trainer = BaseTrainer(config, resume=not args.no_resume)
-        records = trainer.train()
+        trainer = BaseTrainer(config, resume=not args.no_resume, metrics_path=args.metrics)
+        trainer.train()
     except (DataError, CheckpointError) as exc:
         return _refuse(exc)
-    if args.metrics and trainer.rank == 0:
-        write_metrics(records, args.metrics)
     dist.barrier()  # nobody leaves while a peer may still be receiving from it
     dist.destroy_process_group()
     return 0

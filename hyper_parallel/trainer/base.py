@@ -8,10 +8,8 @@ restarted run resumes from the newest complete one (trainer/checkpoint.py)."""
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,6 +26,7 @@ from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_dev
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import PackedCorpus, check_vocabulary, corpus_batch, prepare_corpus
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
+from hyper_parallel.trainer.observe import StepObserver
 from hyper_parallel.trainer.precision import compute_context
 
 _LOG = logging.getLogger(__name__)
@@ -45,15 +44,17 @@ class StepRecord:
     lr: float  # the learning rate this step's update used
     eval_loss: float | None = None  # training.eval's held-out loss, on the steps it runs
     mfu: float | None = None  # model FLOPs utilisation against training.metrics.peak_flops_per_s
-    peak_memory_bytes: int | None = None  # this rank's peak memory so far
+    peak_memory_bytes: list[int] | None = None  # each rank's peak memory so far, in rank order
     eta_s: float | None = None  # seconds left at this step's pace
 
 
 class BaseTrainer:
-    def __init__(self, config: TrainerConfig, resume: bool = True):
+    def __init__(self, config: TrainerConfig, resume: bool = True, metrics_path: str | None = None):
         """``resume``: False starts from the model's weights even when
-        ``training.checkpoint.dir`` holds a checkpoint (``--no-resume``)."""
+        ``training.checkpoint.dir`` holds a checkpoint (``--no-resume``). ``metrics_path``:
+        rank 0 streams one JSON line per step there (trainer/metrics.py)."""
         self.config = config
+        self.metrics_path = metrics_path
         self.resume = resume and config.training.checkpoint.resume
         check_launch_world_size(config)
         acc = config.accelerator
@@ -132,6 +133,9 @@ class BaseTrainer:
         if self.corpus is not None:
             self.checkpointer.data_state = lambda done: self._data_state(start_row + (done - first) *
                                                                          training.global_batch_size)
+        self.observer = StepObserver(model=self.model, config=self.config, rank=self.rank, world=self.dims.world_size,
+                                     device_type=runtime_device_type(self.config.accelerator.device_type),
+                                     first_step=first, metrics_path=self.metrics_path)
         if resumed and self.rank == 0:
             _LOG.info(f"steps {first + 1}..{training.steps} follow" if first < training.steps
                       else f"nothing to train: the checkpoint is at step {first}, training.steps is {training.steps}")
@@ -158,6 +162,7 @@ class BaseTrainer:
             self._observe(record)
             self.checkpointer.maybe_save(record.step, last=record.step == training.steps)
         self.checkpointer.finish()
+        self.observer.close()
         return records
 
     def _forward_backward(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -181,21 +186,14 @@ class BaseTrainer:
         return float(lr)
 
     def _observe(self, record: StepRecord) -> None:
-        """Rank 0's progress line, every ``training.log_every`` steps and after the last."""
-        steps = self.config.training.steps
-        if self.rank == 0 and (record.step % self.config.training.log_every == 0 or record.step == steps):
-            _LOG.info(f"step {record.step}/{steps} | loss {record.loss:.6f} | "
-                      f"grad norm {record.grad_norm:.4f} | "
-                      f"{record.tokens_per_s:,.0f} tok/s | {record.seconds:.2f}s")
+        """The step reported: its MFU, memory and ETA filled in, the metrics line written,
+        the progress line printed (trainer/observe.py). Every rank calls it."""
+        self.observer.observe(record)
 
     def _data_state(self, next_row: int) -> dict:
         """What a checkpoint records of the corpus: the next row and which rows these are."""
         return {"next_row": next_row, "rows": self.corpus.num_rows, "fingerprint": self.corpus.fingerprint,
                 "shuffle": self.config.dataset.shuffle}
-
-
-def write_metrics(records: list[StepRecord], path: str | os.PathLike) -> None:
-    Path(path).write_text(json.dumps([r.__dict__ for r in records], indent=1) + "\n")
 
 
 def check_trainable_backend(config: TrainerConfig) -> None:

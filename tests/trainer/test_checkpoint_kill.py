@@ -27,6 +27,7 @@ import yaml
 
 from hyper_parallel.codegen.check.forked_torchrun import torchrun_command
 from hyper_parallel.trainer.checkpoint import MARKER, scan
+from hyper_parallel.trainer.metrics import read_metrics
 from tests.pipeline.pipeline_helpers import copy_project, generated_tiny_project
 from tests.project_fixtures import TINY_RECIPE
 
@@ -153,6 +154,22 @@ def test_sigkill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path_f
         server.close()
 
 
+def _assert_finished_steps_kept(log, text: str, resumed_from, complete) -> None:
+    """The killed run's --metrics file (issue 28): a complete JSON line for every step it
+    finished, and nothing else. A step is finished when its progress line was printed
+    (the metrics line is written first) or its checkpoint is complete (saved after it)."""
+    lines = log.with_suffix(".json").read_text().split("\n")
+    assert lines[-1] == "", lines[-1]  # no line cut off mid-write
+    steps = [json.loads(line)["step"] for line in lines[:-1]]
+    first = int(resumed_from.name.split("_")[1]) + 1 if resumed_from is not None else 1
+    assert steps == list(range(first, first + len(steps))), steps
+    printed = [int(n) for n in re.findall(r"step (\d+)/\d+ \| loss", text)]
+    saved = [step for step, _ in complete if step >= first]
+    finished = max(printed + saved, default=first - 1)
+    assert finished >= first  # the kill came after a save began, so a step had finished
+    assert steps and steps[-1] >= finished, (steps, printed, saved)
+
+
 def _trials_and_the_end(server, project, recipe, data, root, rng, tmp_path):
     killed_with_partial = 0
     newest = None
@@ -163,6 +180,7 @@ def _trials_and_the_end(server, project, recipe, data, root, rng, tmp_path):
         if newest is not None:  # this start resumed from what the last kill left
             assert f"resumed from checkpoint {newest}" in text, text[-3000:]
         complete, partial = scan(root)
+        _assert_finished_steps_kept(log, text, newest, complete)
         killed_with_partial += bool(partial)
         for _, folder in complete:
             assert json.loads((folder / MARKER).read_text())["step"] == int(folder.name.split("_")[1])
@@ -177,12 +195,12 @@ def _trials_and_the_end(server, project, recipe, data, root, rng, tmp_path):
 
     server.run(project, recipe, tmp_path / "resumed.json", tmp_path / "resumed.txt")
     assert not scan(root)[1]  # partial folders removed
-    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    resumed = read_metrics(tmp_path / "resumed.json")
 
     data["training"]["checkpoint"] = {"dir": "reference"}
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     server.run(project, recipe, tmp_path / "whole.json", tmp_path / "whole.txt")
-    whole = {r["step"]: r for r in json.loads((tmp_path / "whole.json").read_text())}
+    whole = {r["step"]: r for r in read_metrics(tmp_path / "whole.json")}
     assert [r["step"] for r in resumed] == [data["training"]["steps"] - 1, data["training"]["steps"]]
     for record in resumed:
         assert math.isclose(record["loss"], whole[record["step"]]["loss"], rel_tol=1e-7), (resumed, whole)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from hyper_parallel.config import load_training_config
 from hyper_parallel.console_log import configure_console_logging
-from hyper_parallel.trainer.base import BaseTrainer, write_metrics
+from hyper_parallel.trainer.base import BaseTrainer
+from hyper_parallel.trainer.metrics import write_metrics
 from tests.rank_exit import leave_after_barrier
 
 CHAIN_MARKER = "train_chain_worker: run "  # tests/trainer/test_checkpoint_reshard.py splits the output by it
