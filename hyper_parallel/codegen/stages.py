@@ -102,6 +102,7 @@ def run_resolve(spec: CodegenSpec) -> None:
 
 def run_derive(spec: CodegenSpec) -> None:
     from hyper_parallel.codegen.plan.derive import derive_plan
+    from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
 
     derived = derive_plan(spec)
     plan = derived["plan"]
@@ -109,9 +110,8 @@ def run_derive(spec: CodegenSpec) -> None:
     mesh = dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))
     _LOG.info(f"[derive] {len(plan['modules'])} module entries on mesh {mesh}; "
               f"applied axes {plan['applied_axes'] or 'none'}")
-    for axis, why in plan.get("recorded_axes", {}).items():
-        if axis not in ("dp", "pp"):  # those the trainer and the runtime apply, always
-            _LOG.info(f"[derive] note: {axis} not applied: {why}")
+    for line in unapplied_axis_warnings(plan.get("recorded_axes", {})):
+        _LOG.warning(f"[derive] {line}")
     for note in derived.get("notes", ()):
         _LOG.info(f"[derive] note: {note}")
     if derived.get("dataflow_error"):

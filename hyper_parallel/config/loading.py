@@ -90,8 +90,20 @@ def load_training_config(path: str | os.PathLike) -> TrainerConfig:
     config = _build(TrainerConfig, data, str(path), "")
     config.plan_overrides = _plan_overrides(overrides, config.model, str(path))
     config._yaml_path = str(yaml_path)
+    config._written_keys = frozenset(_dotted_keys(data))
     validate_training_config(config, str(path))
     return config
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    """Every key of a nested mapping as a dotted path (``training.checkpoint.dir``)."""
+    keys = []
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        if isinstance(value, dict):
+            keys.extend(_dotted_keys(value, f"{dotted}."))
+    return keys
 
 
 def validate_training_config(config: TrainerConfig, where: str) -> None:
@@ -115,6 +127,7 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
             f"{where}: accelerator: dp_size*cp_size*tp_size*pp_size = {acc.world_size} must equal "
             f"nproc_per_node*nnodes = {launched}")
     _validate_context_parallel(config, where)
+    _refuse_keys_without_effect(config, where)
     if config.modeling_backend is not None and config.modeling_backend not in MODELING_BACKENDS:
         raise RecipeError(f"{where}: modeling_backend: expected one of {', '.join(MODELING_BACKENDS)}, "
                           f"got {config.modeling_backend!r}")
@@ -143,6 +156,25 @@ def _validate_context_parallel(config: TrainerConfig, where: str) -> None:
         raise RecipeError(f"{where}: {key}: {algorithm} wraps the eager or sdpa attention, but "
                           f"model.attn_implementation is {attention!r}; set model.attn_implementation: sdpa (or "
                           f"eager), or {key}: gather_sequence")
+
+
+def _refuse_keys_without_effect(config: TrainerConfig, where: str) -> None:
+    """A parallel key the layout makes a no-op: refused, naming it and why (issue 28), so a
+    recipe never reads as doing what it does not. Keys left at their defaults pass."""
+    acc, written = config.accelerator, config._written_keys
+    for key, what in (("sequence_parallel", "splits the tensor-parallel ranks' activations along the sequence"),
+                      ("loss_parallel", "computes the loss on the vocabulary shards of the tensor-parallel ranks")):
+        if getattr(acc, key) and acc.tp_size == 1:
+            raise RecipeError(f"{where}: accelerator.{key}: true has no effect with tp_size 1 (it {what}); "
+                              f"set accelerator.tp_size > 1, or remove {key}")
+    cp_keys = sorted(k for k in written if k.startswith("accelerator.context_parallel."))
+    if cp_keys and acc.cp_size == 1:
+        raise RecipeError(f"{where}: {cp_keys[0]}: has no effect with cp_size 1 (no sequence is split); "
+                          f"set accelerator.cp_size > 1, or remove accelerator.context_parallel")
+    if "accelerator.context_parallel.load_balance" in written and acc.context_parallel.algorithm != "allgather_kv":
+        raise RecipeError(f"{where}: accelerator.context_parallel.load_balance: applies to algorithm allgather_kv "
+                          f"only (its chunk order), but algorithm is {acc.context_parallel.algorithm!r}; remove "
+                          f"load_balance, or set algorithm: allgather_kv")
 
 
 def _plan_overrides(data: Any, model: ModelConfig, where: str) -> tuple[PlanOverride, ...]:

@@ -194,3 +194,6 @@ class TrainerConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     # Absolute path of the YAML this config was read from; set by load_training_config.
     _yaml_path: str | None = field(default=None, repr=False, compare=False)
+    # The dotted keys the YAML wrote (``accelerator.context_parallel.algorithm``, ...): a
+    # key written where it has no effect is refused, a default left out is not.
+    _written_keys: frozenset[str] = field(default=frozenset(), repr=False, compare=False)

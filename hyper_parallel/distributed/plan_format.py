@@ -117,3 +117,18 @@ def _context_parallel(document: Mapping, where: str) -> ContextParallel | None:
                                          where=f"{where}.context_parallel")
     except ValueError as exc:
         raise PlanFormatError(str(exc)) from None
+
+
+# The recipe key behind each plan axis, for the warning about one that has no effect.
+AXIS_KEYS = {"tp": "tp_size", "sp": "sequence_parallel", "cp": "cp_size", "ep": "ep_size",
+             "loss_parallel": "loss_parallel"}
+
+
+def unapplied_axis_warnings(recorded_axes: Mapping[str, str]) -> list[str]:
+    """One line per axis the recipe asked for and the plan could place nothing on (dp and
+    pp are the runtime's, never the plan's), naming the recipe key that has no effect.
+    Derive logs them as warnings and so does every run that builds the model from the
+    plan, so no front door hides them (issue 28)."""
+    return [f"note: {axis} not applied: {why} (accelerator.{AXIS_KEYS.get(axis, axis)} has no effect on this "
+            f"model; set it to its default to drop this warning)"
+            for axis, why in sorted(recorded_axes.items()) if axis not in ("dp", "pp")]

@@ -152,3 +152,11 @@ def test_plan_entries_reads_every_form():
     entries = plan_entries(plan)
     assert entries["a"]["state_shardings"] == {"weight": {"tp": "shard(0)"}} and entries["a"]["role"] == "colwise"
     assert entries["b"]["local_map"] is True and entries["b"]["in_src"] is None
+
+
+def test_an_axis_the_plan_could_not_place_is_a_warning_naming_its_recipe_key():
+    from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
+
+    lines = unapplied_axis_warnings({"dp": "the trainer's", "ep": "no experts module of this model ..."})
+    assert lines == ["note: ep not applied: no experts module of this model ... (accelerator.ep_size has no effect on "
+                     "this model; set it to its default to drop this warning)"]

@@ -18,6 +18,7 @@
 prepared bundle, and only ``from_pretrained`` prepares one.
 """
 
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -29,7 +30,7 @@ from torch import nn
 from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
-from hyper_parallel.distributed.plan_format import plan_entries
+from hyper_parallel.distributed.plan_format import plan_entries, unapplied_axis_warnings
 from hyper_parallel.models.hf import model_builder as mb
 from hyper_parallel.models.hf.backend import (
     BackendError,
@@ -37,6 +38,8 @@ from hyper_parallel.models.hf.backend import (
     custom_model_module,
     resolve_modeling_backend,
 )
+
+_LOG = logging.getLogger(__name__)
 
 
 class HyperAutoModel:
@@ -126,6 +129,9 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
                      workspace_root: str | os.PathLike | None) -> nn.Module:
     bundle_dir, module, meta = prepare_bundle(config, rank=rank, timeout_s=timeout_s,
                                                           workspace_root=workspace_root)
+    if rank in (None, 0):  # what derive said, said again by a run that reuses the bundle
+        for line in unapplied_axis_warnings(getattr(module, "HYPER_PARALLEL_PLAN", {}).get("recorded_axes", {})):
+            _LOG.warning(f"{bundle_dir.name}: {line}")
     model_class = mb.generated_model_class(module, meta, bundle_dir)
     planned = meta.get("covered", {}).get("sharding_plan") is True
     if with_weights and mesh_context is not None and planned:

@@ -20,6 +20,7 @@ from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
+from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
 from hyper_parallel.errors import HyperParallelError
 
 _LOG = logging.getLogger(__name__)
@@ -243,6 +244,9 @@ def parallelize_with_planner(model: nn.Module, config: TrainerConfig, mesh_conte
     spec = project_codegen_spec(config, workspace_root=workspace_root)
     hyper_apply_replacements(model, spec.replacements)
     result, _ = plan_model(model, spec)
+    if mesh_context.device_mesh.get_rank() == 0:
+        for line in unapplied_axis_warnings(result.recorded_axes):
+            _LOG.warning(line)
     return apply_sharding_plan(model, result.modules, mesh_context, context_parallel=result.context_parallel,
                                roles=result.roles)
 
