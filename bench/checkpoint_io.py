@@ -161,6 +161,7 @@ def _project(tmp: Path, name: str, sizes: dict | None, saves: int) -> tuple[Path
         shutil.copytree(TINY_MODEL, model_dir, dirs_exist_ok=True)
     data = yaml.safe_load(TINY_RECIPE.read_text())
     data["model"]["pretrained_model_name_or_path"] = f"models/{name}"
+    data["model"]["init"] = "pretrained" if sizes else "random"  # the widened model's saved weights
     data["training"].update(steps=saves, checkpoint={"dir": "checkpoints", "every_steps": 1000, "keep_last": 0})
     recipe = project / "recipes" / f"{name}.yaml"
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))

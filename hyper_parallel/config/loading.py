@@ -18,6 +18,7 @@ from hyper_parallel.config.schema import (
     DEVICE_TYPES,
     MAX_SEQ_LEN,
     MIXED_PRECISION_DTYPES,
+    MODEL_INITS,
     MODELING_BACKENDS,
     TEXT_SAMPLE_BY,
     TOKENIZED_KINDS,
@@ -131,6 +132,9 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
     if config.modeling_backend is not None and config.modeling_backend not in MODELING_BACKENDS:
         raise RecipeError(f"{where}: modeling_backend: expected one of {', '.join(MODELING_BACKENDS)}, "
                           f"got {config.modeling_backend!r}")
+    if config.model.init not in MODEL_INITS:
+        raise RecipeError(f"{where}: model.init: expected one of {', '.join(MODEL_INITS)} (pretrained: the "
+                          f"folder's weights; random: a fresh initialization), got {config.model.init!r}")
     if config.model.torch_dtype not in TORCH_DTYPES:
         raise RecipeError(f"{where}: model.torch_dtype: expected one of {', '.join(TORCH_DTYPES)}, "
                           f"got {config.model.torch_dtype!r}")

@@ -11,6 +11,9 @@ from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.config.plan_override import PlanOverride
 
 DEVICE_TYPES = ("npu", "cuda", "cpu")
+# model.init: pretrained loads the folder's weights (and refuses a folder without any);
+# random starts from the model's own initialization (training.seed), reading no weights.
+MODEL_INITS = ("pretrained", "random")
 MODELING_BACKENDS = ("hf", "custom", "gen")
 TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # synthetic: random tokens; bytes: a file's bytes modulo the vocabulary (a smoke test);
@@ -35,6 +38,7 @@ LR_DECAYS = ("constant", "linear", "cosine")  # training.lr_schedule.decay after
 @dataclass
 class ModelConfig:
     pretrained_model_name_or_path: str
+    init: str = "pretrained"  # one of MODEL_INITS
     config_overrides: dict[str, Any] = field(default_factory=dict)
     torch_dtype: str = "float32"
     attn_implementation: str = "eager"

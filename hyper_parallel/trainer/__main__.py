@@ -10,6 +10,7 @@ import torch.distributed as dist
 from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
+from hyper_parallel.models.hf.model_builder import ModelBuildError, weights_to_load
 from hyper_parallel.trainer.base import BaseTrainer, check_trainable_backend
 from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
 from hyper_parallel.trainer.data import DataError, bytes_dataset_file
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_training_config(args.config)
         check_trainable_backend(config)
-    except RecipeError as exc:
+        weights_to_load(config)  # model.init: pretrained needs weights; said before any rank starts
+    except (RecipeError, ModelBuildError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if "RANK" not in os.environ:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TOKENIZED_KINDS
 from hyper_parallel.distributed.step_seed import seed_step
-from hyper_parallel.models.hf.model_builder import parameter_dtype
+from hyper_parallel.models.hf.model_builder import parameter_dtype, recipe_model_dir
 from hyper_parallel.trainer.corpus import corpus_batch, prepare_corpus
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
 from hyper_parallel.trainer.precision import compute_context
@@ -44,7 +44,7 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
     after the step's record is taken, so only later steps feel it."""
     recipe = Path(recipe)
     config = load_training_config(str(recipe))
-    model = AutoModelForCausalLM.from_pretrained(recipe.parent / config.model.pretrained_model_name_or_path,
+    model = AutoModelForCausalLM.from_pretrained(recipe_model_dir(config),
                                                  attn_implementation="eager", dtype=parameter_dtype(config),
                                                  trust_remote_code=config.model.trust_remote_code).train()
     opt = config.optimizer
@@ -54,7 +54,7 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
     training, dataset = config.training, config.dataset
     corpus = byte_tokens = None
     if dataset.kind in TOKENIZED_KINDS:  # the trainer's packed rows, in the trainer's order
-        corpus = prepare_corpus(dataset, training, recipe.parent / config.model.pretrained_model_name_or_path,
+        corpus = prepare_corpus(dataset, training, recipe_model_dir(config),
                                 str(recipe), log=False)
     elif dataset.kind == "bytes":
         byte_tokens = read_byte_tokens(dataset, model.config.vocab_size, training.global_batch_size * training.seq_len,

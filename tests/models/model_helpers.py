@@ -24,12 +24,17 @@ def tiny_project_recipe(dest: Path, **changes) -> Path:
     return recipe
 
 
-def save_random_hf_weights(model_dir: Path, seed: int = 0):
-    """An HF model with random weights, saved (safetensors) into ``model_dir``; returned."""
+def save_random_hf_weights(model_dir: Path, seed: int = 0, *, recipe: Path):
+    """An HF model with random weights, saved (safetensors) into ``model_dir``; returned.
+    ``recipe`` (whose model folder it is) is set to load them (``model.init: pretrained``;
+    the tiny recipe says ``random``: its folder ships no weights)."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model.save_pretrained(model_dir)
+    data = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+    data["model"]["init"] = "pretrained"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     return model
 
 

@@ -25,7 +25,7 @@ def test_each_replacement_is_lowered_and_applied_exactly_once(tmp_path):
     data = yaml.safe_load(recipe.read_text())
     data["model"]["trusted_modules"] = ["tests.models.counting_replacements"]
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
-    hf = save_random_hf_weights(recipe.parent / "models/tiny-qwen3-moe", seed=5)
+    hf = save_random_hf_weights(recipe.parent / "models/tiny-qwen3-moe", seed=5, recipe=recipe)
     config = load_training_config(recipe)
     workspace = tmp_path / "p" / "generated"
 

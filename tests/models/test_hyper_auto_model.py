@@ -32,7 +32,7 @@ def loss_and_grads(model, batch):
 
 
 def test_from_pretrained_gen_builds_the_generated_class_and_matches_hf(gen_recipe, tmp_path):
-    reference = save_random_hf_weights(gen_recipe.parent / "models/tiny-qwen3-moe")
+    reference = save_random_hf_weights(gen_recipe.parent / "models/tiny-qwen3-moe", recipe=gen_recipe)
     repo_bundle = REPO / "recipes/tiny_cpu/generated/codegen_meta.json"
     repo_meta_before = repo_bundle.read_bytes() if repo_bundle.exists() else None
 

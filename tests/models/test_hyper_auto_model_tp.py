@@ -22,7 +22,7 @@ def test_from_pretrained_with_a_tp2_mesh_equals_single_process_hf(tmp_path):
         {"match": "*.mlp.experts", "replace_module": {"_target_": GROUPED_EXPERTS_FACTORY}}])
     recipe.write_text(recipe.read_text().replace("tp_size: 1", "tp_size: 2").replace("nproc_per_node: 1",
                                                                                      "nproc_per_node: 2"))
-    save_random_hf_weights(recipe.parent / "models/tiny-qwen3-moe", seed=4321)
+    save_random_hf_weights(recipe.parent / "models/tiny-qwen3-moe", seed=4321, recipe=recipe)
 
     proc = torchrun(["-m", "tests.models.auto_model_tp_worker",
                      "--recipe", str(recipe), "--workspace", str(tmp_path / "project/generated"),

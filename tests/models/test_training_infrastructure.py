@@ -15,7 +15,7 @@ def _loss_and_grads(model, batch):
 
 def test_activation_checkpointing_is_applied_and_exact(tmp_path):
     recipe = tiny_project_recipe(tmp_path / "p", modeling_backend="hf")
-    save_random_hf_weights(recipe.parent / "models/tiny-qwen3-moe", seed=8)
+    save_random_hf_weights(recipe.parent / "models/tiny-qwen3-moe", seed=8, recipe=recipe)
     plain = HyperAutoModel.from_pretrained(load_training_config(recipe))
     text = recipe.read_text().replace("training:\n", "training:\n  activation_checkpointing: true\n")
     recipe.write_text(text)

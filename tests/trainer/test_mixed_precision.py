@@ -57,6 +57,7 @@ def _recipe_text(project, layout: str, **training) -> str:
     data["codegen"] = False
     data["modeling_backend"] = "hf"  # training is under test here, not generation
     data["model"]["torch_dtype"] = "bfloat16"
+    data["model"]["init"] = "pretrained"  # the weights the fixture saves
     data["accelerator"].update(nproc_per_node=world, **accelerator)
     data["training"].update(steps=STEPS, global_batch_size=4, micro_batch_size=2, seq_len=12, **training)
     return yaml.safe_dump(data, sort_keys=False)

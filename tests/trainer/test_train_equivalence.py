@@ -102,6 +102,7 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
         data["plan_overrides"] = REPLACEMENTS
     max_grad_norm = accelerator.pop("max_grad_norm", None)
     data["accelerator"].update(accelerator)
+    data["model"]["init"] = "pretrained"  # the weights saved below
     world = accelerator["nproc_per_node"]
     data["training"].update(steps=STEPS, global_batch_size=4, micro_batch_size=2, seq_len=12,
                             max_grad_norm=max_grad_norm)

@@ -16,6 +16,7 @@ from hyper_parallel.codegen.spec.types import CodegenSpec, ParallelSpec
 from hyper_parallel.codegen.stage_table import WORKSPACE_DIR, WORKSPACE_ENV, stage_row
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.loading import RecipeError
+from hyper_parallel.config.model_files import ModelLocationError, model_location
 from hyper_parallel.config.schema import TrainerConfig
 
 SPEC_SCHEMA = 1
@@ -69,7 +70,11 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     recipe_path = Path(config._yaml_path)
     yaml_dir = recipe_path.parent
     where = str(recipe_path)
-    model_dir = (yaml_dir / config.model.pretrained_model_name_or_path).resolve()
+    try:
+        location_of_model = model_location(config)
+    except ModelLocationError as exc:
+        raise RecipeError(str(exc)) from None
+    model_dir = location_of_model.folder
     model_config = read_model_config(model_dir, recipe=where, key="model.pretrained_model_name_or_path")
     acc = config.accelerator
     parallel = ParallelSpec(dims=acc.parallel_dims, sequence_parallel=acc.sequence_parallel,
@@ -95,7 +100,7 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
         recipe_path=recipe_path,
         recipe_rel=os.path.relpath(recipe_path, bundle_dir).replace(os.sep, "/"),
         model_dir=model_dir,
-        model_dir_rel=os.path.relpath(model_dir, yaml_dir).replace(os.sep, "/"),
+        model_dir_rel=location_of_model.display,
         model_config=model_config,
         model_config_sha256=sha256_file(model_dir / "config.json"),
         config_overrides=dict(sorted(config.model.config_overrides.items())),

@@ -96,7 +96,7 @@ def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretraine
         check_mesh_matches_recipe(config, mesh_context)
     hf_config = mb.build_hf_config(config)
     backend = resolve_backend_for(config, hf_config)
-    with_weights = pretrained and mb.has_safetensors(mb.recipe_model_dir(config))
+    with_weights = mb.weights_to_load(config, pretrained)
     if backend is ModelingBackend.GEN:
         if not pretrained:
             raise BackendError(
@@ -134,7 +134,8 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
             _LOG.warning(f"{bundle_dir.name}: {line}")
     model_class = mb.generated_model_class(module, meta, bundle_dir)
     planned = meta.get("covered", {}).get("sharding_plan") is True
-    if with_weights and mesh_context is not None and planned:
+    # The per-rank loader reads safetensors; .bin weights load whole through transformers.
+    if with_weights and mesh_context is not None and planned and mb.has_safetensors(mb.recipe_model_dir(config)):
         # Each rank reads only its own shards: plan on the meta device, then load slices.
         model = mb.build_generated_model_sharded(model_class, hf_config, config, module, mesh_context,
                                                  weight_map=meta.get("weight_map"))

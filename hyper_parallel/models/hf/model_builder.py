@@ -17,6 +17,13 @@ import torch
 from torch import nn
 
 from hyper_parallel.config.context_parallel import ContextParallel
+from hyper_parallel.config.model_files import (
+    LOOKED_FOR,
+    ModelLocationError,
+    checkpoint_files,
+    has_safetensors,
+    model_location,
+)
 from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
@@ -33,10 +40,12 @@ class ModelBuildError(ValueError, HyperParallelError):
 # --- the recipe's model folder and HF config -----------------------------------------------------
 
 def recipe_model_dir(config: TrainerConfig) -> Path:
-    """``model.pretrained_model_name_or_path``, relative paths against the YAML's folder."""
-    raw = Path(config.model.pretrained_model_name_or_path)
-    base = Path(config._yaml_path).parent if config._yaml_path else Path.cwd()
-    model_dir = raw if raw.is_absolute() else (base / raw)
+    """``model.pretrained_model_name_or_path``: a folder (relative paths against the YAML's
+    folder) or a Hub id's cached snapshot (config/model_files.py)."""
+    try:
+        model_dir = model_location(config).folder
+    except ModelLocationError as exc:
+        raise ModelBuildError(str(exc)) from None
     if not (model_dir / "config.json").is_file():
         raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.pretrained_model_name_or_path: "
                               f"expected a folder with config.json, got {model_dir}")
@@ -71,17 +80,31 @@ def _is_remote(hf_config: Any) -> bool:
     return bool(getattr(hf_config, "auto_map", None))
 
 
-def has_safetensors(model_dir: Path) -> bool:
-    return any(model_dir.glob("*.safetensors"))
+def weights_to_load(config: TrainerConfig, pretrained: bool = True) -> bool:
+    """Whether the model is built with the folder's weights: ``model.init: pretrained``
+    (the default) reads them and refuses a folder that has none, naming what it looked
+    for; ``model.init: random`` (or a ``from_config`` build) reads none."""
+    if not pretrained or config.model.init == "random":
+        return False
+    model_dir = recipe_model_dir(config)
+    if not checkpoint_files(model_dir):
+        raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.init is pretrained (the default), but "
+                              f"{model_dir} holds no weights (looked for {LOOKED_FOR}); download the weights into "
+                              f"it, or set model.init: random to train from a fresh initialization")
+    return True
 
 
-def load_safetensors_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` file in the folder (sharded checkpoints too)."""
+def load_checkpoint_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weight files: safetensors (sharded too) or, where the
+    folder has none, ``pytorch_model*.bin`` (read with ``weights_only``: tensors, no code)."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(str(path)))
+    files = checkpoint_files(model_dir)
+    safetensors = [path for path in files if path.suffix == ".safetensors"]
+    for path in safetensors or files:
+        state.update(load_file(str(path)) if path.suffix == ".safetensors"
+                     else torch.load(path, map_location="cpu", weights_only=True))
     return state
 
 
@@ -226,7 +249,7 @@ def build_custom_model(custom_module: ModuleType, hf_config: Any, config: Traine
                        with_weights: bool) -> nn.Module:
     model = custom_module.build_custom_model(hf_config)
     if with_weights:
-        custom_module.load_hf_state_dict(model, load_safetensors_state_dict(recipe_model_dir(config)))
+        custom_module.load_hf_state_dict(model, load_checkpoint_state_dict(recipe_model_dir(config)))
     return model.to(parameter_dtype(config)).train()
 
 
