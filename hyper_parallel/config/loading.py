@@ -16,6 +16,7 @@ from hyper_parallel.config.schema import (
     CP_ALGORITHMS,
     DATASET_KINDS,
     DEVICE_TYPES,
+    LR_DECAYS,
     MAX_SEQ_LEN,
     MIXED_PRECISION_DTYPES,
     MODEL_INITS,
@@ -210,6 +211,7 @@ def _validate_training(config: TrainerConfig, where: str) -> None:
     _validate_checkpoint(config, where)
     _validate_mixed_precision(config, where)
     _validate_metrics(config, where)
+    _validate_schedule_and_eval(config, where)
     if optimizer.name.lower() != "adamw":
         raise RecipeError(f"{where}: optimizer.name: expected 'adamw' (the one optimizer the trainer builds), got "
                           f"{optimizer.name!r}; set optimizer.name: adamw")
@@ -235,6 +237,34 @@ def _validate_mixed_precision(config: TrainerConfig, where: str) -> None:
         if value is not None and value not in MIXED_PRECISION_DTYPES:
             raise RecipeError(f"{where}: {key}.{name}: expected one of {', '.join(MIXED_PRECISION_DTYPES)}, got "
                               f"{value!r}")
+
+
+def _validate_schedule_and_eval(config: TrainerConfig, where: str) -> None:
+    """``training.lr_schedule`` and ``training.eval``: values in range, and no key that
+    would change nothing (a floor without decay, evaluation of a file's bytes)."""
+    training, key = config.training, "training.lr_schedule"
+    schedule = training.lr_schedule
+    if not 0 <= schedule.warmup_steps <= training.steps:
+        raise RecipeError(f"{where}: {key}.warmup_steps: expected an integer in [0, training.steps = "
+                          f"{training.steps}] (the lr would never reach optimizer.lr), got {schedule.warmup_steps}")
+    if schedule.decay not in LR_DECAYS:
+        raise RecipeError(f"{where}: {key}.decay: expected one of {', '.join(LR_DECAYS)}, got {schedule.decay!r}")
+    if not 0 <= schedule.min_lr_ratio <= 1:
+        raise RecipeError(f"{where}: {key}.min_lr_ratio: expected a number in [0, 1] (the final lr as a fraction "
+                          f"of optimizer.lr), got {schedule.min_lr_ratio}")
+    if f"{key}.min_lr_ratio" in config._written_keys and schedule.decay == "constant":
+        raise RecipeError(f"{where}: {key}.min_lr_ratio: has no effect with decay constant (the lr stays at "
+                          f"optimizer.lr after the warmup); set decay: cosine or linear, or remove min_lr_ratio")
+    evaluation = training.eval
+    if evaluation is None:
+        return
+    for name in ("every_steps", "batches"):
+        if getattr(evaluation, name) < 1:
+            raise RecipeError(f"{where}: training.eval.{name}: expected an integer >= 1, got "
+                              f"{getattr(evaluation, name)}")
+    if config.dataset.kind == "bytes":
+        raise RecipeError(f"{where}: training.eval: dataset.kind bytes (a smoke test on a file's bytes) has no "
+                          f"held-out split; remove training.eval, or train on kind text, jsonl or parquet")
 
 
 def _validate_metrics(config: TrainerConfig, where: str) -> None:

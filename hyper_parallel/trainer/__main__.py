@@ -33,7 +33,8 @@ with the model folder's tokenizer and packed into seq_len with EOS between docum
 Rank 0 prints one line per log_every steps: loss, gradient norm, lr, tokens/s, MFU (with
 training.metrics.peak_flops_per_s), peak memory, ETA. training.mixed_precision (default:
 float32 master weights, compute in model.torch_dtype, float32 reduction; none: all in
-model.torch_dtype).
+model.torch_dtype). training.lr_schedule: {warmup_steps, decay: constant|linear|cosine,
+min_lr_ratio}; training.eval: {every_steps, batches} records eval_loss on held-out data.
 
 training.checkpoint: {dir, every_steps, keep_last, async, resume} saves step_<N>/
 folders under dir (relative to the recipe's folder); a restarted run resumes from the

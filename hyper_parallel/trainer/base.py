@@ -26,8 +26,10 @@ from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_dev
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import PackedCorpus, check_vocabulary, corpus_batch, prepare_corpus
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
+from hyper_parallel.trainer.evaluation import due, eval_batches, eval_loss, hold_out
 from hyper_parallel.trainer.observe import StepObserver
 from hyper_parallel.trainer.precision import compute_context
+from hyper_parallel.trainer.schedule import set_learning_rate
 
 _LOG = logging.getLogger(__name__)
 
@@ -72,10 +74,15 @@ class BaseTrainer:
     def _prepare_corpus(self) -> PackedCorpus | None:
         """The tokenized, packed dataset for kinds text, jsonl and parquet (every rank
         prepares the same one; rank 0 logs the progress); None for the other kinds."""
+        self.eval_rows = None
         if self.config.dataset.kind not in TOKENIZED_KINDS:
             return None
-        return prepare_corpus(self.config.dataset, self.config.training, recipe_model_dir(self.config),
-                              self.config._yaml_path or "<recipe>", log=self.rank == 0)
+        corpus = prepare_corpus(self.config.dataset, self.config.training, recipe_model_dir(self.config),
+                                self.config._yaml_path or "<recipe>", log=self.rank == 0)
+        corpus, self.eval_rows = hold_out(corpus, self.config)  # training.eval's rows, never trained on
+        if self.eval_rows is not None and self.rank == 0:
+            _LOG.info(f"training.eval: the last {self.eval_rows.shape[0]} packed rows are held out for evaluation")
+        return corpus
 
     def _data_start(self, resumed: Resumed | None, first: int) -> int:
         """The corpus row the first step of this run starts at: 0, or the position the
@@ -136,6 +143,7 @@ class BaseTrainer:
         self.observer = StepObserver(model=self.model, config=self.config, rank=self.rank, world=self.dims.world_size,
                                      device_type=runtime_device_type(self.config.accelerator.device_type),
                                      first_step=first, metrics_path=self.metrics_path)
+        evaluation = eval_batches(self.config, vocab, self.eval_rows) if training.eval is not None else []
         if resumed and self.rank == 0:
             _LOG.info(f"steps {first + 1}..{training.steps} follow" if first < training.steps
                       else f"nothing to train: the checkpoint is at step {first}, training.steps is {training.steps}")
@@ -152,12 +160,14 @@ class BaseTrainer:
             grad_norm = global_grad_norm(self.model.parameters())
             if training.max_grad_norm is not None:
                 clip_grads_to(self.model.parameters(), grad_norm, training.max_grad_norm)
-            lr = self._optimizer_step()
+            lr = self._optimizer_step(step + 1)
             if dp_size > 1:
                 dist.all_reduce(total, group=self.mesh_context.device_mesh.get_group("dp"))
                 total /= dp_size
             seconds = time.perf_counter() - start
             record = StepRecord(step + 1, total.item(), grad_norm, batch.numel() / seconds, seconds, lr)
+            if due(record.step, self.config):
+                record.eval_loss = self._eval_loss(evaluation, dp_rank, dp_size)
             records.append(record)
             self._observe(record)
             self.checkpointer.maybe_save(record.step, last=record.step == training.steps)
@@ -177,13 +187,20 @@ class BaseTrainer:
             total = value if total is None else total + value
         return total
 
-    def _optimizer_step(self) -> float:
-        """The update from the accumulated gradients, which it then clears; the learning
-        rate the update used."""
-        lr = self.optimizer.param_groups[0]["lr"]
+    def _optimizer_step(self, update: int) -> float:
+        """Update ``update`` (1-based) from the accumulated gradients, which it then clears,
+        at training.lr_schedule's rate for it (trainer/schedule.py); the rate used."""
+        lr = set_learning_rate(self.optimizer, self.config.optimizer.lr, update, self.config.training)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(lr)
+
+    def _eval_loss(self, batches: list[torch.Tensor], dp_rank: int, dp_size: int) -> float:
+        """training.eval's loss on its held-out batches (trainer/evaluation.py)."""
+        group = self.mesh_context.device_mesh.get_group("dp") if dp_size > 1 else None
+        return eval_loss(self.model, batches, dp_rank=dp_rank, dp_size=dp_size,
+                         micro_batch_size=self.config.training.micro_batch_size, dp_group=group,
+                         compute=lambda: compute_context(self.config, fsdp_casts=self.dims.dp > 1))
 
     def _observe(self, record: StepRecord) -> None:
         """The step reported: its MFU, memory and ETA filled in, the metrics line written,

@@ -17,6 +17,7 @@ next start ignores and removes it and resumes from the newest folder with a mark
 The folder must be one every rank sees (a shared file system across nodes).
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -332,7 +333,9 @@ class Checkpointer:
             # datasets add their row position (trainer/corpus.py, through data_state).
             "data": {"kind": self.config.dataset.kind, "next_step": step,
                      **(self.data_state(step) if self.data_state else {})},
-            "lr_schedule": None,  # the trainer has a constant lr (it sits in the optimizer's state)
+            # The rate is a function of the step (trainer/schedule.py): the step above and
+            # these settings are its whole state; a resumed run recomputes it.
+            "lr_schedule": {"lr": self.config.optimizer.lr, **dataclasses.asdict(self.config.training.lr_schedule)},
             "world_size": dist.get_world_size(),
             "layout": {k: getattr(dims, f"{k}_size") for k in ("dp", "tp", "cp", "ep", "pp")},
         }

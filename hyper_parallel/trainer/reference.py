@@ -1,7 +1,8 @@
 """The recipe trained by single-process HF: what a parallel run must reproduce.
 
 Same checkpoint, the trainer's batches and micro-batching, AdamW with the recipe's
-settings, the recipe's precision (float32 masters, autocast compute); per step the loss and the global gradient norm. Benches and tests compare
+settings, its lr schedule and evaluation, the recipe's precision (float32 masters,
+autocast compute), clipping; per step the loss and the global gradient norm. Benches and tests compare
 the trainer's ``--metrics`` with it.
 """
 
@@ -16,7 +17,9 @@ from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.model_builder import parameter_dtype, recipe_model_dir
 from hyper_parallel.trainer.corpus import corpus_batch, prepare_corpus
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
+from hyper_parallel.trainer.evaluation import due, eval_batches, eval_loss, hold_out
 from hyper_parallel.trainer.precision import compute_context
+from hyper_parallel.trainer.schedule import set_learning_rate
 
 
 # fp32's relative precision: the size of the error a different summation order (a sharded
@@ -39,7 +42,7 @@ def add_rounding_noise(parameters, generator: torch.Generator) -> None:
 
 
 def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list[dict]:
-    """``[{"loss", "grad_norm"}]`` per step of single-process HF training of ``recipe``;
+    """``[{"loss", "grad_norm", "lr"(, "eval_loss")}]`` per step of single-process HF training of ``recipe``;
     with ``rounding_noise`` each step's gradients are perturbed (``add_rounding_noise``)
     after the step's record is taken, so only later steps feel it."""
     recipe = Path(recipe)
@@ -59,6 +62,10 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
     elif dataset.kind == "bytes":
         byte_tokens = read_byte_tokens(dataset, model.config.vocab_size, training.global_batch_size * training.seq_len,
                                        str(recipe))
+    held_rows = None
+    if corpus is not None:  # the trainer's split: training rows, then training.eval's
+        corpus, held_rows = hold_out(corpus, config)
+    evaluation = eval_batches(config, model.config.vocab_size, held_rows) if training.eval is not None else []
     for step in range(config.training.steps):
         if corpus is not None:
             batch = corpus_batch(corpus, step * training.global_batch_size, training, dataset.shuffle)
@@ -75,7 +82,15 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
         if rounding_noise:
             add_rounding_noise(model.parameters(), generator)
+        if training.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_grad_norm, foreach=False)
+        lr = set_learning_rate(optimizer, opt.lr, step + 1, training)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        records.append({"loss": total, "grad_norm": norm})
+        record = {"loss": total, "grad_norm": norm, "lr": lr}
+        if due(step + 1, config):
+            record["eval_loss"] = eval_loss(model, evaluation, dp_rank=0, dp_size=1,
+                                            micro_batch_size=training.micro_batch_size,
+                                            compute=lambda: compute_context(config, fsdp_casts=False))
+        records.append(record)
     return records

@@ -1,0 +1,70 @@
+"""``training.eval``: the loss on data training never sees, every ``every_steps`` steps.
+
+Tokenized datasets (text, jsonl, parquet) hold out their last ``batches *
+global_batch_size`` packed rows: training reads only the rows before them (its epochs are
+shorter by that much) and evaluation reads those, in order. Synthetic data has no split to
+make: evaluation batch j is the batch of step ``-1 - j``, a seed no training step uses.
+A file's bytes (kind bytes, a smoke test) has no evaluation. The loss is the mean over
+the batches of the step's loss without gradients, averaged over dp like the training loss,
+so every rank and the single-process reference compute the same number."""
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.trainer.corpus import PackedCorpus
+from hyper_parallel.trainer.data import DataError, global_batch, micro_batches
+
+
+def hold_out(corpus: PackedCorpus, config: TrainerConfig) -> tuple[PackedCorpus, torch.Tensor | None]:
+    """The rows training reads and the rows evaluation reads (None without ``training.eval``).
+    The training part's fingerprint names the split, so a checkpoint resumes only onto the
+    same training rows."""
+    evaluation = config.training.eval
+    if evaluation is None:
+        return corpus, None
+    held = evaluation.batches * config.training.global_batch_size
+    if held >= corpus.num_rows:
+        raise DataError(f"{config._yaml_path or '<recipe>'}: training.eval.batches: {evaluation.batches} batches of "
+                        f"{config.training.global_batch_size} rows hold out {held} packed rows, but the dataset has "
+                        f"{corpus.num_rows}; use fewer eval batches or more data")
+    fingerprint = hashlib.sha256(f"{corpus.fingerprint}:eval_rows={held}".encode()).hexdigest()
+    return PackedCorpus(corpus.rows[:-held], corpus.documents, fingerprint), corpus.rows[-held:].long()
+
+
+def eval_batches(config: TrainerConfig, vocab_size: int, held_rows: torch.Tensor | None) -> list[torch.Tensor]:
+    """The evaluation's global batches, the same for every rank and every evaluation."""
+    training = config.training
+    count = training.eval.batches
+    if held_rows is not None:
+        return list(held_rows.split(training.global_batch_size))
+    return [global_batch(-1 - j, training, config.dataset, vocab_size) for j in range(count)]
+
+
+def due(step: int, config: TrainerConfig) -> bool:
+    """Whether step ``step`` (1-based) ends with an evaluation: every ``every_steps`` and the last."""
+    evaluation = config.training.eval
+    return evaluation is not None and (step % evaluation.every_steps == 0 or step == config.training.steps)
+
+
+def eval_loss(model, batches: list[torch.Tensor], *, dp_rank: int, dp_size: int, micro_batch_size: int,
+              compute, dp_group=None) -> float:
+    """Mean loss over ``batches`` without gradients; ``compute`` is the step's precision
+    context. The model is put back in training mode."""
+    model.eval()
+    total = torch.zeros(())
+    with torch.no_grad():
+        for batch in batches:
+            parts = list(micro_batches(batch, dp_rank, dp_size, micro_batch_size, "training.eval"))
+            for micro in parts:
+                with compute():
+                    loss = model(input_ids=micro, labels=micro).loss
+                value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+                total += value.float() / len(parts)
+    model.train()
+    if dp_size > 1:
+        dist.all_reduce(total, group=dp_group)
+        total /= dp_size
+    return float(total.item()) / len(batches)
