@@ -11,7 +11,7 @@ from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
 from hyper_parallel.models.hf.model_builder import ModelBuildError, weights_to_load
-from hyper_parallel.trainer.base import BaseTrainer, check_trainable_backend
+from hyper_parallel.trainer.base import BaseTrainer
 from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
 from hyper_parallel.trainer.data import DataError, bytes_dataset_file
 
@@ -73,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_training_config(args.config)
-        check_trainable_backend(config)
         weights_to_load(config)  # model.init: pretrained needs weights; said before any rank starts
     except (RecipeError, ModelBuildError) as exc:
         print(f"error: {exc}", file=sys.stderr)

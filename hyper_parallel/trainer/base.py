@@ -6,7 +6,6 @@ JSON lines or parquet documents tokenized and packed (trainer/corpus.py), and lo
 tokens/s per step; with ``training.checkpoint`` it saves checkpoints and a
 restarted run resumes from the newest complete one (trainer/checkpoint.py)."""
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -14,14 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.config import RecipeError
 from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TOKENIZED_KINDS, TrainerConfig
 from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
 from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
-from hyper_parallel.models.hf.backend import ModelingBackend, resolve_modeling_backend
 from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_device_type
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import PackedCorpus, check_vocabulary, corpus_batch, prepare_corpus
@@ -211,24 +208,3 @@ class BaseTrainer:
         """What a checkpoint records of the corpus: the next row and which rows these are."""
         return {"next_row": next_row, "rows": self.corpus.num_rows, "fingerprint": self.corpus.fingerprint,
                 "shuffle": self.config.dataset.shuffle}
-
-
-def check_trainable_backend(config: TrainerConfig) -> None:
-    """The trainer trains HF-shaped models (``forward(input_ids=, labels=)`` returning a
-    ``.loss``; ``config.vocab_size``): the hf and gen backends. The custom backend's
-    ``models/common`` Decoder returns logits only, so a recipe resolving to it is refused
-    before any rank starts, naming the keys that choose the backend."""
-    try:  # the model folder's own word (config_overrides cannot change the type)
-        model_type = json.loads((recipe_model_dir(config) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return  # no readable config.json: building the model names that
-    backend, _ = resolve_modeling_backend(force_hf=config.model.force_hf, modeling_backend=config.modeling_backend,
-                                          codegen=config.codegen, model_type=model_type)
-    if backend is not ModelingBackend.CUSTOM:
-        return
-    chosen = ("modeling_backend: custom" if config.modeling_backend is not None else
-              f"neither codegen: true nor modeling_backend is set, and model_type {model_type!r} has a custom model, "
-              "the default then")
-    raise RecipeError(f"{config._yaml_path or '<recipe>'}: the model resolves to the custom backend ({chosen}), whose "
-                      "models/common Decoder returns logits without a loss, which python -m hyper_parallel.trainer "
-                      "cannot train; fix: set codegen: true (the generated modeling file) or modeling_backend: hf")

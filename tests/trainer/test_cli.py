@@ -63,24 +63,3 @@ def test_a_recipe_path_that_is_a_folder_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: {tmp_path}: is a folder; expected a recipe YAML file "
                                    f"(e.g. {tmp_path / 'recipe.yaml'})")
-
-
-@pytest.mark.parametrize("backend", [None, "custom"])
-def test_a_recipe_resolving_to_the_custom_backend_is_refused_before_launch(tmp_path, backend):
-    """The custom backend's models/common Decoder returns logits, no loss: the trainer names
-    the keys that chose it and the fix, before any rank starts (here without torchrun)."""
-    recipe = tmp_path / "recipe" / "custom.yaml"
-    recipe.parent.mkdir()
-    source = (REPO / TINY_RECIPE).read_text().replace("models/tiny-qwen3-moe",
-                                                      str(REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"))
-    source = source.replace("codegen: true\n", "" if backend is None else f"modeling_backend: {backend}\n")
-    recipe.write_text(source)
-    proc = run([sys.executable, "-m", "hyper_parallel.trainer", "--config", str(recipe)], cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    chosen = ("modeling_backend: custom" if backend else "neither codegen: true nor modeling_backend is set, and "
-              "model_type 'qwen3_moe' has a custom model, the default then")
-    assert proc.stderr.strip() == (
-        f"error: {recipe}: the model resolves to the custom backend ({chosen}), whose models/common Decoder returns "
-        "logits without a loss, which python -m hyper_parallel.trainer cannot train; fix: set codegen: true (the "
-        "generated modeling file) or modeling_backend: hf")

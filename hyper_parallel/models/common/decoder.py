@@ -17,6 +17,7 @@ import torch
 
 from hyper_parallel import platform
 from hyper_parallel.models.common.attention import GQAttention
+from hyper_parallel.models.common.causal_lm import CausalLMOutput, causal_lm_loss
 from hyper_parallel.models.common.embedding import Embedding
 from hyper_parallel.models.common.feed_forward import FeedForward
 from hyper_parallel.models.common.linear import Linear
@@ -60,6 +61,9 @@ DecoderBlock = TransformerBlock
 
 
 class Decoder(BaseModel):
+    # FSDP2 wraps these blocks one by one (distributed/fsdp.py reads HF's attribute name).
+    _no_split_modules = ("TransformerBlock",)
+
     @dataclass(kw_only=True, slots=True)
     class Config(BaseModel.Config):
         tok_embeddings: Embedding.Config
@@ -74,6 +78,37 @@ class Decoder(BaseModel):
                 raise ValueError(f"Decoder.Config: tok_embeddings dim {dim} disagrees with "
                                  f"norm.hidden={self.norm.hidden} / output.in_features={self.output.in_features}")
 
+        # The sizes the trainer and its FLOPs count read off an HF config, under HF's names.
+        @property
+        def vocab_size(self) -> int:
+            return self.output.out_features
+
+        @property
+        def hidden_size(self) -> int:
+            return self.tok_embeddings.embedding_dim
+
+        @property
+        def num_hidden_layers(self) -> int:
+            return len(self.layers)
+
+        @property
+        def num_attention_heads(self) -> int:
+            return self.layers[0].attention.n_heads
+
+        @property
+        def head_dim(self) -> int:
+            return self.layers[0].attention.head_dim
+
+        @property
+        def num_experts(self) -> int | None:
+            moe = next((layer.moe for layer in self.layers if layer.moe is not None), None)
+            return moe.num_experts if moe is not None else None
+
+        @property
+        def num_experts_per_tok(self) -> int | None:
+            moe = next((layer.moe for layer in self.layers if layer.moe is not None), None)
+            return moe.top_k if moe is not None else None
+
     def __init__(self, config: "Decoder.Config"):
         Module.__init__(self, config)
         self.tok_embeddings = config.tok_embeddings.build()
@@ -81,13 +116,30 @@ class Decoder(BaseModel):
         self.layers = platform.ModuleList([layer.build() for layer in config.layers])
         self.norm = config.norm.build()
         self.output = config.output.build()
+        # HF's hook name: the applier swaps in the sharded cross entropy when the plan
+        # leaves the logits sharded (models/common/causal_lm.py).
+        self.loss_function = causal_lm_loss
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``tokens`` [b, s] → logits [b, s, vocab]; positions default to ``0 .. s-1``."""
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.tok_embeddings
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.output
+
+    def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
+                input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        """``tokens`` [b, s] → logits [b, s, vocab]; positions default to ``0 .. s-1``.
+        Called as a causal LM (``input_ids=``, optionally ``labels=``) it returns a
+        ``CausalLMOutput`` with HF's loss (labels shifted inside) when labels are given."""
+        ids = tokens if tokens is not None else input_ids
         if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        h = self.tok_embeddings(tokens)
+            position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        h = self.tok_embeddings(ids)
         cos, sin = self.rope(h, position_ids)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        logits = self.output(self.norm(h))
+        if tokens is not None and labels is None:
+            return logits
+        loss = self.loss_function(logits, labels, self.config.vocab_size) if labels is not None else None
+        return CausalLMOutput(loss=loss, logits=logits)
