@@ -6,7 +6,7 @@ Model FLOPs per token follow torchtitan's count (PaLM's appendix B): ``6 * N`` f
 matmuls of forward and backward over the N parameters a token passes through, plus
 ``12 * L * H * Dh * S`` for attention's two matmuls (scores and the weighted sum) over a
 sequence of S tokens, L layers, H query heads of size Dh. N leaves out the input embedding
-(a lookup, no matmul) and counts routed experts at top_k / num_experts of their size (a
+(a lookup, no matmul; an output head tied to it counts) and counts routed experts at top_k / num_experts of their size (a
 token passes through top_k of them). MFU = (tokens/s of the run / ranks) * FLOPs per token
 / ``training.metrics.peak_flops_per_s``."""
 
@@ -37,7 +37,10 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     Parameter sizes are global: a DTensor's ``numel`` is its whole tensor's."""
     config = model.config
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    skip = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # The lookup is left out, but a head tied to it is a matmul all the same.
+    head_params = {id(p) for p in head.parameters()} if head is not None else set()
+    skip = {id(p) for p in embedding.parameters() if id(p) not in head_params} if embedding is not None else set()
     fraction = _routed_fraction(config)
     active = 0.0
     for name, param in model.named_parameters():

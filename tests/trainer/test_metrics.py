@@ -60,6 +60,11 @@ def test_flops_per_token_is_six_n_plus_the_attention_term():
     total = sum(p.numel() for p in model.parameters())
     active = total - embedding - experts + experts * 2 / 4  # two of four experts per token
     assert flops_per_token(model, seq_len=16) == 6 * active + 12 * 2 * 4 * 8 * 16
+    tied = transformers.AutoModelForCausalLM.from_config(config.__class__(**{**config.to_dict(),
+                                                                             "tie_word_embeddings": True}))
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    # the head shares the embedding's parameter but is a matmul all the same: counted once, as untied
+    assert flops_per_token(tied, seq_len=16) == flops_per_token(model, seq_len=16)
 
 
 def test_the_observer_fills_mfu_memory_and_eta_and_writes_tensorboard(project, tmp_path):
