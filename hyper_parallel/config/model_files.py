@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.errors import HyperParallelError
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 LOOKED_FOR = "*.safetensors (one file, or shards with model.safetensors.index.json) or pytorch_model*.bin"
@@ -21,7 +22,7 @@ HUB_PREFIX = "hf://"
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-class ModelLocationError(ValueError):
+class ModelLocationError(ValueError, HyperParallelError):
     """The recipe's model is neither a folder nor in the Hub cache; says how to get it."""
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.trainer.metrics import read_metrics
 
 
@@ -28,7 +29,7 @@ def plot_main(argv: list[str]) -> int:
     return 0
 
 
-class PlotError(ValueError):
+class PlotError(ValueError, HyperParallelError):
     """A metrics file that cannot be drawn, or a picture that cannot be written."""
 
 
