@@ -16,9 +16,11 @@ same weights, data and seed:
 - bf16: ``model.torch_dtype: bfloat16`` and ``mixed_precision: none`` (everything bf16).
 
 Per run: the median step seconds (the first three steps left out: warm-up), the peak RSS
-(the metrics file's ``peak_memory_bytes``), and the final loss: the mean training loss of
-the last 10 steps (one step's loss on 2x64 tokens is noisy). ``final_loss_rel_vs_fp32`` =
-|final - fp32's final| / fp32's final; goal for mixed: <= 0.01. Ratios are against the fp32
+(the metrics file's ``peak_memory_bytes``), and the final loss: ``training.eval``'s loss
+after the last step on ``--eval-batches`` held-out batches of the corpus (the same rows for
+every run, never trained on; one training step's loss on 2x64 tokens is too noisy to
+compare). ``final_loss_rel_vs_fp32`` = |final - fp32's final| / fp32's final; goal for
+mixed: <= 0.01. Ratios are against the fp32
 run of the same invocation. On CPU, bf16 matmuls may be slower than fp32 (no bf16 units):
 the step-time figures say what this machine does, not what an accelerator would.
 """
@@ -82,7 +84,8 @@ def recipe(folder: Path, mode: str, args) -> Path:
     """The run's recipe beside the model and corpus folders."""
     dtype, mixed = MODES[mode]
     training = {"steps": args.steps, "global_batch_size": args.batch, "micro_batch_size": args.batch,
-                "seq_len": args.seq_len, "seed": 0, "log_every": 10}
+                "seq_len": args.seq_len, "seed": 0, "log_every": 10,
+                "eval": {"every_steps": args.steps, "batches": args.eval_batches}}
     if mixed is not None:
         training["mixed_precision"] = mixed
     data = {"model": {"pretrained_model_name_or_path": "model", "torch_dtype": dtype, "attn_implementation": "sdpa"},
@@ -112,7 +115,8 @@ def train(folder: Path, mode: str, args) -> dict:
     return {"steps": len(records), "wall_s": round(time.perf_counter() - start, 1),
             "step_s_median": statistics.median(r["seconds"] for r in records[3:] or records),
             "peak_rss_bytes": max(records[-1]["peak_memory_bytes"]),
-            "first_loss": records[0]["loss"], "final_loss": statistics.fmean(r["loss"] for r in tail)}
+            "first_loss": records[0]["loss"], "last_10_train_loss": statistics.fmean(r["loss"] for r in tail),
+            "final_loss": records[-1]["eval_loss"]}
 
 
 def main() -> int:
@@ -121,6 +125,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2, help="sequences a step (global batch)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches of the final loss")
     parser.add_argument("--corpus-mb", type=float, default=2.0, help="standard-library text to train on")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the rank")
     parser.add_argument("--quick", action="store_true", help="20 steps: checks the bench runs, not the goal")
@@ -139,7 +144,8 @@ def main() -> int:
             runs[mode] = train(folder, mode, args)
             print(f"{mode:>5}: step {runs[mode]['step_s_median']:.3f} s (median), peak RSS "
                   f"{runs[mode]['peak_rss_bytes'] / 2**30:.2f} GiB, loss {runs[mode]['first_loss']:.4f} -> "
-                  f"{runs[mode]['final_loss']:.4f} (mean of the last 10 steps), {runs[mode]['wall_s']} s", flush=True)
+                  f"{runs[mode]['last_10_train_loss']:.4f} (training, last 10 steps), eval loss {runs[mode]['final_loss']:.4f}, "
+                  f"{runs[mode]['wall_s']} s", flush=True)
     base = runs["fp32"]
     for mode, run in runs.items():
         run["step_time_vs_fp32"] = run["step_s_median"] / base["step_s_median"]
