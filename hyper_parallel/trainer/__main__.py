@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         # the same problem (the same files, the same global shapes), none waits for another.
         trainer = BaseTrainer(config, resume=not args.no_resume, metrics_path=args.metrics)
         trainer.train()
-    except (DataError, CheckpointError) as exc:
+    # Found alike by every rank from the recipe and its files (a bundle folder that cannot be
+    # one, a model that cannot be built): one line, not a traceback per rank.
+    except (DataError, CheckpointError, RecipeError, ModelBuildError) as exc:
         return _refuse(exc)
     dist.barrier()  # nobody leaves while a peer may still be receiving from it
     dist.destroy_process_group()
