@@ -62,6 +62,10 @@ class LazyTensor:
         """The sub-tensor of the given ranges, reading no more of the checkpoint than it needs."""
         raise NotImplementedError
 
+    def read_all(self) -> torch.Tensor:
+        """The whole tensor (a fallback converter's source)."""
+        return self.read([[(0, size)] for size in self.shape])
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         handler = _RECORDED.get(func)
@@ -106,10 +110,6 @@ class StoredTensor(LazyTensor):
 
     def read(self, segments: list[Segments]) -> torch.Tensor:
         return read_segments(self.piece, segments)
-
-    def read_all(self) -> torch.Tensor:
-        """The whole tensor (a fallback converter's source)."""
-        return self.read([[(0, size)] for size in self.shape])
 
 
 class InMemory(LazyTensor):

@@ -22,7 +22,13 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.distributed.checkpoint_names import LazyTensor, Segments, StoredTensor, model_tensor_names
+from hyper_parallel.distributed.checkpoint_names import (
+    InMemory,
+    LazyTensor,
+    Segments,
+    StoredTensor,
+    model_tensor_names,
+)
 from hyper_parallel.distributed.weight_map import RecordedMap, WeightMapError, derive_weight_map, to_text
 from hyper_parallel.distributed.weight_map_sources import weight_map_sources
 from hyper_parallel.errors import HyperParallelError
@@ -87,16 +93,17 @@ def _chunk_range(start: int, stop: int, pieces: int, index: int) -> tuple[int, i
 @torch.no_grad()
 def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, strict: bool = True,
                              key_mapping: dict[str, str] | None = None,
-                             weight_map: dict[str, str | list[str]] | None = None) -> ShardedLoadReport:
+                             weight_map: dict[str, str | list[str]] | None = None,
+                             source_model: torch.nn.Module | None = None) -> ShardedLoadReport:
     """Fill every parameter and persistent buffer of a materialized model from ``model_dir``.
 
     ``weight_map``: the recorded mapping (a bundle's ``codegen_meta.json``), checkpoint
     name → the parameter part it fills. Without one, or for tensors it leaves empty (a
     checkpoint in another layout), the same mapping is derived here from the checkpoint's
     own names by transformers' renamings and conversions (``key_mapping`` as
-    ``from_pretrained`` takes it)."""
+    ``from_pretrained`` takes it), through ``source_model`` first where the model is not
+    the checkpoint's own class (the custom backend; see ``derive_weight_map``)."""
     where = checkpoint_index(model_dir)
-    report = ShardedLoadReport()
     handles: dict[Path, object] = {}
     leaves: dict[str, StoredTensor] = {}
 
@@ -109,29 +116,50 @@ def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, s
             leaves[key] = StoredTensor(handles[file], key)
         return leaves[key]
 
-    loaded: set[int] = set()
     try:
-        sources = _sources(model, model_dir, where, leaf, weight_map, key_mapping, lambda line: _note(report, line))
-        for name, tensor in [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]:
-            source = sources.get(name)
-            if source is None:
-                if id(tensor) not in loaded:  # a tied weight stored once is fine
-                    report.missing.append(name)
-                continue
-            _copy_local(name, tensor, source, Path(model_dir))
-            loaded.add(id(tensor))
-            report.tensors += 1
-            report.bytes_read += tensor.to_local().nbytes if isinstance(tensor, DTensor) else tensor.nbytes
+        return _fill(model, str(model_dir), where, leaf, strict=strict, weight_map=weight_map,
+                     key_mapping=key_mapping, source_model=source_model)
     finally:
         leaves.clear()
         handles.clear()
+
+
+def load_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], *, origin: str,
+                 source_model: torch.nn.Module | None = None) -> ShardedLoadReport:
+    """``load_sharded_safetensors`` for tensors already in memory (a ``pytorch_model.bin``
+    folder, an HF model's state dict): the same derived weight map places them, so a
+    checkpoint in any layout transformers converts fills the model. ``origin`` names
+    where the tensors came from in errors."""
+    leaves = {key: InMemory(tensor) for key, tensor in tensors.items()}
+    return _fill(model, origin, leaves, leaves.__getitem__, strict=True, weight_map=None, key_mapping=None,
+                 source_model=source_model)
+
+
+def _fill(model, origin: str, where, leaf, *, strict, weight_map, key_mapping, source_model) -> ShardedLoadReport:
+    """Copy each model tensor's (local part of its) source; the tensors nothing fills are
+    an error under ``strict``."""
+    report = ShardedLoadReport()
+    loaded: set[int] = set()
+    sources = _sources(model, origin, where, leaf, weight_map, key_mapping, source_model,
+                       lambda line: _note(report, line))
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]:
+        source = sources.get(name)
+        if source is None:
+            if id(tensor) not in loaded:  # a tied weight stored once is fine
+                report.missing.append(name)
+            continue
+        with torch.no_grad():
+            _copy_local(name, tensor, source, origin)
+        loaded.add(id(tensor))
+        report.tensors += 1
+        report.bytes_read += tensor.to_local().nbytes if isinstance(tensor, DTensor) else tensor.nbytes
     report.missing = [name for name in report.missing if id(_lookup(model, name)) not in loaded]
     if strict and report.missing:
-        raise ShardedLoadError(f"{model_dir}: no checkpoint tensor for {', '.join(report.missing[:5])}")
+        raise ShardedLoadError(f"{origin}: no checkpoint tensor for {', '.join(report.missing[:5])}")
     return report
 
 
-def _sources(model, model_dir, where, leaf, weight_map, key_mapping, note) -> dict[str, LazyTensor]:
+def _sources(model, origin, where, leaf, weight_map, key_mapping, source_model, note) -> dict[str, LazyTensor]:
     """Model tensor → lazy source: from the recorded map, completed (or, without one,
     made) by the map derived from the checkpoint's own names."""
     sources: dict[str, LazyTensor] = {}
@@ -142,14 +170,14 @@ def _sources(model, model_dir, where, leaf, weight_map, key_mapping, note) -> di
         wanted = set(model_tensor_names(model))
         if weight_map is None or not wanted <= set(sources):
             if weight_map is not None:
-                _LOG.info(f"{model_dir}: the recorded weight map leaves {len(wanted - set(sources))} tensor(s) "
+                _LOG.info(f"{origin}: the recorded weight map leaves {len(wanted - set(sources))} tensor(s) "
                           f"empty; deriving the mapping from the checkpoint's own names")
             derived = to_text(derive_weight_map(model, {key: leaf(key).shape for key in where},
-                                                key_mapping=key_mapping))
+                                                key_mapping=key_mapping, source_model=source_model))
             found = weight_map_sources(model, RecordedMap.of(derived), leaf, where, note=note, key_mapping=key_mapping)
             sources.update((name, src) for name, src in found.items() if name not in sources)
     except WeightMapError as exc:
-        raise ShardedLoadError(f"{model_dir}: {exc}") from None
+        raise ShardedLoadError(f"{origin}: {exc}") from None
     return sources
 
 
@@ -172,9 +200,9 @@ def _persistent_buffers(model: torch.nn.Module):
                 yield (f"{module_name}.{name}" if module_name else name), buf
 
 
-def _copy_local(name: str, tensor: torch.Tensor, source: LazyTensor, model_dir: Path) -> None:
+def _copy_local(name: str, tensor: torch.Tensor, source: LazyTensor, origin: str) -> None:
     if tuple(source.shape) != tuple(tensor.shape):
-        raise ShardedLoadError(f"{model_dir}: {name}: checkpoint shape {tuple(source.shape)}, "
+        raise ShardedLoadError(f"{origin}: {name}: checkpoint shape {tuple(source.shape)}, "
                                f"model expects {tuple(tensor.shape)}")
     full = [[(0, size)] for size in source.shape]
     if isinstance(tensor, DTensor):

@@ -221,22 +221,34 @@ def _rule(target: str, target_shape, box: _Box, leaf_shape) -> Rule:
 
 def derive_weight_map(model: torch.nn.Module, checkpoint_shapes: dict[str, torch.Size], *,
                       key_mapping: dict[str, str] | None = None,
-                      names_before_replacement: list[str] | None = None) -> dict[str, list[Rule]]:
+                      names_before_replacement: list[str] | None = None,
+                      source_model: torch.nn.Module | None = None) -> dict[str, list[Rule]]:
     """Checkpoint key → its rules, for a checkpoint holding ``checkpoint_shapes``.
 
-    Without ``names_before_replacement`` the model's own names are transformers' targets
-    (no replacement renamed anything). With them (derive, which builds the model both
-    ways), checkpoint keys go to those names first, then through the replacements'
-    declared ``checkpoint_conversion`` to the model's names."""
-    wanted = names_before_replacement or checkpoint_names.model_tensor_names(model)
+    Without ``names_before_replacement`` or ``source_model`` the model's own names are
+    transformers' targets (no replacement renamed anything). With
+    ``names_before_replacement`` (derive, which builds the model both ways), checkpoint
+    keys go to those names first, then through the replacements' declared
+    ``checkpoint_conversion`` to the model's names. With ``source_model`` (the custom
+    backend: a ``models/common`` model beside the HF model of the same config, on meta),
+    checkpoint keys go through transformers' conversion to the HF model's names first,
+    then through the ``checkpoint_conversion`` the model's classes declare."""
+    first = source_model if source_model is not None else model
+    wanted = (checkpoint_names.model_tensor_names(source_model) if source_model is not None
+              else names_before_replacement or checkpoint_names.model_tensor_names(model))
     leaf = {key: ShapeLeaf(key, shape) for key, shape in checkpoint_shapes.items()}
-    sources, opaque = _convert(model, wanted, leaf, checkpoint_names.conversion_transforms(model, key_mapping),
-                               getattr(model, "base_model_prefix", None))
-    if names_before_replacement is not None:
-        sources, later_opaque = _convert(model, checkpoint_names.model_tensor_names(model), sources,
-                                         replacement_transforms(model), None)
+    sources, opaque, _ = _convert(first, wanted, leaf, checkpoint_names.conversion_transforms(first, key_mapping),
+                                  getattr(first, "base_model_prefix", None))
+    if names_before_replacement is not None or source_model is not None:
+        sources, later_opaque, unplaced = _convert(model, checkpoint_names.model_tensor_names(model), sources,
+                                                   replacement_transforms(model), None)
         opaque += later_opaque
-        _check_replaced(model, names_before_replacement, sources, {target for target, _, _ in opaque})
+        if source_model is None:
+            _check_replaced(model, wanted, sources, {target for target, _, _ in opaque})
+        elif unplaced:  # (a tensor left empty is the loader's error, naming it)
+            raise WeightMapError(f"{type(source_model).__name__} tensors {unplaced[:4]} have no place in "
+                                 f"{type(model).__name__} (no checkpoint_conversion of its classes renames them "
+                                 f"to one of its tensors); the custom model lacks that part of the model")
     shapes = _tensor_shapes(model)
     rules: dict[str, list[Rule]] = {}
     for target, lazy in sources.items():
@@ -256,8 +268,8 @@ def derive_weight_map(model: torch.nn.Module, checkpoint_shapes: dict[str, torch
 
 def _convert(model, wanted: list[str], leaf: dict[str, LazyTensor], transforms: list, prefix: str | None):
     """One pass of transformers' key loop over ``leaf`` (name → placeholder tree):
-    target name → tree, and the converters that could not be recorded, as
-    (target, source keys, operations)."""
+    target name → tree, the converters that could not be recorded, as (target, source
+    keys, operations), and the keys no target takes."""
     routes = checkpoint_names.route_checkpoint(wanted, list(leaf), transforms, prefix)
     sources = {name: leaf[key] for name, key in routes.renamed.items()}
     opaque = []
@@ -270,7 +282,7 @@ def _convert(model, wanted: list[str], leaf: dict[str, LazyTensor], transforms: 
             shapes = group.output_shapes(leaf, model) or {group.first_target: None}
             for target in sorted(shapes):
                 opaque.append((target, keys, ops or type(group.template).__name__))
-    return sources, opaque
+    return sources, opaque, routes.unexpected
 
 
 def _leaf_keys(lazy: LazyTensor) -> list[str]:
@@ -282,13 +294,18 @@ def _leaf_keys(lazy: LazyTensor) -> list[str]:
 
 
 def replacement_transforms(model: torch.nn.Module) -> list:
-    """The ``checkpoint_conversion`` each replaced module declares (transformers
-    ``WeightRenaming`` / ``WeightConverter`` with module-relative patterns), scoped to
-    the module's name as transformers scopes a sub-model's mapping."""
+    """The ``checkpoint_conversion`` each module's class declares (transformers
+    ``WeightRenaming`` / ``WeightConverter`` with module-relative patterns, or a
+    ``(source, target)`` pattern pair for a plain renaming, so a torch-only module needs
+    no transformers import), scoped to the module's name as transformers scopes a
+    sub-model's mapping; outer modules first, so their renamings run before the inner
+    ones' scopes are matched."""
+    from transformers.core_model_loading import WeightRenaming
+
     out = []
     for name, module in model.named_modules():
         for transform in getattr(type(module), "checkpoint_conversion", None) or ():
-            scoped = deepcopy(transform)
+            scoped = WeightRenaming(*transform) if isinstance(transform, tuple) else deepcopy(transform)
             scoped.scope_prefix = name
             out.append(scoped)
     return out
@@ -304,9 +321,9 @@ def _check_replaced(model, before: list[str], sources: dict, converted_whole: se
     if empty:
         lost = sorted(set(before) - set(now))
         raise WeightMapError(f"model tensors {empty[:4]} have no checkpoint tensor after the replacements (names "
-                             f"that disappeared: {lost[:4]}); a replace_module target that renames or restacks "
-                             f"parameters declares checkpoint_conversion (transformers WeightRenaming / "
-                             f"WeightConverter, patterns relative to the module)")
+                             f"that disappeared: {lost[:4]}); a replace_module target (or a custom-backend "
+                             f"module) that renames or restacks parameters declares checkpoint_conversion "
+                             f"(transformers WeightRenaming / WeightConverter, patterns relative to the module)")
 
 
 def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

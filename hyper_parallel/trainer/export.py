@@ -45,8 +45,9 @@ class ExportError(ValueError, HyperParallelError):
 
 def write_export_info(folder: Path, model: torch.nn.Module) -> None:
     """At save (rank 0): the model's HF config and its recorded weight map, if it has
-    them (the custom backend's model has no HF config: its checkpoints are not exported)."""
-    config = getattr(model, "config", None)
+    them (a custom-backend model carries the HF config it was built from, and the map
+    from the HF layout to its own names)."""
+    config = getattr(model, "hyper_hf_config", None) or getattr(model, "config", None)
     if config is None or not callable(getattr(config, "to_json_file", None)):
         return
     info = folder / EXPORT_INFO

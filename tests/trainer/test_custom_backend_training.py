@@ -13,9 +13,9 @@ import pytest
 import torch
 import transformers
 import yaml
-from safetensors.torch import save_file
 
-from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model, load_hf_state_dict
+from hyper_parallel.models.hf.model_builder import load_hf_tensors
+from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model
 from hyper_parallel.trainer.metrics import read_metrics
 from hyper_parallel.trainer.reference import reference_training
 from tests.launch import assert_ran, torchrun
@@ -41,7 +41,7 @@ def test_the_custom_head_computes_hf_causal_lm_loss():
     model_dir = REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"
     hf = _hf_model(model_dir)
     custom = build_custom_model(hf.config)
-    load_hf_state_dict(custom, hf.state_dict())
+    load_hf_tensors(custom, hf.config, hf.state_dict())
     ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     labels[0, :5] = -100  # ignored positions, as a padded batch has
@@ -56,8 +56,9 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("custom_training")
     project = make_project(tmp / "project")
     model_dir = project / "recipes/tiny_cpu/models/tiny-qwen3-moe"
-    save_file({k: v.contiguous() for k, v in _hf_model(model_dir).state_dict().items()},
-              str(model_dir / "model.safetensors"))
+    # save_pretrained writes the released checkpoints' layout (one tensor per expert): the
+    # weight map stacks them into the custom model's fused experts, reading slices.
+    _hf_model(model_dir).save_pretrained(model_dir)
     chain = []
     for name, accelerator in LAYOUTS.items():
         data = yaml.safe_load((project / TINY_RECIPE).read_text())

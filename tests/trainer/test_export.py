@@ -11,9 +11,12 @@ import torch.distributed.checkpoint as dcp
 import transformers
 from safetensors import safe_open
 
+from hyper_parallel.config import load_training_config
 from hyper_parallel.distributed.weight_map import saved_layout
+from hyper_parallel.models.hf.backend import custom_model_module
+from hyper_parallel.models.hf.model_builder import build_custom_model, hf_source_model
 from hyper_parallel.trainer.export import ExportError, export_checkpoint, write_export_info
-from tests.project_fixtures import REPO
+from tests.project_fixtures import REPO, TINY_RECIPE
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +56,26 @@ def test_a_checkpoint_exports_with_hf_names_and_loads_with_the_same_logits(tmp_p
 def test_a_checkpoint_without_export_info_is_one_line(tmp_path):
     with pytest.raises(ExportError, match="no hf/config.json"):
         export_checkpoint(tmp_path, tmp_path / "hf")
+
+
+def test_a_custom_backend_checkpoint_exports_to_the_hf_layout(tmp_path):
+    """The custom backend's model (models/common names, fused experts) carries its HF
+    config and the weight map from the HF layout; the export inverts that map."""
+    config = load_training_config(REPO / TINY_RECIPE)
+    hf_config = transformers.AutoConfig.from_pretrained(CONFIG_DIR)
+    torch.manual_seed(7)
+    trained = build_custom_model(custom_model_module("qwen3_moe"), hf_config, config, with_weights=False)
+    assert "layers.0.moe.experts.gate_up_proj" in trained.state_dict()
+    step = tmp_path / "step_2"
+    dcp.save({"model": trained.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    write_export_info(step, trained)
+
+    export_checkpoint(step, tmp_path / "hf")
+
+    out = tmp_path / "hf"
+    assert exported_keys(out) == set(saved_layout(hf_source_model(hf_config)))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32,
+                                                               experts_implementation="eager")
+    ids = torch.randint(0, hf_config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)

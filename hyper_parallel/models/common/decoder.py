@@ -28,6 +28,20 @@ from hyper_parallel.protocols import BaseModel, Module
 
 
 class TransformerBlock(Module):
+    # HF decoder-layer names → ours, relative to the block (how a checkpoint of the HF
+    # model of the same config fills this one; distributed/weight_map.py composes them
+    # after transformers' own conversion, e.g. per-expert tensors stacked into experts).
+    checkpoint_conversion = (
+        (r"^input_layernorm", "attention_norm"),
+        (r"^post_attention_layernorm", "ffn_norm"),
+        (r"^self_attn", "attention"),
+        (r"^mlp\.gate_proj", "feed_forward.w1"),
+        (r"^mlp\.up_proj", "feed_forward.w3"),
+        (r"^mlp\.down_proj", "feed_forward.w2"),
+        (r"^mlp\.gate", "moe.router"),
+        (r"^mlp\.experts", "moe.experts"),
+    )
+
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         attention: GQAttention.Config
@@ -63,6 +77,13 @@ DecoderBlock = TransformerBlock
 class Decoder(BaseModel):
     # FSDP2 wraps these blocks one by one (distributed/fsdp.py reads HF's attribute name).
     _no_split_modules = ("TransformerBlock",)
+    # HF causal-LM names → ours (the blocks rename inside each layer; see TransformerBlock).
+    checkpoint_conversion = (
+        (r"^model\.embed_tokens", "tok_embeddings"),
+        (r"^model\.layers", "layers"),
+        (r"^model\.norm", "norm"),
+        (r"^lm_head", "output"),
+    )
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseModel.Config):

@@ -30,9 +30,10 @@ class BackendError(ValueError, HyperParallelError):
 
 
 # model_type -> the module of its custom backend. Such a module provides
-# ``build_custom_model(hf_config, *, device=None)``, ``load_hf_state_dict(model, hf_state_dict)``
-# and ``parallelize_custom_model(model, mesh, *, loss_parallel, enable_sp)``. Imported on
-# first use, so registering a model costs nothing until it is built.
+# ``build_custom_model(hf_config, *, device=None)`` and
+# ``parallelize_custom_model(model, mesh, *, loss_parallel, enable_sp)``; its model's classes
+# declare ``checkpoint_conversion`` (HF names → theirs), which places the HF checkpoint.
+# Imported on first use, so registering a model costs nothing until it is built.
 CUSTOM_MODEL_MODULES: dict[str, str] = {
     "qwen3_moe": "hyper_parallel.models.qwen3_moe.custom_model",
 }

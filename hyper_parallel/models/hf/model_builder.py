@@ -28,6 +28,7 @@ from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
 from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
+from hyper_parallel.distributed.weight_map import derive_weight_map, saved_layout, to_text
 from hyper_parallel.errors import HyperParallelError
 
 _LOG = logging.getLogger(__name__)
@@ -247,10 +248,48 @@ def generated_model_class(module: ModuleType, meta: dict[str, Any], bundle_dir: 
 
 def build_custom_model(custom_module: ModuleType, hf_config: Any, config: TrainerConfig, *,
                        with_weights: bool) -> nn.Module:
+    """The custom model, with the folder's HF checkpoint placed by the weight map (the
+    model's classes declare how HF names become theirs). It carries the HF config and
+    the weight map to the HF layout, so its checkpoints export to HF files."""
     model = custom_module.build_custom_model(hf_config)
+    source = hf_source_model(hf_config)
     if with_weights:
-        custom_module.load_hf_state_dict(model, load_checkpoint_state_dict(recipe_model_dir(config)))
+        load_hf_folder(model, source, recipe_model_dir(config))
+    model.hyper_hf_config = hf_config
+    model.hyper_weight_map = to_text(derive_weight_map(model, saved_layout(source), source_model=source))
     return model.to(parameter_dtype(config)).train()
+
+
+def hf_source_model(hf_config: Any) -> nn.Module:
+    """The HF model of ``hf_config`` on the meta device (no memory): whose names and
+    conversions an HF checkpoint of it has, the first half of a custom model's weight map."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=_is_remote(hf_config))
+
+
+def load_hf_folder(model: nn.Module, source: nn.Module, model_dir: Path) -> None:
+    """A custom model filled from an HF model folder: safetensors read by slices, or
+    ``pytorch_model*.bin`` files read whole, either placed by the derived weight map
+    (every custom tensor filled, every HF tensor placed, or an error naming them)."""
+    from hyper_parallel.distributed.sharded_load import ShardedLoadError, load_sharded_safetensors, load_tensors
+
+    try:
+        if has_safetensors(model_dir):
+            load_sharded_safetensors(model, model_dir, source_model=source)
+        else:
+            load_tensors(model, load_checkpoint_state_dict(model_dir), origin=str(model_dir), source_model=source)
+    except ShardedLoadError as exc:
+        raise ModelBuildError(str(exc)) from None
+
+
+def load_hf_tensors(model: nn.Module, hf_config: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """A custom model filled from an HF model's tensors in memory (its state dict, fused
+    or per-expert), by the same weight map as ``load_hf_folder``."""
+    from hyper_parallel.distributed.sharded_load import load_tensors
+
+    load_tensors(model, tensors, origin="HF state dict", source_model=hf_source_model(hf_config))
 
 
 # --- sharding -------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The custom backend for qwen3_moe: an HF ``Qwen3MoeConfig`` → a ``models/common``
 ``Decoder`` (same math as ``Qwen3MoeForCausalLM`` with eager attention and experts),
-HF weights loaded through ``hf_state_dict``, and tensor/sequence parallel applied by
+HF weights placed by the weight map (the ``checkpoint_conversion`` that ``Decoder`` and
+``TransformerBlock`` declare, composed after transformers' own conversion; see
+``models/hf/model_builder.build_custom_model``), and tensor/sequence parallel applied by
 ``set_decoder_sharding_config`` through the project's one applier.
 """
 
@@ -22,7 +24,6 @@ from hyper_parallel.models.common import (
     TransformerBlock,
     set_decoder_sharding_config,
 )
-from hyper_parallel.models.qwen3_moe.hf_state_dict import load_hf_state_dict
 from hyper_parallel.protocols import collect_sharding_plan
 
 MODEL_TYPE = "qwen3_moe"

@@ -28,12 +28,11 @@ from hyper_parallel.config import load_training_config
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.context_parallel import CONTEXT_ATTRIBUTE
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
-from hyper_parallel.models.hf.model_builder import parallelize_custom
+from hyper_parallel.models.hf.model_builder import load_hf_tensors, parallelize_custom
 from hyper_parallel.models.qwen3_moe import custom_model
 from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model, parallelize_custom_model
-from hyper_parallel.models.qwen3_moe.hf_state_dict import hf_key_to_custom, load_hf_state_dict
 from tests.rank_exit import leave_after_barrier
-from tests.torch.ut.models.qwen3_moe.tp_custom_backend_worker import parallel_loss
+from tests.torch.ut.models.qwen3_moe.tp_custom_backend_worker import custom_names, parallel_loss
 
 CONFIG_DIR = "recipes/tiny_cpu/models/tiny-qwen3-moe"
 BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-2
@@ -49,13 +48,13 @@ def hf_run(tie: bool, kv_heads: int) -> tuple[dict, torch.Tensor, torch.Tensor, 
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
     labels = torch.randint(0, config.vocab_size, (BATCH, SEQ))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-    losses, grads = [], []
+    losses, grads, names = [], [], custom_names(model)
     for _ in range(STEPS):
         optimizer.zero_grad()
         loss = F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten())
         loss.backward()
         losses.append(loss.item())
-        grads.append({hf_key_to_custom(name): p.grad.clone() for name, p in model.named_parameters()})
+        grads.append({names[name]: p.grad.clone() for name, p in model.named_parameters()})
         optimizer.step()
     return {"config": config, "state": state}, ids, labels, losses, grads
 
@@ -65,7 +64,7 @@ def run_variant(flags: dict, reference) -> dict:
     base, ids, labels, ref_losses, ref_grads = reference
     mesh = MeshContext(build_device_mesh(dims, "cpu"), dims)
     model = build_custom_model(base["config"])
-    load_hf_state_dict(model, base["state"])
+    load_hf_tensors(model, base["config"], base["state"])
     if flags.get("recipe"):  # as HyperAutoModel does: the recipe's accelerator section decides
         config = load_training_config(flags["recipe"])
         parallelize_custom(custom_model, model, config, mesh)

@@ -7,17 +7,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hyper_parallel.models.common import Decoder, FeedForward, MoE
+from hyper_parallel.distributed.sharded_load import ShardedLoadError
+from hyper_parallel.distributed.weight_map import derive_weight_map, saved_layout
+from hyper_parallel.models.common import Decoder, FeedForward, MoE, TransformerBlock
+from hyper_parallel.models.hf.model_builder import hf_source_model, load_hf_tensors
 from hyper_parallel.models.qwen3_moe.custom_model import (
     UnsupportedHFConfigError,
     build_custom_model,
     decoder_config_from_hf,
-)
-from hyper_parallel.models.qwen3_moe.hf_state_dict import (
-    HFStateDictError,
-    custom_state_dict_from_hf,
-    hf_key_to_custom,
-    load_hf_state_dict,
 )
 
 TINY = Path(__file__).resolve().parents[5] / "recipes/tiny_cpu/models/tiny-qwen3-moe"
@@ -25,9 +22,9 @@ TINY = Path(__file__).resolve().parents[5] / "recipes/tiny_cpu/models/tiny-qwen3
 
 def from_hf_model(hf_model):
     """A custom-backend copy of an HF model with its weights, as the custom backend builds
-    one from a model folder (``build_custom_model`` then ``load_hf_state_dict``)."""
+    one from a model folder (``build_custom_model``, then the weight map places the HF tensors)."""
     model = build_custom_model(hf_model.config)
-    load_hf_state_dict(model, hf_model.state_dict())
+    load_hf_tensors(model, hf_model.config, hf_model.state_dict())
     return model
 
 
@@ -61,9 +58,8 @@ def test_dense_layers_follow_hf_sparse_step_and_mlp_only_layers():
         assert torch.equal(custom(ids), hf(ids).logits)
 
 
-def test_per_expert_checkpoint_layout_is_stacked_like_the_fused_one():
-    hf = _hf_model()
-    fused = hf.state_dict()
+def _per_expert(fused: dict) -> dict:
+    """An HF state dict in the released checkpoints' layout: one tensor per expert."""
     split = {}
     for key, tensor in fused.items():
         prefix, _, name = key.rpartition("mlp.experts.")
@@ -76,22 +72,43 @@ def test_per_expert_checkpoint_layout_is_stacked_like_the_fused_one():
                 split[f"{prefix}mlp.experts.{e}.down_proj.weight"] = down
         else:
             split[key] = tensor
-    from_fused, from_split = custom_state_dict_from_hf(fused), custom_state_dict_from_hf(split)
-    assert sorted(from_fused) == sorted(from_split)
-    for key in from_fused:
-        assert torch.equal(from_fused[key], from_split[key]), key
+    return split
 
 
-def test_key_mapping_and_errors_name_the_key():
-    assert hf_key_to_custom("model.layers.3.self_attn.q_norm.weight") == "layers.3.attention.q_norm.weight"
-    assert hf_key_to_custom("model.layers.0.mlp.gate.weight") == "layers.0.moe.router.weight"
-    with pytest.raises(HFStateDictError, match="model.layers.0.mlp.shared_expert.weight"):
-        hf_key_to_custom("model.layers.0.mlp.shared_expert.weight")
+def test_per_expert_checkpoint_layout_is_stacked_like_the_fused_one():
     hf = _hf_model()
+    fused = hf.state_dict()
+    split = _per_expert(fused)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in split
+    from_fused, from_split = build_custom_model(hf.config), build_custom_model(hf.config)
+    load_hf_tensors(from_fused, hf.config, fused)
+    load_hf_tensors(from_split, hf.config, split)
+    for (key, a), (_, b) in zip(from_fused.state_dict().items(), from_split.state_dict().items()):
+        assert torch.equal(a, b), key
+    experts = from_split.layers[0].moe.experts
+    assert torch.equal(experts.gate_up_proj, fused["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+def test_weight_map_names_and_errors_name_the_tensor(monkeypatch):
+    hf = _hf_model()
+    source = hf_source_model(hf.config)
+    rules = derive_weight_map(build_custom_model(hf.config, device="meta"), saved_layout(source),
+                              source_model=source)
+    assert [r.text() for r in rules["model.layers.1.self_attn.q_norm.weight"]] == ["layers.1.attention.q_norm.weight"]
+    assert [r.text() for r in rules["model.layers.0.mlp.gate.weight"]] == ["layers.0.moe.router.weight"]
+    assert [r.text() for r in rules["model.layers.0.mlp.experts.2.up_proj.weight"]] == [
+        f"layers.0.moe.experts.gate_up_proj[2, {hf.config.moe_intermediate_size}:"
+        f"{2 * hf.config.moe_intermediate_size}]"]
     state = hf.state_dict()
     del state["model.norm.weight"]
-    with pytest.raises(HFStateDictError, match=r"missing \['norm.weight'\]"):
-        load_hf_state_dict(build_custom_model(hf.config), state)
+    with pytest.raises(ShardedLoadError, match=r"HF state dict: no checkpoint tensor for norm.weight"):
+        load_hf_tensors(build_custom_model(hf.config), hf.config, state)
+    # A custom model with no place for an HF tensor (here: no renaming for the router)
+    # is refused naming the tensor, never trained with that part left at its init.
+    monkeypatch.setattr(TransformerBlock, "checkpoint_conversion",
+                        tuple(pair for pair in TransformerBlock.checkpoint_conversion if pair[1] != "moe.router"))
+    with pytest.raises(ShardedLoadError, match=r"model\.layers\.0\.mlp\.gate\.weight.*have no place"):
+        load_hf_tensors(build_custom_model(hf.config), hf.config, hf.state_dict())
 
 
 def test_unsupported_config_is_refused_by_name():
@@ -105,7 +122,7 @@ def test_tied_embeddings_share_one_parameter_and_load_without_lm_head():
     state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     custom = build_custom_model(hf.config)
     assert custom.output.weight is custom.tok_embeddings.weight
-    load_hf_state_dict(custom, state)
+    load_hf_tensors(custom, hf.config, state)
     ids = torch.randint(0, 256, (1, 10))
     with torch.no_grad():
         assert torch.equal(custom(ids), hf(ids).logits)

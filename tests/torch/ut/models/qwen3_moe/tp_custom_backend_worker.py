@@ -16,11 +16,20 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hyper_parallel.distributed.weight_map import derive_weight_map
+from hyper_parallel.models.hf.model_builder import hf_source_model, load_hf_tensors
 from hyper_parallel.models.qwen3_moe.custom_model import build_custom_model, parallelize_custom_model
-from hyper_parallel.models.qwen3_moe.hf_state_dict import hf_key_to_custom, load_hf_state_dict
 from tests.rank_exit import leave_after_barrier
 
 CONFIG_DIR = "recipes/tiny_cpu/models/tiny-qwen3-moe"
+
+
+def custom_names(hf_model) -> dict[str, str]:
+    """HF parameter name → the custom model's, by the weight map the backend loads with."""
+    custom = build_custom_model(hf_model.config, device="meta")
+    shapes = {name: tensor.shape for name, tensor in hf_model.state_dict().items()}
+    rules = derive_weight_map(custom, shapes, source_model=hf_source_model(hf_model.config))
+    return {name: found[0].target for name, found in rules.items()}
 
 
 def hf_reference(config):
@@ -31,7 +40,8 @@ def hf_reference(config):
     labels = torch.randint(0, config.vocab_size, (2, 16))
     loss = F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten())
     loss.backward()
-    grads = {hf_key_to_custom(name): p.grad for name, p in model.named_parameters()}
+    names = custom_names(model)
+    grads = {names[name]: p.grad for name, p in model.named_parameters()}
     return model, ids, labels, loss.detach(), grads
 
 
@@ -71,7 +81,7 @@ def check_local_shapes(model, tp: int, where: str) -> list[str]:
 
 def check_variant(hf_model, ids, labels, ref_loss, ref_grads, mesh, *, sp: bool, lp: bool) -> list[str]:
     model = build_custom_model(hf_model.config)
-    load_hf_state_dict(model, hf_model.state_dict())
+    load_hf_tensors(model, hf_model.config, hf_model.state_dict())
     parallelize_custom_model(model, mesh, loss_parallel=lp, enable_sp=sp)
     loss = parallel_loss(model, ids, labels, mesh, lp)
     errors = check_local_shapes(model, mesh.size(), f"sp={sp} lp={lp}")
