@@ -22,6 +22,7 @@ from torch import nn
 from hyper_parallel.class_paths import class_paths
 from hyper_parallel.distributed.name_match import name_matches
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.axes import EP
 
 # Set on every module a replacement produced: the keys of the entries applied to it.
 # A later call (the head model's __init__ after the base model's) skips those modules.
@@ -83,7 +84,7 @@ def hyper_parallelize(model: nn.Module, mesh_context: Any, plan: Mapping[str, An
     from hyper_parallel.distributed.plan_format import plan_from_json
 
     document = plan_from_json(plan, where="HYPER_PARALLEL_PLAN")
-    check_plan_mesh(document.mesh_axes, document.mesh_sizes, mesh_context)
+    check_plan_mesh(document.mesh_axes, document.mesh_sizes, mesh_context, ep=document.mesh_ep)
     apply_sharding_plan(model, document.modules, mesh_context, context_parallel=document.context_parallel,
                         roles=document.roles)
     return model
@@ -93,23 +94,32 @@ class PlanMeshError(ValueError, HyperParallelError):
     """The plan was made for another mesh than the one it is applied on."""
 
 
-def check_plan_mesh(axes: Sequence[str], sizes: Sequence[int], mesh_context: Any) -> None:
-    """The mesh context's sizes (and its device mesh's, when it has one) must be the plan's:
-    a plan applied on another layout shards every tensor by the wrong factor, and the
-    first sign of it would be a wrong loss, not an error."""
+def check_plan_mesh(axes: Sequence[str], sizes: Sequence[int], mesh_context: Any, *, ep: int | None) -> None:
+    """Every size of the mesh context (and of its device and expert meshes, when it has
+    them) must be the plan's, ep included (``ep`` None: the plan predates recording it,
+    so only a mesh with ep 1 is taken): a plan applied on another layout shards tensors
+    by the wrong factor, and the first sign of it would be a wrong loss, not an error."""
     from hyper_parallel.distributed.mesh import mesh_layout
 
-    planned = dict(zip(axes, sizes))
+    planned = {**dict(zip(axes, sizes)), EP: 1 if ep is None else ep}
     names, layout = mesh_layout(mesh_context.dims)
-    given = {"mesh context": dict(zip(names, layout))}
+    given = {"mesh context": {**dict(zip(names, layout)), EP: mesh_context.dims.ep}}
     device_mesh = getattr(mesh_context, "device_mesh", None)
     if device_mesh is not None and device_mesh.mesh_dim_names:
-        given["device mesh"] = dict(zip(device_mesh.mesh_dim_names, device_mesh.shape))
+        given["device mesh"] = {**dict(zip(device_mesh.mesh_dim_names, device_mesh.shape)), EP: planned[EP]}
+    expert_mesh = getattr(mesh_context, "expert_mesh", None)
+    if expert_mesh is not None and EP in (expert_mesh.mesh_dim_names or ()):
+        given["expert mesh"] = {**planned, EP: expert_mesh.size(expert_mesh.mesh_dim_names.index(EP))}
     for what, mesh in given.items():
-        if mesh != planned:
+        differing = [axis for axis in {**planned, **mesh} if planned.get(axis) != mesh.get(axis)]
+        if differing:
+            unrecorded = (" (the plan records no ep size: it was written before ep was recorded)"
+                          if ep is None and EP in differing else "")
             raise PlanMeshError(f"HYPER_PARALLEL_PLAN was made for the mesh {_mesh_text(planned)}, but the {what} "
-                                f"is {_mesh_text(mesh)}; regenerate the bundle for this layout (doit generate "
-                                f"config=<the recipe>) or build the mesh from the recipe's accelerator section")
+                                f"is {_mesh_text(mesh)}: {', '.join(differing)} "
+                                f"{'differs' if len(differing) == 1 else 'differ'}{unrecorded}; regenerate "
+                                f"the bundle for this layout (doit generate config=<the recipe>) or build the mesh "
+                                f"from the recipe's accelerator section")
 
 
 def _mesh_text(mesh: Mapping[str, int]) -> str:

@@ -13,8 +13,9 @@ ranks are borrowed from ``dp * cp``, so ``ep`` must divide ``dp * cp``.
 from dataclasses import dataclass
 
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.axes import SIZE_AXES
 
-SIZES = ("dp", "cp", "tp", "ep", "pp")
+SIZES = SIZE_AXES
 
 
 class ParallelDimsError(ValueError, HyperParallelError):

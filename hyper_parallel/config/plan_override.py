@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.axes import OVERRIDE_AXES
 from hyper_parallel.protocols.placement_text import (
     PlacementSpec,
     PlacementTextError,
@@ -30,8 +31,6 @@ from hyper_parallel.protocols.placement_text import (
 )
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS
 
-# The parallel forms an entry may be conditioned on (``ParallelDims.active_axes`` names).
-OVERRIDE_AXES = ("tp", "cp", "ep", "sp")
 # replace_module targets may always come from here; a recipe adds model.trusted_modules.
 TRUSTED_PACKAGE = "hyper_parallel"
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")

@@ -63,12 +63,13 @@ from hyper_parallel.distributed.name_match import match_plan_keys
 from hyper_parallel.distributed.partial_grads import reduce_partial_grad
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.axes import CP, EP
 from hyper_parallel.protocols.placement_text import local_shard_shape  # noqa: F401  (re-exported)
 from hyper_parallel.protocols.placements import as_placement
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-EP_AXIS = "ep"
-CP_AXIS = "cp"
+EP_AXIS = EP
+CP_AXIS = CP
 # the roles sequence_layout gives the attention blocks of allgather_kv and ulysses
 TOKEN_ATTENTION_ROLES = ("kv_gathered_attention", "ulysses_attention")
 

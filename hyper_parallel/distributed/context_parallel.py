@@ -41,10 +41,11 @@ from torch import nn
 
 from hyper_parallel.distributed import causal_blocks
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.axes import CP
 
 logger = logging.getLogger(__name__)
 
-CP_AXIS = "cp"
+CP_AXIS = CP
 ATTENTION_NAMES = {"sdpa": "hyper_cp_sdpa", "eager": "hyper_cp_eager"}
 CONTEXT_ATTRIBUTE = "_hyper_cp_attention"
 # A module class of the project's own whose forward does the cp work itself (allgather_kv

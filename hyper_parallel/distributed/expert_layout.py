@@ -13,9 +13,9 @@ from torch.distributed.tensor import Shard
 
 from hyper_parallel.distributed.model_parts import positional_names
 from hyper_parallel.distributed.plan_lint import PlanError
+from hyper_parallel.protocols.axes import EP
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-EP = "ep"
 DISPATCH_INPUTS = 3  # the dispatch takes (hidden_states, top_k_index, top_k_weights), as HF's experts do
 
 

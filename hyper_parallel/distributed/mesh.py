@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.config.parallel_dims import ParallelDims
+from hyper_parallel.protocols.axes import CP, DP, EP, EXPERT_MESH_AXES, MESH_AXES, PP, TP
 
-# Mesh axis order, outermost first. TP is innermost so that its ranks are neighbours
-# (fastest links); PP is outermost because it communicates least.
-MESH_AXIS_ORDER = ("pp", "dp", "cp", "tp")
+# Mesh axis order, outermost first (protocols/axes.py says why this order).
+MESH_AXIS_ORDER = MESH_AXES
 
 # torch.distributed backend per accelerator kind.
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -29,15 +29,15 @@ def mesh_layout(dims: ParallelDims) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 # The expert view of the same ranks: dp*cp (adjacent in MESH_AXIS_ORDER, so contiguous in
 # row-major rank order) regrouped as (edp, ep), ep innermost: ep ranks are neighbours.
-EXPERT_MESH_AXIS_ORDER = ("pp", "edp", "ep", "tp")
+EXPERT_MESH_AXIS_ORDER = EXPERT_MESH_AXES
 
 
 def expert_mesh_layout(dims: ParallelDims) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The expert mesh: the rank grid of ``mesh_layout`` with dp*cp reshaped to edp*ep."""
     names, sizes = mesh_layout(dims)
     by_axis = dict(zip(names, sizes))
-    borrowed = by_axis["dp"] * by_axis["cp"]
-    return EXPERT_MESH_AXIS_ORDER, (by_axis["pp"], borrowed // dims.ep, dims.ep, by_axis["tp"])
+    borrowed = by_axis[DP] * by_axis[CP]
+    return EXPERT_MESH_AXIS_ORDER, (by_axis[PP], borrowed // dims.ep, dims.ep, by_axis[TP])
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,10 @@ class OfflineMesh:
     @property
     def placement_axes(self) -> tuple[str, ...]:
         """Axes a placement may name: the mesh's, and ``ep``."""
-        return (*self.axis_names, "ep")
+        return (*self.axis_names, EP)
 
     def size(self, axis: str) -> int:
-        if axis == "ep":
+        if axis == EP:
             return self.ep
         if axis not in self.axis_names:
             raise KeyError(f"mesh has no axis {axis!r}; axes are {list(self.axis_names)}")

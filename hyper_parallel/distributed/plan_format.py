@@ -3,7 +3,9 @@
 A plan document::
 
     {"format": 1,
-     "mesh": {"axes": [...], "sizes": [...]},
+     "mesh": {"axes": [...], "sizes": [...], "ep": N},
+       (the device mesh's axes and sizes, and the expert-parallel size, whose ranks are
+       borrowed from dp*cp: together every size the plan was made for)
      "applied_axes": ["tp"],
      "recorded_axes": {"cp": "<why not applied yet>", ...},
      "context_parallel": {"algorithm": "allgather_kv", "load_balance": true},
@@ -23,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hyper_parallel.config.context_parallel import ContextParallel
+from hyper_parallel.protocols.axes import DP, PP
 from hyper_parallel.protocols.sharding import ShardingConfig
 from hyper_parallel.protocols.sharding_json import (
     PlanFormatError,
@@ -40,6 +43,7 @@ _DOC_KEYS = ("format", "mesh", "applied_axes", "recorded_axes", "modules")
 class PlanDocument:
     mesh_axes: tuple[str, ...]
     mesh_sizes: tuple[int, ...]
+    mesh_ep: int | None  # None: a plan written before the ep size was recorded
     applied_axes: list[str]
     recorded_axes: dict[str, str]
     modules: dict[str, ShardingConfig]
@@ -71,10 +75,10 @@ def plan_entries(plan: Mapping) -> dict[str, dict]:
 
 def plan_to_json(*, mesh_axes, mesh_sizes, applied_axes, recorded_axes: Mapping[str, str],
                  modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None,
-                 context_parallel: ContextParallel | None = None) -> dict:
+                 context_parallel: ContextParallel | None = None, mesh_ep: int = 1) -> dict:
     return {
         "format": PLAN_FORMAT_VERSION,
-        "mesh": {"axes": list(mesh_axes), "sizes": [int(s) for s in mesh_sizes]},
+        "mesh": {"axes": list(mesh_axes), "sizes": [int(s) for s in mesh_sizes], "ep": int(mesh_ep)},
         "applied_axes": list(applied_axes),
         "recorded_axes": {str(k): str(v) for k, v in sorted(recorded_axes.items())},
         **({"context_parallel": context_parallel.as_json()}
@@ -95,9 +99,13 @@ def plan_from_json(document: Mapping, *, where: str = "plan") -> PlanDocument:
     axes, sizes = tuple(mesh.get("axes", ())), tuple(mesh.get("sizes", ()))
     if len(axes) != len(sizes) or not all(isinstance(s, int) and s >= 1 for s in sizes):
         raise PlanFormatError(f"{where}.mesh: axes {list(axes)} and sizes {list(sizes)} do not pair up")
+    ep = mesh.get("ep")
+    if ep is not None and not (isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1):
+        raise PlanFormatError(f"{where}.mesh.ep: expected an integer >= 1, got {ep!r}")
     return PlanDocument(
         mesh_axes=axes,
         mesh_sizes=sizes,
+        mesh_ep=ep,
         applied_axes=list(document["applied_axes"]),
         recorded_axes=dict(document["recorded_axes"]),
         modules=plan_modules_from_json(document["modules"]),
@@ -131,4 +139,4 @@ def unapplied_axis_warnings(recorded_axes: Mapping[str, str]) -> list[str]:
     plan, so no front door hides them (issue 28)."""
     return [f"note: {axis} not applied: {why} (accelerator.{AXIS_KEYS.get(axis, axis)} has no effect on this "
             f"model; set it to its default to drop this warning)"
-            for axis, why in sorted(recorded_axes.items()) if axis not in ("dp", "pp")]
+            for axis, why in sorted(recorded_axes.items()) if axis not in (DP, PP)]

@@ -68,6 +68,7 @@ from hyper_parallel.distributed.roles import (
     style_meaning,
 )
 from hyper_parallel.distributed.sequence_layout import ATTENTION_ROLE, TracedFacts, apply_sequence_layout
+from hyper_parallel.protocols.axes import CP, EP, SIZE_AXES, SP, TP
 from hyper_parallel.protocols.placements import placement_to_text
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
@@ -86,7 +87,7 @@ _AGREEING_GROUPS = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_
                     frozenset({"w1", "w3"}))
 
 # Forms the plan applies besides tp (sequence_layout.py: sp, cp, loss_parallel; expert_layout.py: ep).
-_APPLIED = frozenset({"sp", "cp", "loss_parallel", "ep"})
+_APPLIED = frozenset({SP, CP, "loss_parallel", EP})
 _NOT_APPLIED = {
     "pp": "pipeline parallel is owned by the runtime (stage splitting), not by the plan",
     "dp": "data parallel is applied by the trainer (FSDP2 fully_shard), not by the plan",
@@ -297,7 +298,7 @@ class ShardingPlanner:
         return self.dims.tp == 1 and self.dims.cp == 1 and not self.sequence_parallel
 
     def _requested_axes(self) -> set[str]:
-        requested = {name for name in ("cp", "ep", "pp", "dp") if getattr(self.dims, name) > 1}
+        requested = {name for name in SIZE_AXES if name != TP and getattr(self.dims, name) > 1}
         if self.sequence_parallel:
             requested.add("sp")
         if self.loss_parallel:
@@ -310,7 +311,7 @@ class ShardingPlanner:
         placed = {axis for axis in _axes_placed(modules) if getattr(self.dims, axis, 1) > 1}
         applied = ["tp"] if "tp" in placed else []
         for name in sorted(self._requested_axes() & _APPLIED):
-            if name in ("sp", "loss_parallel") and "tp" in placed or name in placed:
+            if name in (SP, "loss_parallel") and TP in placed or name in placed:
                 applied.append(name)
         return applied
 

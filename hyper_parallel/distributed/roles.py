@@ -42,6 +42,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.distributed.model_parts import positional_names
 from hyper_parallel.distributed.plan_lint import PlanError
+from hyper_parallel.protocols.axes import TP
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 COLWISE_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "fc1"})
@@ -54,7 +55,6 @@ FUSED_GATE_UP_NAMES = frozenset({"gate_up_proj", "w13"})
 # Small routing / gating linears: replicated, every rank routes all its tokens itself.
 ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
 
-TP = "tp"
 
 
 def _on_tp(placement) -> dict:

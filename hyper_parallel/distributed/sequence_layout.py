@@ -68,9 +68,9 @@ from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddi
 from hyper_parallel.distributed.plan_lint import PlanError
 from hyper_parallel.distributed.roles import replicate
 from hyper_parallel.distributed.sequence_dry_run import is_attention, whole_over_cp
+from hyper_parallel.protocols.axes import CP, TP
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-CP, TP = "cp", "tp"
 # The roles of attention blocks that keep each cp rank's tokens, by algorithm.
 TOKEN_ATTENTION_ROLES = {"kv_gathered_attention": "allgather_kv", "ulysses_attention": "ulysses"}
 ATTENTION_ROLE = {algorithm: role for role, algorithm in TOKEN_ATTENTION_ROLES.items()}

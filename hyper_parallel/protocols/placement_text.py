@@ -20,11 +20,10 @@ import re
 from dataclasses import dataclass
 
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.axes import PLACEMENT_AXES as MESH_AXES
 
 _SHARD = re.compile(r"^shard\(\s*(-?\d+)\s*\)$")
 _PACKED = re.compile(r"^packed_shard\(\s*(-?\d+)\s*,\s*(\d+)\s*\)$")
-
-MESH_AXES = ("pp", "dp", "cp", "tp", "ep")
 
 
 class PlacementTextError(ValueError, HyperParallelError):

@@ -22,20 +22,9 @@ an axis not named is ``Replicate``.
 """
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Union
 
-
-class MeshAxisName(str, Enum):
-    PP = "pp"
-    DP = "dp"
-    CP = "cp"
-    TP = "tp"
-    EP = "ep"
-
-    def __str__(self) -> str:  # so f-strings and dict keys read "tp", not "MeshAxisName.TP"
-        return self.value
-
+from hyper_parallel.protocols.axes import MeshAxisName
 
 NamedPlacement = dict[Union[MeshAxisName, str], Any]
 IOPlacement = Union[NamedPlacement, tuple[Union[NamedPlacement, None], ...], None]

@@ -38,6 +38,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.axes import SIZE_AXES
 from hyper_parallel.trainer.checkpoint_check import (
     CheckpointMismatch,
     check_loadable,
@@ -337,7 +338,7 @@ class Checkpointer:
             # these settings are its whole state; a resumed run recomputes it.
             "lr_schedule": {"lr": self.config.optimizer.lr, **dataclasses.asdict(self.config.training.lr_schedule)},
             "world_size": dist.get_world_size(),
-            "layout": {k: getattr(dims, f"{k}_size") for k in ("dp", "tp", "cp", "ep", "pp")},
+            "layout": {k: getattr(dims, f"{k}_size") for k in SIZE_AXES},
         }
         if self.settings.async_:
             view, _ = _dcp_view(self._state())

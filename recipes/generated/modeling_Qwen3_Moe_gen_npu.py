@@ -740,7 +740,7 @@ HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 # fields: PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; local_map: local tensors
 HYPER_PARALLEL_PLAN = {
     "format": 1,
-    "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 1, 2, 2]},
+    "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 1, 2, 2], "ep": 2},
     "applied_axes": ["tp", "cp", "ep", "loss_parallel", "sp"],
     "recorded_axes": {},
     "modules": {

@@ -42,6 +42,7 @@ from hyper_parallel.codegen.check.launch import (
 from hyper_parallel.codegen.check.verify_mode import STEPS, VerifyError, verify_mode
 from hyper_parallel.codegen.check.verify_worker import LR, brief_entry, seed_step
 from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.protocols.axes import CP, TP
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -407,7 +408,7 @@ def _reassemble(name: str, want, ranks: list[dict], coords: list[dict]):
     if len(dims) != 1 or want.shape[dims[0]] % max(first.shape[dims[0]], 1):
         return None
     dim, pieces = dims[0], want.shape[dims[0]] // first.shape[dims[0]]
-    for axes in (("tp",), ("cp", "tp"), ("cp",)):
+    for axes in ((TP,), (CP, TP), (CP,)):
         sizes = [max(c[a] for c in coords) + 1 for a in axes]
         if _product(sizes) != pieces:
             continue

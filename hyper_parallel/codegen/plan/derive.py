@@ -224,7 +224,8 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
         "notes": list(result.notes),
         "module_names": [name for name, _ in model.named_modules()],
         "weight_map": recorded_weight_map(spec, model),
-        "plan": plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
+        "plan": plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, mesh_ep=mesh.ep,
+                             applied_axes=result.applied_axes,
                              recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
                              context_parallel=result.context_parallel),
     }

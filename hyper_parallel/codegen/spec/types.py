@@ -10,6 +10,7 @@ from hyper_parallel.codegen.stage_table import STAGES
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.config.plan_override import PlanOverride, replacement_entries
+from hyper_parallel.protocols.axes import SIZE_AXES
 
 __all__ = ["STAGES", "CodegenSpec", "ParallelSpec"]  # STAGES: the stage table's, re-exported
 
@@ -41,7 +42,7 @@ class ParallelSpec:
         cp_keys = {"cp_algorithm": self.context_parallel.algorithm,
                    "cp_load_balance": self.context_parallel.load_balance} if self.cp > 1 and (
             self.context_parallel.algorithm != "gather_sequence") else {}
-        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "pp": self.pp,
+        return {**{axis: getattr(self, axis) for axis in SIZE_AXES},
                 "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel, **cp_keys,
                 "device_type": self.device_type, "world_size": self.world_size}
 

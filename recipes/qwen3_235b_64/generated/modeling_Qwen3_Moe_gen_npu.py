@@ -722,7 +722,7 @@ HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 # fields: PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; local_map: local tensors
 HYPER_PARALLEL_PLAN = {
     "format": 1,
-    "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 16, 1, 4]},
+    "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 16, 1, 4], "ep": 8},
     "applied_axes": ["tp", "ep", "loss_parallel", "sp"],
     "recorded_axes": {"dp": "data parallel is applied by the trainer (FSDP2 fully_shard), not by the plan"},
     "modules": {

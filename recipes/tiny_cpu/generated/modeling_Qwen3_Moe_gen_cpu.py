@@ -718,7 +718,7 @@ HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 # fields: PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; local_map: local tensors
 HYPER_PARALLEL_PLAN = {
     "format": 1,
-    "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 1, 1, 2]},
+    "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 1, 1, 2], "ep": 1},
     "applied_axes": ["tp"],
     "recorded_axes": {},
     "modules": {
