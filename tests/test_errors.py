@@ -11,6 +11,7 @@ import functools
 import importlib
 import inspect
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,25 @@ def test_builtin_bases_are_kept():
     found = {cls.__name__: cls for cls in _package_exceptions()}
     for name, builtin in (("RecipeError", ValueError), ("PlanError", ValueError), ("BundleError", OSError),
                           ("CodegenWaitError", TimeoutError), ("BundleImportError", ImportError),
-                          ("HFStateDictError", KeyError), ("Unsliceable", TypeError),
+                          ("StageError", RuntimeError), ("StageRecordError", FileNotFoundError),
+                          ("ContextParallelError", ValueError), ("Unsliceable", TypeError),
                           ("PreflightError", RuntimeError), ("StyleRefusal", ValueError)):
         assert issubclass(found[name], builtin) and issubclass(found[name], HyperParallelError), name
+
+
+USER_FACING = ("codegen/stages.py", "trainer", "config")  # what a user's command runs through
+BUILTIN_RAISE = re.compile(r"\braise (RuntimeError|ValueError|FileNotFoundError|KeyError|TypeError|OSError)\(")
+
+
+def test_user_facing_code_raises_the_project_s_errors_not_builtins():
+    """The stages, the trainer and the config layer raise only the project's errors (each
+    keeps its builtin base), so a front door tells the user's fault from ours by class."""
+    package = Path(hyper_parallel.__file__).parent
+    found = []
+    for entry in USER_FACING:
+        root = package / entry
+        for path in sorted([root] if root.is_file() else root.rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), start=1):
+                if BUILTIN_RAISE.search(line):
+                    found.append(f"{path.relative_to(package)}:{number}: {line.strip()}")
+    assert not found, "raise a HyperParallelError subclass instead:\n" + "\n".join(found)

@@ -30,8 +30,18 @@ from hyper_parallel.codegen.stage_table import (
     WORKSPACE_ENTRIES,
     stage_row,
 )
+from hyper_parallel.errors import HyperParallelError
 
 _LOG = logging.getLogger(__name__)
+
+
+class StageError(RuntimeError, HyperParallelError):
+    """A stage's inputs are not what the stages before it recorded (a staged file edited,
+    verify run for other bytes or another layout); names the file and the command to rerun."""
+
+
+class StageRecordError(FileNotFoundError, HyperParallelError):
+    """An earlier stage's output is missing, unreadable or edited."""
 
 
 _TEMP_FILE = re.compile(r"^\..+\.(\d+)\.tmp$")  # write_if_changed's temp files, named after their writer
@@ -185,7 +195,7 @@ def staged_bytes(spec: CodegenSpec, expected: dict[str, str], stage: str) -> dic
         data = path.read_bytes() if path.is_file() else None
         actual = "missing" if data is None else sha256_bytes(data)
         if actual != sha:
-            raise RuntimeError(f"{path}: changed since it was staged (sha256 {actual}, staged {sha}); {stage} "
+            raise StageError(f"{path}: changed since it was staged (sha256 {actual}, staged {sha}); {stage} "
                                f"refuses it: run `doit generate config={spec.recipe_path}` to rebuild it")
         payload[name] = data
     return payload
@@ -247,11 +257,11 @@ def run_install(spec: CodegenSpec) -> None:
     emit_record, verify_record = files.output("emit"), files.output("verify")
     verified = read_upstream(verify_record)
     if verified.get("outputs") != read_upstream(emit_record)["outputs"]:
-        raise RuntimeError(f"{verify_record}: verified other staged bytes than {emit_record} lists; "
+        raise StageError(f"{verify_record}: verified other staged bytes than {emit_record} lists; "
                            f"run `doit generate config={spec.recipe_path}`")
     expected = expected_verified(spec)
     if {key: verified["report"].get(key) for key in expected} != expected:
-        raise RuntimeError(f"{verify_record}: verify ran as {verified['report']}, this layout needs {expected}; "
+        raise StageError(f"{verify_record}: verify ran as {verified['report']}, this layout needs {expected}; "
                            f"run `doit generate config={spec.recipe_path}`")
     payload, meta = install_payload(spec, expected)
     replaced = installed_recipe(spec.bundle_dir)
@@ -316,7 +326,7 @@ def read_upstream(path: Path) -> dict[str, Any]:
     run_pipeline order the stages; an edited one is refused)."""
     value = read_stage_record(path)
     if value is None:
-        raise FileNotFoundError(f"{path}: missing, unreadable or edited output of an earlier stage; "
+        raise StageRecordError(f"{path}: missing, unreadable or edited output of an earlier stage; "
                                 f"run the whole pipeline (`doit generate config=...`)")
     return value
 

@@ -10,6 +10,11 @@ has a load balance (``gather_sequence`` computes the whole sequence on every ran
 from dataclasses import dataclass
 
 from hyper_parallel.config.schema import CP_ALGORITHMS, DEFAULT_CP_ALGORITHM
+from hyper_parallel.errors import HyperParallelError
+
+
+class ContextParallelError(ValueError, HyperParallelError):
+    """Context parallel settings that are not valid; names the key or the record."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +24,7 @@ class ContextParallel:
 
     def __post_init__(self) -> None:
         if self.algorithm not in CP_ALGORITHMS:
-            raise ValueError(f"accelerator.context_parallel.algorithm: expected one of {', '.join(CP_ALGORITHMS)}, "
+            raise ContextParallelError(f"accelerator.context_parallel.algorithm: expected one of {', '.join(CP_ALGORITHMS)}, "
                              f"got {self.algorithm!r}")
 
     @classmethod
@@ -41,5 +46,5 @@ class ContextParallel:
     def from_json(cls, data, where: str = "context_parallel") -> "ContextParallel":
         if not isinstance(data, dict) or set(data) != {"algorithm", "load_balance"} or not isinstance(
                 data["load_balance"], bool):
-            raise ValueError(f"{where}: expected {{'algorithm': str, 'load_balance': bool}}, got {data!r}")
+            raise ContextParallelError(f"{where}: expected {{'algorithm': str, 'load_balance': bool}}, got {data!r}")
         return cls(data["algorithm"], data["load_balance"])

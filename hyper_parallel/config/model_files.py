@@ -35,14 +35,14 @@ class ModelLocation:
 def model_location(config: TrainerConfig) -> ModelLocation:
     """The recipe's model folder: the path as written, else a Hub id's cached snapshot."""
     raw = config.model.pretrained_model_name_or_path
-    yaml_dir = Path(config._yaml_path).parent if config._yaml_path else Path.cwd()
+    yaml_dir = config.folder
     folder = Path(os.path.abspath(yaml_dir / raw))
     if folder.exists() or not _HUB_ID.fullmatch(raw):
         return ModelLocation(folder.resolve(), os.path.relpath(folder.resolve(), yaml_dir).replace(os.sep, "/"))
     cached = _hub_snapshot(raw)
     if cached is None:
         raise ModelLocationError(
-            f"{config._yaml_path or '<recipe>'}: model.pretrained_model_name_or_path: no config.json in {folder} "
+            f"{config.where}: model.pretrained_model_name_or_path: no config.json in {folder} "
             f"(no such folder), and no model {raw} in the local Hugging Face cache ({_hub_cache()}); download it "
             f"with `hf download {raw}` (or `huggingface-cli download {raw}`), or write the model folder's path")
     return ModelLocation(cached, f"{HUB_PREFIX}{raw}")

@@ -105,7 +105,7 @@ class PlanOverride:
         """The ``replace_module`` entry in the runtime's form (``hyper_apply_replacements``
         and the generated file's ``HYPER_REPLACEMENTS``); ``origin`` names the recipe key."""
         if self.replace_module is None:
-            raise ValueError(f"{self.where} has no replace_module")
+            raise PlanOverrideError(f"{self.where} has no replace_module")
         return {"match": self.match, "module_type": self.module_type, "exact_type": self.exact_type,
                 "target": self.replace_module.target, "kwargs": dict(self.replace_module.kwargs),
                 "origin": f"{self.where}.replace_module._target_"}

@@ -5,6 +5,7 @@ layout. Field defaults are the values a key takes when the recipe leaves it out.
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from hyper_parallel.config.parallel_dims import ParallelDims
@@ -201,3 +202,14 @@ class TrainerConfig:
     # The dotted keys the YAML wrote (``accelerator.context_parallel.algorithm``, ...): a
     # key written where it has no effect is refused, a default left out is not.
     _written_keys: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+
+    @property
+    def where(self) -> str:
+        """How messages name this recipe: its YAML's path, or ``<recipe>`` for one built in code."""
+        return self._yaml_path or "<recipe>"
+
+    @property
+    def folder(self) -> Path:
+        """Where the recipe's relative paths start: its YAML's folder (the working folder
+        for a recipe built in code)."""
+        return Path(self._yaml_path).parent if self._yaml_path else Path.cwd()

@@ -130,7 +130,7 @@ def _summary_writer(config):
         return None
     from torch.utils.tensorboard import SummaryWriter  # the metrics extra; checked at recipe load
 
-    base = Path(config._yaml_path).parent if config._yaml_path else Path.cwd()
+    base = config.folder
     return SummaryWriter(log_dir=str(base / folder))
 
 

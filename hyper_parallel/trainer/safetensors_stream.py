@@ -18,10 +18,16 @@ from pathlib import Path
 
 import torch
 
+from hyper_parallel.errors import HyperParallelError
+
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}
 _COPY_CHUNK = 16 << 20
+
+
+class SafetensorsStreamError(ValueError, HyperParallelError):
+    """A tensor the file being written cannot take; names the file and the tensor."""
 
 
 class StreamedSafetensors:
@@ -36,9 +42,9 @@ class StreamedSafetensors:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._entries:
-            raise ValueError(f"{self.path}: tensor {name} added twice")
+            raise SafetensorsStreamError(f"{self.path}: tensor {name} added twice")
         if tensor.dtype not in _DTYPES:
-            raise ValueError(f"{self.path}: tensor {name} has dtype {tensor.dtype}, which safetensors does not store")
+            raise SafetensorsStreamError(f"{self.path}: tensor {name} has dtype {tensor.dtype}, which safetensors does not store")
         data = tensor.detach().to("cpu").contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
         self._handle.write(memoryview(raw))

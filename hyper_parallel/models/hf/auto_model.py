@@ -76,7 +76,7 @@ def resolve_backend_for(config: TrainerConfig, hf_config: Any) -> ModelingBacken
         force_hf=config.model.force_hf, modeling_backend=config.modeling_backend, codegen=config.codegen,
         model_type=getattr(hf_config, "model_type", None))
     for message in messages:
-        warnings.warn(f"{config._yaml_path or '<recipe>'}: {message}", UserWarning, stacklevel=4)
+        warnings.warn(f"{config.where}: {message}", UserWarning, stacklevel=4)
     return backend
 
 
@@ -84,7 +84,7 @@ def check_mesh_matches_recipe(config: TrainerConfig, mesh_context: MeshContext) 
     """A plan made for the recipe's sizes only fits a mesh of those sizes."""
     recipe, mesh = config.accelerator.parallel_dims, mesh_context.dims
     if recipe != mesh:
-        raise mb.ModelBuildError(f"{config._yaml_path or '<recipe>'}: accelerator sizes ({recipe.describe()}) differ "
+        raise mb.ModelBuildError(f"{config.where}: accelerator sizes ({recipe.describe()}) differ "
                                  f"from the mesh context's ({mesh.describe()}); build the mesh from the recipe's "
                                  f"accelerator section")
 
@@ -100,7 +100,7 @@ def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretraine
     if backend is ModelingBackend.GEN:
         if not pretrained:
             raise BackendError(
-                f"{config._yaml_path or '<recipe>'}: HyperAutoModel.from_config() does not support the gen "
+                f"{config.where}: HyperAutoModel.from_config() does not support the gen "
                 f"backend (codegen: true / modeling_backend: gen): a generated model needs a prepared "
                 f"bundle, which only from_pretrained() prepares; call HyperAutoModel.from_pretrained(config), "
                 f"or set modeling_backend: hf for a freshly initialized HF model")
@@ -219,7 +219,7 @@ def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
     training = config.training
     if training.activation_checkpointing:
         if not hasattr(model, "gradient_checkpointing_enable"):
-            raise mb.ModelBuildError(f"{config._yaml_path or '<recipe>'}: training.activation_checkpointing: "
+            raise mb.ModelBuildError(f"{config.where}: training.activation_checkpointing: "
                                      f"{type(model).__name__} does not support gradient checkpointing")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mesh_context is not None and config.accelerator.dp_size > 1:

@@ -48,7 +48,7 @@ def recipe_model_dir(config: TrainerConfig) -> Path:
     except ModelLocationError as exc:
         raise ModelBuildError(str(exc)) from None
     if not (model_dir / "config.json").is_file():
-        raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.pretrained_model_name_or_path: "
+        raise ModelBuildError(f"{config.where}: model.pretrained_model_name_or_path: "
                               f"expected a folder with config.json, got {model_dir}")
     return model_dir.resolve()
 
@@ -60,7 +60,7 @@ def parameter_dtype(config: TrainerConfig) -> torch.dtype:
     name = precision_policy(config).master
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.torch_dtype: expected a torch dtype "
+        raise ModelBuildError(f"{config.where}: model.torch_dtype: expected a torch dtype "
                               f"name (float32, bfloat16, ...), got {name!r}")
     return dtype
 
@@ -89,7 +89,7 @@ def weights_to_load(config: TrainerConfig, pretrained: bool = True) -> bool:
         return False
     model_dir = recipe_model_dir(config)
     if not checkpoint_files(model_dir):
-        raise ModelBuildError(f"{config._yaml_path or '<recipe>'}: model.init is pretrained (the default), but "
+        raise ModelBuildError(f"{config.where}: model.init is pretrained (the default), but "
                               f"{model_dir} holds no weights (looked for {LOOKED_FOR}); download the weights into "
                               f"it, or set model.init: random to train from a fresh initialization")
     return True
