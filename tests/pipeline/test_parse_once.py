@@ -63,3 +63,31 @@ def test_a_generate_parses_the_recipe_once_in_every_front_door(built, monkeypatc
     dodo = runpy.run_path("dodo.py")
     assert DoitMain(ModuleTaskLoader(dodo)).run(["generate", f"config={TINY_RECIPE}"]) == 0  # every stage checked
     assert len(recipe_parses) == 1, recipe_parses
+
+
+def test_a_model_build_projects_the_recipe_once(built, monkeypatch):
+    """HyperAutoModel projects the recipe into its spec once per build (reading config.json
+    and the source once), and hands that spec to the HF config, the bundle's preparation
+    and the runtime planner, for every backend."""
+    import dataclasses
+
+    from hyper_parallel.codegen.spec import project
+    from hyper_parallel.config import load_training_config
+    from hyper_parallel.models.hf.auto_model import HyperAutoModel
+
+    assert cli.main(["generate", "--config", TINY_RECIPE]) == 0
+    projections = []
+    real = project.CodegenSpec
+
+    def counting(*args, **kwargs):  # every projection ends in this constructor, however it was imported
+        projections.append(kwargs.get("recipe_path"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(project, "CodegenSpec", counting)
+    config = load_training_config(TINY_RECIPE)
+    assert config.codegen
+    HyperAutoModel.from_pretrained(config)  # gen: reuses the bundle, preflights and imports it
+    assert len(projections) == 1, projections
+    projections.clear()
+    HyperAutoModel.from_config(dataclasses.replace(config, codegen=False, modeling_backend="hf"))
+    assert len(projections) == 1, projections

@@ -91,10 +91,13 @@ def check_mesh_matches_recipe(config: TrainerConfig, mesh_context: MeshContext) 
 
 def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretrained: bool, rank: int | None,
            timeout_s: float | None, workspace_root: str | os.PathLike | None) -> nn.Module:
-    workspace_root = workspace_root or None  # None: default_workspace_root() decides
+    from hyper_parallel.codegen.spec.project import project_codegen_spec
+
     if mesh_context is not None:
         check_mesh_matches_recipe(config, mesh_context)
-    hf_config = mb.build_hf_config(config)
+    # The recipe's one projection in this build (None: default_workspace_root() decides).
+    spec = project_codegen_spec(config, workspace_root=workspace_root or None)
+    hf_config = mb.build_hf_config(config, spec)
     backend = resolve_backend_for(config, hf_config)
     with_weights = mb.weights_to_load(config, pretrained)
     if backend is ModelingBackend.GEN:
@@ -104,13 +107,13 @@ def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretraine
                 f"backend (codegen: true / modeling_backend: gen): a generated model needs a prepared "
                 f"bundle, which only from_pretrained() prepares; call HyperAutoModel.from_pretrained(config), "
                 f"or set modeling_backend: hf for a freshly initialized HF model")
-        return _build_generated(config, hf_config, mesh_context=mesh_context, with_weights=with_weights,
-                                rank=rank, timeout_s=timeout_s, workspace_root=workspace_root)
+        return _build_generated(config, spec, hf_config, mesh_context=mesh_context, with_weights=with_weights,
+                                rank=rank, timeout_s=timeout_s)
     if backend is ModelingBackend.CUSTOM:
         return _build_custom(config, hf_config, mesh_context=mesh_context, with_weights=with_weights)
     model = mb.build_hf_model(hf_config, config, with_weights=with_weights).to(mb.target_device(config))
     if mesh_context is not None:
-        mb.parallelize_with_planner(model, config, mesh_context, workspace_root=workspace_root)
+        mb.parallelize_with_planner(model, spec, mesh_context)
     return apply_model_infrastructure(model, config, mesh_context)
 
 
@@ -124,11 +127,9 @@ def _build_custom(config: TrainerConfig, hf_config: Any, *, mesh_context: MeshCo
     return apply_model_infrastructure(model, config, mesh_context)
 
 
-def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: MeshContext | None,
-                     with_weights: bool, rank: int | None, timeout_s: float | None,
-                     workspace_root: str | os.PathLike | None) -> nn.Module:
-    bundle_dir, module, meta = prepare_bundle(config, rank=rank, timeout_s=timeout_s,
-                                                          workspace_root=workspace_root)
+def _build_generated(config: TrainerConfig, spec: Any, hf_config: Any, *, mesh_context: MeshContext | None,
+                     with_weights: bool, rank: int | None, timeout_s: float | None) -> nn.Module:
+    bundle_dir, module, meta = prepare_bundle(spec, rank=rank, timeout_s=timeout_s)
     if rank in (None, 0):  # what derive said, said again by a run that reuses the bundle
         for line in unapplied_axis_warnings(getattr(module, "HYPER_PARALLEL_PLAN", {}).get("recorded_axes", {})):
             _LOG.warning(f"{bundle_dir.name}: {line}")
@@ -148,24 +149,24 @@ def _build_generated(config: TrainerConfig, hf_config: Any, *, mesh_context: Mes
             _check_plan_covers(model, module, bundle_dir)
             module.hyper_parallelize(model, mesh_context)
         else:  # the bundle carries no plan: plan at run time, as the hf backend does
-            mb.parallelize_with_planner(model, config, mesh_context, workspace_root=workspace_root)
+            mb.parallelize_with_planner(model, spec, mesh_context)
     model.hyper_weight_map = meta.get("weight_map")
     return apply_model_infrastructure(model, config, mesh_context)
 
 
-def prepare_bundle(config: TrainerConfig, *, rank: int | None = None, timeout_s: float | None = None,
-                             workspace_root: str | os.PathLike | None = None) -> tuple[Path, Any, dict[str, Any]]:
-    """Rank 0 generates or reuses the bundle, the others wait for it; then every rank
-    preflights and imports it. Returns (bundle dir, modeling module, meta)."""
+def prepare_bundle(spec: Any, *, rank: int | None = None,
+                   timeout_s: float | None = None) -> tuple[Path, Any, dict[str, Any]]:
+    """Rank 0 generates or reuses the bundle of the projected recipe ``spec``, the others
+    wait for it; then every rank preflights and imports it. Returns (bundle dir, modeling
+    module, meta)."""
     from hyper_parallel.codegen.check.drift import fix_command
     from hyper_parallel.codegen.check.preflight import preflight_integrity_check
     from hyper_parallel.codegen.loader import load_generated_module
-    from hyper_parallel.codegen.manager import DEFAULT_WAIT_TIMEOUT_S, ensure_codegen_artifact
+    from hyper_parallel.codegen.manager import DEFAULT_WAIT_TIMEOUT_S, ensure_bundle
     from hyper_parallel.codegen.meta import load_codegen_meta
     from hyper_parallel.codegen.spec.project import signature_from_spec
 
-    spec = ensure_codegen_artifact(config, rank=rank, workspace_root=workspace_root,
-                                   timeout_s=DEFAULT_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
+    ensure_bundle(spec, rank=rank, timeout_s=DEFAULT_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
     report = preflight_integrity_check(spec.bundle_dir, expected_signature=signature_from_spec(spec),
                                        fix=fix_command(spec))
     _check_digests_agree(report["digest"], spec.bundle_dir, fix_command(spec))

@@ -65,13 +65,14 @@ def parameter_dtype(config: TrainerConfig) -> torch.dtype:
     return dtype
 
 
-def build_hf_config(config: TrainerConfig) -> Any:
+def build_hf_config(config: TrainerConfig, spec: Any = None) -> Any:
     """The model folder's HF config with ``model.config_overrides`` (the same function the
-    derive stage uses, remote code included) and the recipe's attention kernel."""
+    derive stage uses, remote code included) and the recipe's attention kernel. ``spec``:
+    the recipe's projection where the caller made it (a model build projects once)."""
     from hyper_parallel.codegen.plan.derive import build_hf_config as build_recipe_hf_config
     from hyper_parallel.codegen.spec.project import project_codegen_spec
 
-    hf_config = build_recipe_hf_config(project_codegen_spec(config))
+    hf_config = build_recipe_hf_config(spec if spec is not None else project_codegen_spec(config))
     hf_config._attn_implementation = config.model.attn_implementation
     return hf_config
 
@@ -294,16 +295,14 @@ def load_hf_tensors(model: nn.Module, hf_config: Any, tensors: dict[str, torch.T
 
 # --- sharding -------------------------------------------------------------------------------------
 
-def parallelize_with_planner(model: nn.Module, config: TrainerConfig, mesh_context: MeshContext, *,
-                             workspace_root: str | os.PathLike | None = None) -> nn.Module:
+def parallelize_with_planner(model: nn.Module, spec: Any, mesh_context: MeshContext) -> nn.Module:
     """The runtime path for HF models: the recipe's ``replace_module`` entries, then the
-    same planner + overrides the derive stage runs, applied to the real mesh."""
+    same planner + overrides the derive stage runs, applied to the real mesh. ``spec``:
+    the recipe's projection (``project_codegen_spec``), made once per model build."""
     from hyper_parallel.codegen.plan.derive import plan_model
     from hyper_parallel.codegen.runtime import hyper_apply_replacements
-    from hyper_parallel.codegen.spec.project import project_codegen_spec
     from hyper_parallel.distributed.applier import apply_sharding_plan
 
-    spec = project_codegen_spec(config, workspace_root=workspace_root)
     hyper_apply_replacements(model, spec.replacements)
     result, _ = plan_model(model, spec)
     if mesh_context.device_mesh.get_rank() == 0:
