@@ -66,7 +66,7 @@ class BaseTrainer:
         torch.manual_seed(config.training.seed)
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
-        self.checkpointer = Checkpointer(config, self.model, self.optimizer, config._yaml_path or "<recipe>")
+        self.checkpointer = Checkpointer(config, self.model, self.optimizer, config.where)
 
     def _prepare_corpus(self) -> PackedCorpus | None:
         """The tokenized, packed dataset for kinds text, jsonl and parquet (every rank
@@ -75,10 +75,12 @@ class BaseTrainer:
         if self.config.dataset.kind not in TOKENIZED_KINDS:
             return None
         corpus = prepare_corpus(self.config.dataset, self.config.training, recipe_model_dir(self.config),
-                                self.config._yaml_path or "<recipe>", log=self.rank == 0)
+                                self.config.where, log=self.rank == 0)
         corpus, self.eval_rows = hold_out(corpus, self.config)  # training.eval's rows, never trained on
         if self.eval_rows is not None and self.rank == 0:
-            _LOG.info(f"training.eval: the last {self.eval_rows.shape[0]} packed rows are held out for evaluation")
+            _LOG.info(f"training.eval: {self.eval_rows.shape[0]} of {self.eval_rows.shape[0] + corpus.num_rows} "
+                      f"packed rows, drawn at random (the same for every run on these data), are held out for "
+                      f"evaluation")
         return corpus
 
     def _data_start(self, resumed: Resumed | None, first: int) -> int:
@@ -95,7 +97,7 @@ class BaseTrainer:
             return first * self.config.training.global_batch_size
         if data.get("fingerprint") != self.corpus.fingerprint:
             raise CheckpointError(
-                f"{self.config._yaml_path or '<recipe>'}: dataset.path: the data differ from those checkpoint "
+                f"{self.config.where}: dataset.path: the data differ from those checkpoint "
                 f"{resumed.path} was trained on (packed sequences sha256 {str(data.get('fingerprint'))[:12]}..., now "
                 f"{self.corpus.fingerprint[:12]}...: another file, tokenizer or seq_len), so the run would not "
                 f"continue where it stopped; fix: restore the dataset, or point training.checkpoint.dir elsewhere")
@@ -122,7 +124,7 @@ class BaseTrainer:
     def train(self) -> list[StepRecord]:
         training, dataset = self.config.training, self.config.dataset
         vocab = self.model.config.vocab_size
-        where = self.config._yaml_path or "<recipe>"
+        where = self.config.where
         byte_tokens = None
         if dataset.kind == "bytes":
             byte_tokens = read_byte_tokens(dataset, vocab, training.global_batch_size * training.seq_len, where)

@@ -1,8 +1,12 @@
 """``training.eval``: the loss on data training never sees, every ``every_steps`` steps.
 
-Tokenized datasets (text, jsonl, parquet) hold out their last ``batches *
-global_batch_size`` packed rows: training reads only the rows before them (its epochs are
-shorter by that much) and evaluation reads those, in order. Synthetic data has no split to
+Tokenized datasets (text, jsonl, parquet) hold out ``batches * global_batch_size`` packed
+rows drawn at random, by a generator of fixed seed (``HOLD_OUT_SEED``, not
+``training.seed``): every run on the same data holds out the same rows, and they are
+spread over the whole corpus (its last rows are the last files of a folder in name
+order, a sample of one or two documents, unlike the rest). Training reads the other rows
+in their order (its epochs are shorter by that much); evaluation reads the held-out ones
+in corpus order. Synthetic data has no split to
 make: evaluation batch j is the batch of step ``-1 - j``, a seed no training step uses.
 A file's bytes (kind bytes, a smoke test) has no evaluation. The loss is the mean over
 the batches of the step's loss without gradients, averaged over dp like the training loss,
@@ -17,6 +21,8 @@ from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.trainer.corpus import PackedCorpus
 from hyper_parallel.trainer.data import DataError, global_batch, micro_batches
 
+HOLD_OUT_SEED = 0
+
 
 def hold_out(corpus: PackedCorpus, config: TrainerConfig) -> tuple[PackedCorpus, torch.Tensor | None]:
     """The rows training reads and the rows evaluation reads (None without ``training.eval``).
@@ -27,11 +33,13 @@ def hold_out(corpus: PackedCorpus, config: TrainerConfig) -> tuple[PackedCorpus,
         return corpus, None
     held = evaluation.batches * config.training.global_batch_size
     if held >= corpus.num_rows:
-        raise DataError(f"{config._yaml_path or '<recipe>'}: training.eval.batches: {evaluation.batches} batches of "
+        raise DataError(f"{config.where}: training.eval.batches: {evaluation.batches} batches of "
                         f"{config.training.global_batch_size} rows hold out {held} packed rows, but the dataset has "
                         f"{corpus.num_rows}; use fewer eval batches or more data")
-    fingerprint = hashlib.sha256(f"{corpus.fingerprint}:eval_rows={held}".encode()).hexdigest()
-    return PackedCorpus(corpus.rows[:-held], corpus.documents, fingerprint), corpus.rows[-held:].long()
+    chosen = torch.zeros(corpus.num_rows, dtype=torch.bool)
+    chosen[torch.randperm(corpus.num_rows, generator=torch.Generator().manual_seed(HOLD_OUT_SEED))[:held]] = True
+    fingerprint = hashlib.sha256(f"{corpus.fingerprint}:eval_rows={held}:random{HOLD_OUT_SEED}".encode()).hexdigest()
+    return PackedCorpus(corpus.rows[~chosen], corpus.documents, fingerprint), corpus.rows[chosen].long()
 
 
 def eval_batches(config: TrainerConfig, vocab_size: int, held_rows: torch.Tensor | None) -> list[torch.Tensor]:

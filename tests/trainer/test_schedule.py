@@ -132,7 +132,7 @@ def test_a_resumed_run_with_a_schedule_is_bitwise_the_whole_run(runs):
 @pytest.mark.distributed
 def test_a_tokenized_dataset_holds_out_its_eval_rows(runs):
     metrics, chain, stdout, corpus = runs
-    assert "training.eval: the last 4 packed rows are held out for evaluation" in stdout
+    assert "training.eval: 4 of " in stdout and "packed rows, drawn at random" in stdout
     complete = json.loads((corpus / "ck" / "step_4" / "COMPLETE.json").read_text())
     want = reference_training(chain[2]["recipe"])
     assert complete["data"]["rows"] == want_rows(chain[2]["recipe"]) - 4  # training's epoch excludes them
@@ -154,3 +154,26 @@ def want_rows(recipe: str) -> int:
     config = load_training_config(recipe)
     return prepare_corpus(config.dataset, config.training, recipe_model_dir(config), recipe, log=False).num_rows
 
+
+
+def test_the_held_out_rows_are_a_fixed_random_sample_never_trained_on():
+    """Spread over the corpus (not its tail: the last files of a folder), the same whatever
+    training.seed is, disjoint from the training rows, which keep their order."""
+    from types import SimpleNamespace
+
+    from hyper_parallel.trainer.corpus import PackedCorpus
+    from hyper_parallel.trainer.evaluation import hold_out
+
+    rows = torch.arange(200 * 3, dtype=torch.int32).reshape(200, 3)  # row r starts with token 3r
+    corpus = PackedCorpus(rows, documents=5, fingerprint="f")
+
+    def split(seed: int):
+        training = SimpleNamespace(global_batch_size=4, seed=seed, eval=SimpleNamespace(batches=5))
+        return hold_out(corpus, SimpleNamespace(training=training, where="r.yaml"))
+
+    (train, held), (_, held_again) = split(0), split(1)
+    assert held.shape == (20, 3) and torch.equal(held, held_again)
+    held_ids, train_ids = set((held[:, 0] // 3).tolist()), (train.rows[:, 0] // 3).tolist()
+    assert held_ids.isdisjoint(train_ids) and len(train_ids) == 180 and train_ids == sorted(train_ids)
+    assert min(held_ids) < 100 and max(held_ids) >= 100  # from both halves, not the last 20 rows
+    assert train.fingerprint != corpus.fingerprint
