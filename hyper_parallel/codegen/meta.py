@@ -38,7 +38,7 @@ def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, by
         "model": {"dir": spec.model_dir_rel, "config_sha256": spec.model_config_sha256,
                   "config_overrides": spec.config_overrides, "model_class": model_class,
                   "model_type": spec.source.model_type},
-        "parallel": spec.parallel.as_dict(),
+        "parallel": spec.parallel_record(),
         "modeling_file": spec.modeling_file,
         "outputs": {name: sha256_bytes(data) for name, data in sorted(files.items())},
         "plan": {"entries": len(frozen["modules"]), "applied_axes": frozen["applied_axes"],

@@ -249,7 +249,7 @@ def expected_verified(spec: CodegenSpec) -> dict[str, Any]:
     float noise from one machine to another). The figures are in the workspace's verify.json."""
     from hyper_parallel.codegen.check.verify_mode import verified_record
 
-    return verified_record(spec.parallel.world_size)
+    return verified_record(spec.layout.world_size)
 
 
 def run_install(spec: CodegenSpec) -> None:
@@ -306,7 +306,7 @@ def banner_fields(spec: CodegenSpec, frozen: dict[str, Any]) -> dict[str, Any]:
         "recipe": spec.recipe_rel,
         "source_module": spec.source.module,
         "transformers_version": spec.source.transformers_version,
-        "parallel_dims": spec.parallel.as_dict(),
+        "parallel_dims": spec.parallel_record(),
         "applied_axes": frozen["applied_axes"],
         "recorded_axes": frozen["recorded_axes"],
     }

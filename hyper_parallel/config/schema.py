@@ -87,6 +87,14 @@ class AcceleratorConfig:
     def world_size(self) -> int:
         return self.parallel_dims.world_size
 
+    @property
+    def layout(self) -> "Layout":
+        """The section as one ``Layout`` value (config/layout.py): every size, sp, loss
+        parallel and the context-parallel setting as it acts at this cp size."""
+        from hyper_parallel.config.layout import Layout  # layout → context_parallel → this module
+
+        return Layout.of(self)
+
 
 @dataclass
 class CheckpointConfig:

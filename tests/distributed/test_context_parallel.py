@@ -175,13 +175,12 @@ def test_allgather_kv_plan_keeps_tokens_split_through_attention():
 
 
 def test_context_parallel_in_spec_signature_only_with_cp():
-    from hyper_parallel.codegen.spec.types import ParallelSpec
     from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import ParallelDims
 
     def spec(cp, algorithm, balance):
-        return ParallelSpec(dims=ParallelDims(cp=cp), sequence_parallel=False, loss_parallel=False,
-                            device_type="cpu", context_parallel=ContextParallel.effective(algorithm, balance, cp))
+        return Layout(dims=ParallelDims(cp=cp), context_parallel=ContextParallel.effective(algorithm, balance, cp))
 
     assert "cp_algorithm" not in spec(1, "allgather_kv", True).as_dict()
     assert spec(1, "allgather_kv", True).as_dict() == spec(1, "gather_sequence", False).as_dict()

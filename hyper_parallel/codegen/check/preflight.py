@@ -82,7 +82,7 @@ def run_torchrun_preflight(spec: CodegenSpec) -> dict[str, Any]:
     on its own; the bundle digests are compared here, so a silent rank is named."""
     from hyper_parallel.codegen.check.verify_mode import max_processes
 
-    world = spec.parallel.world_size
+    world = spec.layout.world_size
     if world > max_processes():
         return preflight_in_process(spec)
     what = f"preflight on {world} ranks for {spec.bundle_dir}"
@@ -139,7 +139,7 @@ def preflight_in_process(spec: CodegenSpec) -> dict[str, Any]:
 
     fix = fix_command(spec)
     report, module, model = checked_meta_model(spec, fix)
-    p = spec.parallel
+    p = spec.layout
     dims = p.dims
     layouts = {"main": mesh_layout(dims), "expert": expert_mesh_layout(dims)}
     modules = plan_entries(module.HYPER_PARALLEL_PLAN)

@@ -60,7 +60,7 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     fix = f"doit generate config={config_path}"
     progress("checking the bundle")
     report, module, model = checked_meta_model(spec, fix)
-    p = spec.parallel
+    p = spec.layout
     dims = p.dims
     mesh = build_device_mesh(dims, "cpu")  # preflight checks layout, not kernels: gloo everywhere
     global_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}

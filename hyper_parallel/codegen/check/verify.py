@@ -83,14 +83,14 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: 
     import torch
 
     start = time.perf_counter()
-    world = spec.parallel.world_size
+    world = spec.layout.world_size
     mode = verify_mode(world)
     with scratch_dir("verify") as tmp:
         probe = build_probe(spec, Path(tmp) / "probe")
         _refuse_if_stochastic(spec, probe)
         job = _job(spec, bundle_dir, bundle_key, files, model_class, Path(tmp), diagnose=False)
         _LOG.info(f"[verify] probe: {probe.depth} of {probe.full_depth} layer(s), hidden {probe.config.hidden_size}, "
-                  f"{probe.seq_len} tokens x {spec.parallel.dp} sequence(s); {world} ranks as {mode}")
+                  f"{probe.seq_len} tokens x {spec.layout.dp} sequence(s); {world} ranks as {mode}")
         with _launch(job, mode, world) as proc:
             expected = reference_run(spec, probe)  # while the ranks start and run
             _finish(proc, job, mode, world, spec)
@@ -125,7 +125,7 @@ def build_probe(spec: CodegenSpec, probe_dir: Path) -> Probe:
     )
     from hyper_parallel.codegen.plan.derive import build_hf_config, trusts_remote_code
 
-    p = spec.parallel
+    p = spec.layout
     overrides = f" with {spec.recipe_path.name}'s model.config_overrides" if spec.config_overrides else ""
     where = f"{spec.model_dir / 'config.json'}{overrides} (verify probe)"
     shape = probe_shape(p.dp, p.cp, p.tp)
@@ -226,7 +226,7 @@ def _refuse_if_stochastic(spec: CodegenSpec, probe: Probe) -> None:
 
     from hyper_parallel.codegen.check.probe import ProbeError
 
-    p = spec.parallel
+    p = spec.layout
     splits = [key for key, on in (("sequence_parallel", p.sequence_parallel and p.tp > 1), ("cp_size", p.cp > 1),
                                   ("dp_size", p.dp > 1), ("ep_size", p.ep > 1)) if on]
     threads = verify_mode(p.world_size) == "threads"
@@ -446,7 +446,7 @@ def _product(values) -> int:
 
 def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_class: str, tmp: Path, *,
          diagnose: bool) -> dict:
-    p = spec.parallel
+    p = spec.layout
     tag = "diagnose" if diagnose else "run"
     job = {"bundle_dir": str(bundle_dir), "bundle_key": bundle_key, "files": files, "modeling_file": spec.modeling_file,
            "model_class": model_class, "probe_dir": str(tmp / "probe"),

@@ -149,7 +149,7 @@ def plan_model(model, spec: CodegenSpec):
     from hyper_parallel.distributed.mesh import build_offline_mesh
     from hyper_parallel.distributed.planner import ShardingPlanner
 
-    p = spec.parallel
+    p = spec.layout
     dims = p.dims
     mesh = build_offline_mesh(dims)
     # The planner reads the HF config's base_model_tp_plan itself, as role hints, merges
@@ -179,7 +179,7 @@ def trace_dataflow(spec: CodegenSpec):
     from hyper_parallel.codegen.runtime import hyper_apply_replacements
     from hyper_parallel.distributed.dataflow import analyze, local_widths_dry_run
 
-    p = spec.parallel
+    p = spec.layout
     try:
         config = build_hf_config(spec)
         config._attn_implementation = spec.attn_implementation

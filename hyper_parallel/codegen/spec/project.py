@@ -12,9 +12,8 @@ from typing import Any
 
 from hyper_parallel.codegen.hash import implementation_sha256, sha256_file, sha256_json
 from hyper_parallel.codegen.source.resolver import SourceError, SourceLocation, locate_source, read_model_config
-from hyper_parallel.codegen.spec.types import CodegenSpec, ParallelSpec
+from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.codegen.stage_table import WORKSPACE_DIR, WORKSPACE_ENV, stage_row
-from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.loading import RecipeError
 from hyper_parallel.config.model_files import ModelLocationError, model_location
 from hyper_parallel.config.schema import TrainerConfig
@@ -77,11 +76,6 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
     model_dir = location_of_model.folder
     model_config = read_model_config(model_dir, recipe=where, key="model.pretrained_model_name_or_path")
     acc = config.accelerator
-    parallel = ParallelSpec(dims=acc.parallel_dims, sequence_parallel=acc.sequence_parallel,
-                            loss_parallel=acc.loss_parallel, device_type=acc.device_type,
-                            context_parallel=ContextParallel.effective(acc.context_parallel.algorithm,
-                                                                       acc.context_parallel.load_balance,
-                                                                       acc.parallel_dims.cp))
     bundle_link = Path(os.path.abspath(yaml_dir / (config.model.codegen_artifact_dir or "generated")))
     _refuse_symlink(bundle_link, where, "model.codegen_artifact_dir", "the bundle folder")
     bundle_dir = bundle_link.resolve()
@@ -107,7 +101,8 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
         torch_dtype=config.model.torch_dtype,
         attn_implementation=config.model.attn_implementation,
         location=location,
-        parallel=parallel,
+        layout=acc.layout,
+        device_type=acc.device_type,
         plan_overrides=tuple(config.plan_overrides),
         bundle_dir=bundle_dir,
         bundle_dir_rel=os.path.relpath(bundle_dir, yaml_dir).replace(os.sep, "/"),
@@ -166,10 +161,10 @@ def bundle_signature_inputs(spec: CodegenSpec) -> dict[str, Any]:
         "source": spec.source.identity(),
         "model": {"dir": spec.model_dir_rel, "config_sha256": spec.model_config_sha256,
                   "config_overrides": spec.config_overrides},
-        "parallel": spec.parallel.as_dict(),
+        "parallel": spec.parallel_record(),
         "plan_overrides": spec.plan_overrides_json,
         "bundle": {"dir": spec.bundle_dir_rel, "modeling_file": spec.modeling_file,
-                     "device_type": spec.parallel.device_type, "recipe": spec.recipe_rel},
+                     "device_type": spec.device_type, "recipe": spec.recipe_rel},
     }
 
 
@@ -183,13 +178,13 @@ SPEC_FACTS: dict[str, Callable[[CodegenSpec], Any]] = {
     "source": lambda spec: spec.source.identity(),
     "model_dir": lambda spec: spec.model_dir_rel,
     "config_sha256": lambda spec: spec.model_config_sha256,
-    "parallel": lambda spec: spec.parallel.as_dict(),
+    "parallel": lambda spec: spec.parallel_record(),
     "plan_overrides": lambda spec: spec.plan_overrides_json,
     "config_overrides": lambda spec: spec.config_overrides,
     "bundle_signature": signature_from_spec,
     "modeling_file": lambda spec: spec.modeling_file,
     "attn_implementation": lambda spec: spec.attn_implementation,
-    "world_size": lambda spec: spec.parallel.world_size,
+    "world_size": lambda spec: spec.layout.world_size,
 }
 
 

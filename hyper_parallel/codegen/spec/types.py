@@ -7,44 +7,10 @@ from typing import Any
 
 from hyper_parallel.codegen.source.resolver import ModelSource, SourceLocation, hash_source
 from hyper_parallel.codegen.stage_table import STAGES
-from hyper_parallel.config.context_parallel import ContextParallel
-from hyper_parallel.config.parallel_dims import ParallelDims
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import PlanOverride, replacement_entries
-from hyper_parallel.protocols.axes import SIZE_AXES
 
-__all__ = ["STAGES", "CodegenSpec", "ParallelSpec"]  # STAGES: the stage table's, re-exported
-
-
-@dataclass(frozen=True)
-class ParallelSpec:
-    """The recipe's layout: its one ``ParallelDims`` and the options that go with it."""
-
-    dims: ParallelDims
-    sequence_parallel: bool
-    loss_parallel: bool
-    device_type: str
-    context_parallel: ContextParallel = ContextParallel()  # effective for this cp size
-
-    dp = property(lambda self: self.dims.dp)
-    cp = property(lambda self: self.dims.cp)
-    tp = property(lambda self: self.dims.tp)
-    ep = property(lambda self: self.dims.ep)
-    pp = property(lambda self: self.dims.pp)
-
-    @property
-    def world_size(self) -> int:
-        return self.dims.world_size
-
-    def as_dict(self) -> dict[str, Any]:
-        """The layout as signatures, the meta and the banner write it; the context parallel
-        keys only where cp splits attention another way than gather_sequence (the method
-        every bundle had before the keys existed, which therefore signs as it did)."""
-        cp_keys = {"cp_algorithm": self.context_parallel.algorithm,
-                   "cp_load_balance": self.context_parallel.load_balance} if self.cp > 1 and (
-            self.context_parallel.algorithm != "gather_sequence") else {}
-        return {**{axis: getattr(self, axis) for axis in SIZE_AXES},
-                "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel, **cp_keys,
-                "device_type": self.device_type, "world_size": self.world_size}
+__all__ = ["STAGES", "CodegenSpec"]  # STAGES: the stage table's, re-exported
 
 
 @dataclass(frozen=True)
@@ -62,7 +28,8 @@ class CodegenSpec:
     torch_dtype: str = "float32"
     attn_implementation: str = "eager"
     location: SourceLocation | None = None  # where the model source is; ``source`` is it resolved
-    parallel: ParallelSpec | None = None
+    layout: Layout = Layout()  # the recipe's accelerator section as one value
+    device_type: str = "cpu"
     plan_overrides: tuple[PlanOverride, ...] = ()  # as the loader parsed and checked them
     bundle_dir: Path = Path()
     bundle_dir_rel: str = "generated"
@@ -87,6 +54,11 @@ class CodegenSpec:
     def plan_overrides_json(self) -> list[dict[str, Any]]:
         """The entries as the signatures hash them."""
         return [entry.as_json() for entry in self.plan_overrides]
+
+    def parallel_record(self) -> dict[str, Any]:
+        """The layout as signatures, the meta and the banner write it, with the device type
+        and the world size."""
+        return {**self.layout.as_dict(), "device_type": self.device_type, "world_size": self.layout.world_size}
 
     @property
     def diff_file(self) -> str:

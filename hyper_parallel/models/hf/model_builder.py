@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.model_files import (
     LOOKED_FOR,
     ModelLocationError,
@@ -314,11 +313,10 @@ def parallelize_with_planner(model: nn.Module, spec: Any, mesh_context: MeshCont
 
 def parallelize_custom(custom_module: ModuleType, model: nn.Module, config: TrainerConfig,
                        mesh_context: MeshContext) -> nn.Module:
-    acc = config.accelerator
-    context_parallel = ContextParallel.effective(acc.context_parallel.algorithm, acc.context_parallel.load_balance,
-                                                 acc.cp_size)
-    return custom_module.parallelize_custom_model(model, mesh_context, loss_parallel=acc.loss_parallel,
-                                                  enable_sp=acc.sequence_parallel, context_parallel=context_parallel)
+    layout = config.accelerator.layout
+    return custom_module.parallelize_custom_model(model, mesh_context, loss_parallel=layout.loss_parallel,
+                                                  enable_sp=layout.sequence_parallel,
+                                                  context_parallel=layout.context_parallel)
 
 
 def target_device(config: TrainerConfig) -> torch.device:
