@@ -66,7 +66,7 @@ def _parallel(model, config, algorithm: str, balance: bool, mesh_context, dims):
     import torch
     import transformers
 
-    from hyper_parallel.codegen.runtime import hyper_parallelize
+    from hyper_parallel.runtime import hyper_parallelize
     from hyper_parallel.config.context_parallel import ContextParallel
     from hyper_parallel.distributed.mesh import build_offline_mesh
     from hyper_parallel.distributed.plan_format import plan_to_json

@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
                                             # plan_overrides are written in the plan's own placement text
     ("distributed",),                       # mesh, planner, applier
     ("models.common", "components"),        # building blocks and their declarative sharding
-    ("codegen",),                           # the pipeline and the generated bundle's runtime
+    ("runtime",),                           # what a training process needs of a bundle (generated files import it)
+    ("codegen",),                           # the pipeline: the build tool
     ("models.hf", "models.qwen3_moe", "models"),  # model builders: hf / custom / gen backends
     ("trainer",),                           # training on a built model
     ("families",),                          # model families under test: build, generate, train them
@@ -336,3 +337,39 @@ def test_no_forbidden_import():
     if bad:
         pytest.fail("imports the design rules out (the trainer reaches codegen through HyperAutoModel):\n"
                     + "\n".join(f"  {edge}" for edge in bad), pytrace=False)
+
+
+def _module_level_imports(path: Path) -> list[tuple[str, int]]:
+    """The imports a module runs when it is imported: those in its top-level statements
+    (an ``if``/``try`` at the top counts; a function or class body does not)."""
+    found, todo = [], list(ast.parse(path.read_text(encoding="utf-8")).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [(node.module, node.lineno)] + [(f"{node.module}.{a.name}", node.lineno) for a in node.names]
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                     *(s for h in getattr(node, "handlers", []) for s in h.body)]
+    return found
+
+
+def test_the_training_side_does_not_import_the_build_tool_at_module_level():
+    """runtime/, models/ and trainer/ reach codegen only by a call that builds a bundle
+    (imported inside that function), never on import: training imports no build tool."""
+    found = []
+    for part in ("runtime", "models", "trainer"):
+        for path in sorted((ROOT / part).rglob("*.py")):
+            found += [f"{path.relative_to(ROOT.parent)}:{line}: {name}" for name, line in _module_level_imports(path)
+                      if name == f"{PACKAGE}.codegen" or name.startswith(f"{PACKAGE}.codegen.")]
+    assert not found, "\n".join(found)
+
+
+def test_generated_files_import_only_the_runtime():
+    """A committed bundle's modeling file imports, of this package, only hyper_parallel.runtime."""
+    bundles = sorted((ROOT.parent / "recipes").rglob("generated/modeling_*.py"))
+    assert bundles  # the walk reached the committed bundles
+    for path in bundles:
+        ours = {name.split(".")[1] for name, _ in _module_level_imports(path) if name.startswith(PACKAGE + ".")}
+        assert ours == {"runtime"}, (path, ours)

@@ -13,7 +13,7 @@ from torch import nn
 import hyper_parallel
 from hyper_parallel.codegen.check.preflight import uncovered_parameters
 from hyper_parallel.codegen.plan.freeze import compress_by_pattern
-from hyper_parallel.codegen.runtime import hyper_apply_replacements
+from hyper_parallel.runtime import hyper_apply_replacements
 from hyper_parallel.config.plan_override import parse_plan_overrides
 from hyper_parallel.distributed.applier import _resolve_targets
 from hyper_parallel.distributed.name_match import (

@@ -56,7 +56,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
     Stage("derive", "plan every module on a meta-device model over an offline mesh",
           facts=("parallel", "plan_overrides", "config_overrides"), reads=("resolve",), output="plan.json",
           # probe.py: the dataflow trace's tiny copy
-          implementation=("codegen/plan", "codegen/runtime.py", "codegen/check/probe.py", "class_paths.py",
+          implementation=("codegen/plan", "runtime", "codegen/check/probe.py", "class_paths.py",
                           "config/plan_override.py", "distributed", "protocols", "models", "components")),
     Stage("freeze", "validate, normalize and pattern-compress the plan",
           facts=(), reads=("derive",), output="frozen.json",
@@ -72,7 +72,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
     Stage("verify", "run the staged bundle at the recipe's world size on a shrunk probe; compare loss and "
                     "gradients with one process",
           facts=("parallel", "attn_implementation"), reads=("emit",), output="verify.json",
-          implementation=("codegen/check", "codegen/loader.py", "codegen/runtime.py", "codegen/plan/derive.py",
+          implementation=("codegen/check", "codegen/loader.py", "runtime", "codegen/plan/derive.py",
                           "class_paths.py", "distributed", "protocols", "models", "components")),
     # install's record is the bundle's meta, sealed with the bundle signature itself
     Stage("install", "swap the verified staged bundle into <recipe dir>/generated/ atomically",
@@ -80,7 +80,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
           implementation=("codegen/bundle_folder.py", "codegen/meta.py")),
     Stage("preflight", "torchrun across the recipe's world size: apply the plan, check shards and digests",
           facts=("world_size",), reads=("install",), output="preflight.json",
-          implementation=("codegen/check", "codegen/loader.py", "codegen/runtime.py", "class_paths.py",
+          implementation=("codegen/check", "codegen/loader.py", "runtime", "class_paths.py",
                           "distributed")),
 )
 

@@ -9,8 +9,15 @@ has a load balance (``gather_sequence`` computes the whole sequence on every ran
 
 from dataclasses import dataclass
 
-from hyper_parallel.config.schema import CP_ALGORITHMS, DEFAULT_CP_ALGORITHM
 from hyper_parallel.errors import HyperParallelError
+
+# accelerator.context_parallel.algorithm: how attention runs when cp_size > 1.
+#   gather_sequence: every cp rank gathers the block's input and computes the whole
+#     sequence's attention (exact; attention work and activations not split);
+#   allgather_kv: each rank keeps its tokens; K and V are all-gathered over cp;
+#   ulysses: all-to-all between sequence and heads around the attention function.
+CP_ALGORITHMS = ("gather_sequence", "allgather_kv", "ulysses")
+DEFAULT_CP_ALGORITHM = "gather_sequence"
 
 
 class ContextParallelError(ValueError, HyperParallelError):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from hyper_parallel.config.context_parallel import CP_ALGORITHMS, DEFAULT_CP_ALGORITHM  # noqa: F401 (re-exported)
 from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.config.plan_override import PlanOverride
 
@@ -24,13 +25,6 @@ DATASET_KINDS = ("synthetic", "bytes", "text", "jsonl", "parquet")
 TOKENIZED_KINDS = ("text", "jsonl", "parquet")
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # what one document of a plain text file is
 MAX_SEQ_LEN = 1 << 24  # 16M tokens a sequence: beyond any model's context
-# accelerator.context_parallel.algorithm: how attention runs when cp_size > 1.
-#   gather_sequence: every cp rank gathers the block's input and computes the whole
-#     sequence's attention (exact; attention work and activations not split);
-#   allgather_kv: each rank keeps its tokens; K and V are all-gathered over cp;
-#   ulysses: all-to-all between sequence and heads around the attention function.
-CP_ALGORITHMS = ("gather_sequence", "allgather_kv", "ulysses")
-DEFAULT_CP_ALGORITHM = "gather_sequence"
 # training.mixed_precision's dtypes: the compute (param_dtype) and gradient-reduction dtypes.
 MIXED_PRECISION_DTYPES = ("float32", "bfloat16", "float16")
 LR_DECAYS = ("constant", "linear", "cosine")  # training.lr_schedule.decay after the warmup

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hyper_parallel.codegen.emit.modeling import emit_modeling_source
-from hyper_parallel.codegen.runtime import REPLACED_RECORD, hyper_apply_replacements
+from hyper_parallel.runtime import REPLACED_RECORD, hyper_apply_replacements
 from hyper_parallel.config.plan_override import TRUSTED_PACKAGE, parse_plan_overrides
 from hyper_parallel.distributed.plan_format import plan_from_json
 from hyper_parallel.models.qwen3_moe.adapter.replacements import (
@@ -143,7 +143,7 @@ def test_only_the_intended_hunks_differ_and_comments_survive():
             assert tag == "insert"
         inserted += [line.strip() for line in lines[b0:b1] if line.strip()]
     code = [line for line in inserted if not line.startswith("#")]
-    assert code[0] == "from hyper_parallel.codegen import runtime as hyper_parallel_runtime"
+    assert code[0] == "from hyper_parallel import runtime as hyper_parallel_runtime"
     assert code[1] == "HYPER_REPLACEMENTS = [" and code[-3] == "]"  # defined before the classes use it
     assert code[-2:] == [APPLY_LINE, APPLY_LINE]
     assert sum("hyper_parallel" in line and "import" in line for line in lines) == 1  # one runtime import
@@ -284,7 +284,7 @@ def test_synthetic_source_edits_are_exact_and_keep_layout():
         ")\n"
         "from transformers.models.x.configuration_x import XConfig\n"
         "\n"
-        "from hyper_parallel.codegen import runtime as hyper_parallel_runtime\n"
+        "from hyper_parallel import runtime as hyper_parallel_runtime\n"
         "\n"
         "\n"
         "# The recipe's replace_module entries; every model __init__ applies them before\n"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hyper_parallel.codegen.runtime import PlanMeshError, check_plan_mesh, hyper_parallelize
+from hyper_parallel.runtime import PlanMeshError, check_plan_mesh, hyper_parallelize
 from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.distributed.mesh import MeshContext, mesh_layout
 from hyper_parallel.distributed.plan_format import plan_to_json

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeRotaryEmbedding
 
-from hyper_parallel.codegen.runtime import hyper_apply_replacements
+from hyper_parallel.runtime import hyper_apply_replacements
 from hyper_parallel.models.qwen3_moe.adapter.replacements import (
     Qwen3MoeFusedAttention,
     replace_qwen3_moe_flash_attention,

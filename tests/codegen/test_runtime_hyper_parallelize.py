@@ -20,7 +20,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from hyper_parallel.codegen.emit.modeling import emit_modeling_source
-from hyper_parallel.codegen.runtime import hyper_apply_replacements
+from hyper_parallel.runtime import hyper_apply_replacements
 from hyper_parallel.config.plan_override import parse_plan_overrides, replacement_entries
 from tests.launch import assert_ran, torchrun
 from tests.rank_exit import leave_after_barrier

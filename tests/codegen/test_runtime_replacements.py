@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeModel
 
-from hyper_parallel.codegen.runtime import REPLACED_RECORD, ReplacementError, hyper_apply_replacements
+from hyper_parallel.runtime import REPLACED_RECORD, ReplacementError, hyper_apply_replacements
 from hyper_parallel.models.qwen3_moe.adapter.replacements import Qwen3MoeFusedAttention
 
 TINY_CONFIG_DIR = Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/models/tiny-qwen3-moe"

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from hyper_parallel.codegen.runtime import hyper_parallelize
+from hyper_parallel.runtime import hyper_parallelize
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.context_parallel import CONTEXT_ATTRIBUTE
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None):
 def fused(model):
     """Every attention replaced by the project's fused attention (the recipe's
     ``replace_module: replace_qwen3_moe_flash_attention``), on the reference too."""
-    from hyper_parallel.codegen.runtime import hyper_apply_replacements
+    from hyper_parallel.runtime import hyper_apply_replacements
 
     target = "hyper_parallel.models.qwen3_moe.adapter.replacements.replace_qwen3_moe_flash_attention"
     hyper_apply_replacements(model, [{"match": "model.layers.*.self_attn", "target": target}])

@@ -10,7 +10,7 @@ import yaml
 from hyper_parallel.codegen.loader import load_generated_module
 from hyper_parallel.codegen.manager import load_spec, run_pipeline
 from hyper_parallel.codegen.plan.derive import build_meta_model
-from hyper_parallel.codegen.runtime import ReplacementError
+from hyper_parallel.runtime import ReplacementError
 from hyper_parallel.codegen.spec.types import STAGES
 from hyper_parallel.config.plan_override import parse_plan_overrides
 from hyper_parallel.distributed.plan_lint import PlanError

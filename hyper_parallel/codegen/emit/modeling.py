@@ -27,7 +27,7 @@ from hyper_parallel.codegen.emit.parallel import check_frozen_plan, render_paral
 from hyper_parallel.codegen.emit.replacement import render_replacements, replacement_call_edits
 from hyper_parallel.config.plan_override import PlanOverride, replacement_entries
 
-RUNTIME_IMPORT = "from hyper_parallel.codegen import runtime as hyper_parallel_runtime"
+RUNTIME_IMPORT = "from hyper_parallel import runtime as hyper_parallel_runtime"
 BANNER_KEYS = ("recipe", "transformers_version", "parallel_dims")
 RUNTIME_OWNS = ("the device mesh", "data parallel (FSDP2)", "pipeline parallel splitting",
                 "activation checkpointing", "torch.compile")

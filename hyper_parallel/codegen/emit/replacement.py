@@ -11,7 +11,7 @@ new modules like any other. Both the base model (``Qwen3MoeModel``) and the head
 (``Qwen3MoeForCausalLM``) carry the line: the base model's call replaces the layers as
 soon as they exist, the head's call skips modules that are already replaced, so each
 module is replaced exactly once whichever class is built (see
-``hyper_parallel.codegen.runtime.hyper_apply_replacements``).
+``hyper_parallel.runtime.hyper_apply_replacements``).
 """
 
 from typing import Any

@@ -94,7 +94,7 @@ def build_meta_model(spec: CodegenSpec, model_class: type | None = None, *, repl
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hyper_parallel.codegen.runtime import hyper_apply_replacements
+    from hyper_parallel.runtime import hyper_apply_replacements
 
     bundle_config_class = model_class.config_class if model_class is not None and spec.source.is_remote else None
     config = build_hf_config(spec, bundle_config_class)
@@ -176,7 +176,7 @@ def trace_dataflow(spec: CodegenSpec):
     from transformers import AutoModelForCausalLM
 
     from hyper_parallel.codegen.check.probe import faithful_probe_config, shrink_widths
-    from hyper_parallel.codegen.runtime import hyper_apply_replacements
+    from hyper_parallel.runtime import hyper_apply_replacements
     from hyper_parallel.distributed.dataflow import analyze, local_widths_dry_run
 
     p = spec.layout

@@ -299,7 +299,7 @@ def parallelize_with_planner(model: nn.Module, spec: Any, mesh_context: MeshCont
     same planner + overrides the derive stage runs, applied to the real mesh. ``spec``:
     the recipe's projection (``project_codegen_spec``), made once per model build."""
     from hyper_parallel.codegen.plan.derive import plan_model
-    from hyper_parallel.codegen.runtime import hyper_apply_replacements
+    from hyper_parallel.runtime import hyper_apply_replacements
     from hyper_parallel.distributed.applier import apply_sharding_plan
 
     hyper_apply_replacements(model, spec.replacements)

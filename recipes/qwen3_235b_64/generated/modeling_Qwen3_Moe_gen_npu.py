@@ -52,7 +52,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 
-from hyper_parallel.codegen import runtime as hyper_parallel_runtime
+from hyper_parallel import runtime as hyper_parallel_runtime
 
 
 def rotate_half(x):
