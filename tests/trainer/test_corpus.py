@@ -146,7 +146,7 @@ def test_a_resumed_run_starts_at_the_recorded_row_of_the_same_data_only(tmp_path
     write_jsonl(tmp_path / "corpus.jsonl")
     corpus = _prepare(tmp_path, model_dir, kind="jsonl", path="corpus.jsonl")
     trainer = SimpleNamespace(corpus=corpus, rank=0, config=SimpleNamespace(
-        dataset=DatasetConfig(kind="jsonl", path="corpus.jsonl"), training=TRAINING, _yaml_path="r.yaml"))
+        dataset=DatasetConfig(kind="jsonl", path="corpus.jsonl"), training=TRAINING, where="r.yaml"))
     saved = {"kind": "jsonl", "next_step": 2, "next_row": 8, "fingerprint": corpus.fingerprint}
     assert BaseTrainer._data_start(trainer, Resumed(Path("ck/step_2"), 2, saved), 2) == 8
     assert BaseTrainer._data_start(trainer, None, 0) == 0
