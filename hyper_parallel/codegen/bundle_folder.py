@@ -1,4 +1,4 @@
-"""The bundle's folder: installing a bundle atomically (DESIGN §4), and what in the
+"""The bundle's folder: installing a bundle atomically, and what in the
 folder codegen can prove it wrote (install and clean touch nothing else).
 
 All files are written into a hidden sibling temp directory, ``codegen_meta.json``

@@ -1,6 +1,6 @@
 """``python -m hyper_parallel.codegen``: generate, check or clean a recipe's bundle.
 
-The same stages as ``doit generate`` / ``doit check`` / ``doit clean`` (DESIGN §1).
+The same stages as ``doit generate`` / ``doit check`` / ``doit clean``.
 """
 
 import argparse

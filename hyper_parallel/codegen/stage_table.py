@@ -1,4 +1,4 @@
-"""The pipeline's stage table (DESIGN §4) as data: the one list of stages.
+"""The pipeline's stage table as data: the one list of stages.
 
 ``stages`` (the library functions), ``doit_tasks`` (the doit task creators) and
 ``dodo.py`` (through ``doit_tasks``) derive everything they say about a stage from
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hyper_parallel.codegen.bundle_folder import META_FILE
 
-# The pipeline workspace (DESIGN §2): per-recipe stage outputs and doit's state, a folder
+# The pipeline workspace: per-recipe stage outputs and doit's state, a folder
 # of this name under the folder doit runs in, unless ``$HYPER_PARALLEL_WORKSPACE`` moves it.
 WORKSPACE_DIR = "generated"
 WORKSPACE_ENV = "HYPER_PARALLEL_WORKSPACE"

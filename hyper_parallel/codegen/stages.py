@@ -1,4 +1,4 @@
-"""The pipeline stages as library functions (DESIGN §4).
+"""The pipeline stages as library functions.
 
 Each stage reads its inputs from the recipe's workspace, writes its output there (and
 the signature it was built from into the workspace's ``signatures.json``), and is

@@ -164,7 +164,7 @@ def _validate_context_parallel(config: TrainerConfig, where: str) -> None:
 
 
 def _refuse_keys_without_effect(config: TrainerConfig, where: str) -> None:
-    """A parallel key the layout makes a no-op: refused, naming it and why (issue 28), so a
+    """A parallel key the layout makes a no-op: refused, naming it and why, so a
     recipe never reads as doing what it does not. Keys left at their defaults pass."""
     acc, written = config.accelerator, config._written_keys
     for key, what in (("sequence_parallel", "splits the tensor-parallel ranks' activations along the sequence"),

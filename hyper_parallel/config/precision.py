@@ -1,4 +1,4 @@
-"""``training.mixed_precision`` resolved into three dtypes (DESIGN §9): the one that
+"""``training.mixed_precision`` resolved into three dtypes: the one that
 holds parameters, gradients and AdamW's state; the one forward and backward compute in;
 the one gradients are reduced in across data-parallel ranks. One function decides them,
 so the model builder, FSDP2, the trainer's autocast and the single-process reference agree."""

@@ -1,4 +1,4 @@
-"""The training recipe as dataclasses (DESIGN §3).
+"""The training recipe as dataclasses.
 
 The recipe YAML is the only input of codegen; these classes mirror its top-level
 layout. Field defaults are the values a key takes when the recipe leaves it out.

@@ -1,4 +1,4 @@
-"""Data parallel with FSDP2, as the trainer applies it on top of the plan (DESIGN §5, §9)."""
+"""Data parallel with FSDP2, as the trainer applies it on top of the plan."""
 
 from torch import nn
 

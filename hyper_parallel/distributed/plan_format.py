@@ -136,7 +136,7 @@ def unapplied_axis_warnings(recorded_axes: Mapping[str, str]) -> list[str]:
     """One line per axis the recipe asked for and the plan could place nothing on (dp and
     pp are the runtime's, never the plan's), naming the recipe key that has no effect.
     Derive logs them as warnings and so does every run that builds the model from the
-    plan, so no front door hides them (issue 28)."""
+    plan, so no front door hides them."""
     return [f"note: {axis} not applied: {why} (accelerator.{AXIS_KEYS.get(axis, axis)} has no effect on this "
             f"model; set it to its default to drop this warning)"
             for axis, why in sorted(recorded_axes.items()) if axis not in (DP, PP)]

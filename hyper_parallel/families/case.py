@@ -21,7 +21,7 @@ from hyper_parallel.families.tiny import REPO, family_dir, is_remote
 from hyper_parallel.trainer.reference import reference_training
 from hyper_parallel.trainer.metrics import read_metrics
 
-# layout -> accelerator keys; ep is borrowed from dp*cp, so ep2 needs dp2 (DESIGN §3).
+# layout -> accelerator keys; ep is borrowed from dp*cp, so ep2 needs dp2.
 LAYOUTS = {
     "tp2": {"tp_size": 2},
     "tp2_sp_lp": {"tp_size": 2, "sequence_parallel": True, "loss_parallel": True},

@@ -1,4 +1,4 @@
-"""The M1 protocol layer: Module / Configurable / Function.Config / ShardingConfig.
+"""The protocol layer: Module / Configurable / Function.Config / ShardingConfig.
 
 Exports resolve lazily: importing ``hyper_parallel.protocols.sharding`` (torch-free,
 used by the plan/freeze stages) must not pull torch in through this package.

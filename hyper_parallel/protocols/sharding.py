@@ -1,6 +1,6 @@
 """ShardingConfig: how one module is laid out across the device mesh.
 
-This is the single plan format of the project (DESIGN §5). The HF planner and the
+This is the single plan format of the project. The HF planner and the
 ``models/common`` sharding helpers both produce it; one applier
 (``hyper_parallel.distributed.applier``) consumes it.
 

@@ -1,6 +1,6 @@
 """One plan entry (a ``ShardingConfig`` with its role) as JSON, both ways: the one entry
 codec. ``distributed.plan_format`` builds plan documents from it; ``config_dict`` (the
-M1 configs' round trip) writes and reads a ``ShardingConfig`` with it.
+configs' round trip) writes and reads a ``ShardingConfig`` with it.
 
 An ENTRY (written by ``sharding_config_to_json`` with every key, always in this order, so
 ``json.dumps`` without ``sort_keys`` is deterministic)::

@@ -104,9 +104,8 @@ class BaseTrainer:
         return int(data["next_row"])
 
     def _build_model(self) -> torch.nn.Module:
-        """The recipe's model through HyperAutoModel (seed §10's ``config.model.build(...)``,
-        which the recipe no longer carries: the recipe knows no models), with the backend
-        the recipe resolves to."""
+        """The recipe's model through HyperAutoModel (the recipe itself knows no models),
+        with the backend the recipe resolves to."""
         return HyperAutoModel.from_pretrained(self.config, mesh_context=self.mesh_context)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:

@@ -1,4 +1,4 @@
-"""Preflight (DESIGN §7): per-rank integrity checks and the torchrun launcher."""
+"""Preflight: per-rank integrity checks and the torchrun launcher."""
 
 import json
 import logging

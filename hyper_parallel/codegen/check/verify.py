@@ -1,4 +1,4 @@
-"""verify (DESIGN §4, §7): run a bundle's generated model at the recipe's world size and
+"""verify: run a bundle's generated model at the recipe's world size and
 layout, on a shrunk probe of the recipe's model, and compare with one process.
 
 The probe (``probe.py``) keeps every property the frozen plan depends on. The reference

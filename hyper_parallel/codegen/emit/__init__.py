@@ -1,4 +1,4 @@
-"""emit: write the generated modeling file and its review diff (DESIGN §6)."""
+"""emit: write the generated modeling file and its review diff."""
 
 from hyper_parallel.codegen.emit.diff import unified_diff_text
 from hyper_parallel.codegen.emit.modeling import emit_modeling_source

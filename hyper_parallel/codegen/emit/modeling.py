@@ -1,4 +1,4 @@
-"""emit: the generated modeling file (DESIGN §6).
+"""emit: the generated modeling file.
 
     banner                      what was generated from what, and what the runtime owns
     the HF source, edited       relative imports made absolute, runtime import added,

@@ -1,4 +1,4 @@
-"""derive: the planner's per-module plan on a meta-device model (DESIGN §4, §5).
+"""derive: the planner's per-module plan on a meta-device model.
 
 This is the one stage that imports torch and transformers.
 """

@@ -1,4 +1,4 @@
-"""project_codegen_spec(config) and the signatures computed from it (DESIGN §4).
+"""project_codegen_spec(config) and the signatures computed from it.
 
 Nothing here imports torch or transformers: every doit up-to-date check runs it.
 """
@@ -152,7 +152,7 @@ def _check_bundle_dir(bundle_dir: Path, *, yaml_dir: Path, model_dir: Path, work
 # --- signatures ---------------------------------------------------------------------------
 
 def bundle_signature_inputs(spec: CodegenSpec) -> dict[str, Any]:
-    """Exactly the recipe-side inputs that can change a bundle's bytes (DESIGN §4). The
+    """Exactly the recipe-side inputs that can change a bundle's bytes. The
     codegen implementation's hash is not among them: it decides when stages rerun (the
     stage signatures, in the workspace), while the committed bundle changes only when
     what is emitted changes."""

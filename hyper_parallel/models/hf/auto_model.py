@@ -1,4 +1,4 @@
-"""``HyperAutoModel``: the training path's model entry point (DESIGN §1, §8; seed §10, §12).
+"""``HyperAutoModel``: the training path's model entry point.
 
     model = HyperAutoModel.from_pretrained(config, mesh_context=ctx)   # under torchrun
     model = HyperAutoModel.from_pretrained(config)                     # one process, unsharded
@@ -215,7 +215,7 @@ def fsdp_mixed_precision(config: TrainerConfig) -> Any:
 
 def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
                                mesh_context: MeshContext | None) -> nn.Module:
-    """The runtime's part after the plan (DESIGN §9): activation checkpointing, FSDP2
+    """The runtime's part after the plan: activation checkpointing, FSDP2
     ``fully_shard`` over dp, then ``torch.compile`` — each only when the recipe asks."""
     training = config.training
     if training.activation_checkpointing:

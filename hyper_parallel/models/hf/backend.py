@@ -1,6 +1,6 @@
 """Which modeling code builds the model: HF's, the project's custom one, or a codegen bundle.
 
-Resolution (DESIGN §8, seed codegen-design §9), first rule that applies wins:
+Resolution, first rule that applies wins:
 
 | rule                                  | backend | warning                                   |
 |---------------------------------------|---------|-------------------------------------------|
