@@ -8,6 +8,7 @@ Progress goes to this module's logger, each line tagged with its stage (``[deriv
 the entry point that runs a stage decides how it is shown (``console_log``).
 """
 
+import importlib
 import json
 import logging
 import os
@@ -23,8 +24,8 @@ from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
 from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.codegen.stage_table import (
+    INSTALLED,
     SIGNATURES_FILE,
-    STAGE_TABLE,
     STAGED_DIR,
     STAGES,
     WORKSPACE_ENTRIES,
@@ -70,7 +71,7 @@ class StageFiles:
 
 def expected_signature(spec: CodegenSpec, stage: str) -> str | None:
     """The signature ``stage`` would record now, or None when an input is missing."""
-    if stage == "install":
+    if stage_row(stage).current == INSTALLED:  # the installed bundle's meta is sealed with it
         return signature_from_spec(spec)
     upstream = {}
     for path in StageFiles(spec).upstream(stage):
@@ -84,7 +85,7 @@ def stage_is_current(spec: CodegenSpec, stage: str) -> bool:
     expected = expected_signature(spec, stage)
     if expected is None:
         return False
-    if stage == "install":
+    if stage_row(stage).current == INSTALLED:
         return install_is_current(spec)
     record = read_stage_record(StageFiles(spec).output(stage))
     if record is None or recorded_signatures(spec).get(stage) != expected:
@@ -289,15 +290,16 @@ def run_preflight(spec: CodegenSpec) -> None:
     write_stage_output(spec, "preflight", {"report": report})
 
 
-# Each stage of the table runs the function named after it, ``run_<stage>``.
-STAGE_RUNNERS: dict[str, Callable[[CodegenSpec], None]] = {row.name: globals()[f"run_{row.name}"]
-                                                                 for row in STAGE_TABLE}
+def stage_runner(stage: str) -> Callable[[CodegenSpec], None]:
+    """The function the stage table names as the stage's runner."""
+    module, _, function = stage_row(stage).runner.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def run_stage(spec: CodegenSpec, stage: str) -> float:
     """Run one stage (unconditionally) and return its wall time in seconds."""
     start = time.perf_counter()
-    STAGE_RUNNERS[stage](spec)
+    stage_runner(stage)(spec)
     return time.perf_counter() - start
 
 
