@@ -30,21 +30,22 @@ class Stage:
     ``facts``: the recipe facts (named in ``spec.project.SPEC_FACTS``) its output depends
     on; ``reads``: the earlier stages whose outputs it reads; ``output``: its record, a
     file in the recipe's workspace, or ``<bundle>/<file>`` for one in the installed
-    bundle; ``implementation``: the parts of the package (files or folders relative to
-    ``hyper_parallel/``) whose code it runs; ``doc``: what it does, for ``doit list``;
-    ``runner``: the function that runs it (``module:function``, imported when the stage
-    runs, so the table stays import-light); ``current``: how its record is judged current —
-    ``RECORD`` (its signature in the workspace and the staged files it lists) or
-    ``INSTALLED`` (the bundle installed with this recipe's signature)."""
+    bundle; ``doc``: what it does, for ``doit list``; ``runner``: the function that runs it
+    (``module:function``, imported when the stage runs, so the table stays import-light);
+    its implementation hash covers what the runner imports (``codegen/hash.runner_parts``)
+    and ``dynamic``, the parts of the package it runs by computed names that no import
+    statement shows (a recipe's ``replace_module`` targets); ``current``: how its record is
+    judged current — ``RECORD`` (its signature in the workspace and the staged files it
+    lists) or ``INSTALLED`` (the bundle installed with this recipe's signature)."""
 
     name: str
     doc: str
     facts: tuple[str, ...]
     reads: tuple[str, ...]
     output: str
-    implementation: tuple[str, ...]
     runner: str
     current: str
+    dynamic: tuple[str, ...] = ()
 
     @property
     def in_bundle(self) -> bool:
@@ -60,43 +61,32 @@ class Stage:
 STAGE_TABLE: tuple[Stage, ...] = (
     Stage("resolve", "find the HF modeling source, its sha256 and the transformers version",
           facts=("source", "model_dir", "config_sha256"), reads=(), output="source.json",
-          implementation=("codegen/source", "codegen/spec", "codegen/hash.py"),
           runner=f"{_STAGES_MODULE}:run_resolve", current=RECORD),
     Stage("derive", "plan every module on a meta-device model over an offline mesh",
           facts=("parallel", "plan_overrides", "config_overrides"), reads=("resolve",), output="plan.json",
-          # probe.py: the dataflow trace's tiny copy
-          implementation=("codegen/plan", "runtime", "codegen/check/probe.py", "class_paths.py",
-                          "config/plan_override.py", "distributed", "protocols", "models", "components"),
+          dynamic=("models", "components"),
           runner=f"{_STAGES_MODULE}:run_derive", current=RECORD),
     Stage("freeze", "validate, normalize and pattern-compress the plan",
           facts=(), reads=("derive",), output="frozen.json",
-          implementation=("codegen/plan/freeze.py", "protocols/placement_text.py", "protocols/sharding_json.py",
-                          "distributed/plan_format.py"),
           runner=f"{_STAGES_MODULE}:run_freeze", current=RECORD),
     Stage("emit", "write the generated modeling file and __init__.py (staged)",
           facts=("bundle_signature", "modeling_file"), reads=("freeze", "resolve"), output="emit.json",
-          implementation=("codegen/emit", "codegen/astkit", "codegen/meta.py", "codegen/stages.py",
-                          "config/plan_override.py"),
           runner=f"{_STAGES_MODULE}:run_emit", current=RECORD),
     Stage("diff", "diff the generated file against the HF modeling source (staged)",
           facts=("modeling_file",), reads=("emit", "resolve"), output="diff.json",
-          implementation=("codegen/emit/diff.py",),
           runner=f"{_STAGES_MODULE}:run_diff", current=RECORD),
     Stage("verify", "run the staged bundle at the recipe's world size on a shrunk probe; compare loss and "
                     "gradients with one process",
           facts=("parallel", "attn_implementation"), reads=("emit",), output="verify.json",
-          implementation=("codegen/check", "codegen/loader.py", "runtime", "codegen/plan/derive.py",
-                          "class_paths.py", "distributed", "protocols", "models", "components"),
+          dynamic=("models", "components"),
           runner=f"{_STAGES_MODULE}:run_verify", current=RECORD),
     # install's record is the bundle's meta, sealed with the bundle signature itself
     Stage("install", "swap the verified staged bundle into <recipe dir>/generated/ atomically",
           facts=("bundle_signature",), reads=("emit", "diff", "verify"), output=f"{IN_BUNDLE}/{META_FILE}",
-          implementation=("codegen/bundle_folder.py", "codegen/meta.py"),
           runner=f"{_STAGES_MODULE}:run_install", current=INSTALLED),
     Stage("preflight", "torchrun across the recipe's world size: apply the plan, check shards and digests",
           facts=("world_size",), reads=("install",), output="preflight.json",
-          implementation=("codegen/check", "codegen/loader.py", "runtime", "class_paths.py",
-                          "distributed"),
+          dynamic=("models", "components"),
           runner=f"{_STAGES_MODULE}:run_preflight", current=RECORD),
 )
 

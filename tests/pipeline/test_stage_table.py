@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from hyper_parallel.codegen import hash as hashing, stages
-from hyper_parallel.codegen.hash import ImplementationPartMissing, implementation_sha256, part_modules
+from hyper_parallel.codegen.hash import ImplementationPartMissing, implementation_sha256, part_modules, runner_parts
 from hyper_parallel.codegen.stage_table import (
     STAGE_TABLE,
     STAGES,
@@ -24,8 +24,9 @@ def test_every_stage_has_a_runner_known_facts_and_existing_implementation():
     for row in STAGE_TABLE:
         assert callable(stages.stage_runner(row.name)), row.name
         assert set(row.facts) <= set(SPEC_FACTS), row.name
-        for part in row.implementation:
+        for part in row.dynamic:
             assert part_modules(part), (row.name, part)  # raises when the part is missing
+        assert "codegen/stages.py" in runner_parts(row.runner, row.dynamic), row.name
 
 
 def test_workspace_entries_are_the_table_records_and_the_staged_folder():
@@ -64,15 +65,15 @@ def test_dodo_lists_no_stage_itself():
 
 
 def test_a_table_whose_stage_reads_a_later_one_is_refused():
-    rows = (Stage("b", "", facts=(), reads=("a",), output="b.json", implementation=(), runner="m:b", current="record"),
-            Stage("a", "", facts=(), reads=(), output="a.json", implementation=(), runner="m:a", current="record"))
+    rows = (Stage("b", "", facts=(), reads=("a",), output="b.json", runner="m:b", current="record"),
+            Stage("a", "", facts=(), reads=(), output="a.json", runner="m:a", current="record"))
     with pytest.raises(ValueError, match="b reads \\['a'\\], not an earlier stage"):
         check_table(rows)
     check_table(rows[::-1])
 
 
 def test_a_row_without_a_runner_or_with_an_unknown_currentness_rule_is_refused():
-    good = dict(doc="", facts=(), reads=(), output="a.json", implementation=(), runner="m:run_a", current="record")
+    good = dict(doc="", facts=(), reads=(), output="a.json", runner="m:run_a", current="record")
     check_table((Stage("a", **good),))
     for bad in ({"runner": "run_a"}, {"current": "always"}):
         with pytest.raises(ValueError, match="stage table: a: current must be"):
@@ -95,7 +96,7 @@ def package(tmp_path, monkeypatch):
     return root
 
 
-EVERY_PART = tuple(sorted({part for row in STAGE_TABLE for part in row.implementation}))
+EVERY_PART = tuple(sorted({part for row in STAGE_TABLE for part in runner_parts(row.runner, row.dynamic)}))
 
 
 def _hash(*parts: str) -> str:
@@ -146,3 +147,35 @@ def test_the_package_hash_ignores_junk_beside_the_real_modules(tmp_path, monkeyp
     (root / "models" / "__pycache__").mkdir(exist_ok=True)
     (root / "models" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
     assert _hash(*EVERY_PART) == before
+
+
+
+def test_a_stage_s_code_is_what_its_runner_imports(tmp_path, monkeypatch):
+    """runner_parts follows the runner's imports (its module's top level, the function and
+    the helpers it calls, modules named to run with -m) and nothing else of the module."""
+    root = tmp_path / "hyper_parallel"
+    (root / "pkg").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "used.py").write_text("from hyper_parallel.pkg import deep\n")
+    (root / "pkg" / "deep.py").write_text("X = 1\n")
+    (root / "pkg" / "worker.py").write_text("W = 1\n")
+    (root / "pkg" / "other.py").write_text("O = 1\n")
+    (root / "pkg" / "top.py").write_text("T = 1\n")
+    (root / "stages.py").write_text(
+        "from hyper_parallel.pkg import top\n\n\n"
+        "def run_a(spec):\n    from hyper_parallel.pkg.used import thing\n    return helper()\n\n\n"
+        "def helper():\n    return ['-m', 'hyper_parallel.pkg.worker']\n\n\n"
+        "def run_b(spec):\n    from hyper_parallel.pkg import other\n")
+    monkeypatch.setattr(hashing, "PACKAGE_ROOT", root)
+    for cached in (hashing.runner_parts, hashing._module_file, hashing._file_imports):
+        cached.cache_clear()
+    try:
+        assert runner_parts("hyper_parallel.stages:run_a") == (
+            "pkg/__init__.py", "pkg/deep.py", "pkg/top.py", "pkg/used.py", "pkg/worker.py", "stages.py")
+        assert "pkg/other.py" in runner_parts("hyper_parallel.stages:run_b", ("pkg/deep.py",))
+        with pytest.raises(ImplementationPartMissing, match="no function 'run_c'"):
+            runner_parts("hyper_parallel.stages:run_c")
+    finally:
+        for cached in (hashing.runner_parts, hashing._module_file, hashing._file_imports):
+            cached.cache_clear()

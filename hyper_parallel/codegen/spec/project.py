@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.hash import implementation_sha256, sha256_file, sha256_json
+from hyper_parallel.codegen.hash import implementation_sha256, runner_parts, sha256_file, sha256_json
 from hyper_parallel.codegen.source.resolver import SourceError, SourceLocation, locate_source, read_model_config
 from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.codegen.stage_table import WORKSPACE_DIR, WORKSPACE_ENV, stage_row
@@ -194,4 +194,4 @@ def stage_signature(spec: CodegenSpec, name: str, upstream: dict[str, str]) -> s
     row = stage_row(name)
     own = {fact: SPEC_FACTS[fact](spec) for fact in row.facts}
     return sha256_json({"stage": name, "inputs": own, "upstream": upstream,
-                        "implementation_sha256": implementation_sha256(row.implementation)})
+                        "implementation_sha256": implementation_sha256(runner_parts(row.runner, row.dynamic))})
