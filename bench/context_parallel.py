@@ -77,7 +77,7 @@ def _parallel(model, config, algorithm: str, balance: bool, mesh_context, dims):
     mesh = build_offline_mesh(dims)
     result = ShardingPlanner(meta, dims=dims, mesh=mesh,
                              context_parallel=ContextParallel(algorithm, balance)).plan()
-    document = plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
+    document = plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, mesh_ep=mesh.ep, applied_axes=result.applied_axes,
                             recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
                             context_parallel=result.context_parallel)
     return hyper_parallelize(model, mesh_context, json.loads(json.dumps(document)))

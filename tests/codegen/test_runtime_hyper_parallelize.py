@@ -55,7 +55,7 @@ def frozen_tp2_plan() -> dict:
         model = transformers.AutoModelForCausalLM.from_config(tiny_config())
     hyper_apply_replacements(model, REPLACEMENTS)
     result = ShardingPlanner(model, dims=dims, mesh=mesh).plan()
-    return freeze_plan({"format": 1, "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes)},
+    return freeze_plan({"format": 1, "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes), "ep": mesh.ep},
                         "applied_axes": list(result.applied_axes), "recorded_axes": dict(result.recorded_axes),
                         "modules": plan_modules_to_json(result.modules, result.roles)},
                        [name for name, _ in model.named_modules()])

@@ -122,7 +122,7 @@ def run_layout(args) -> dict:
                              context_parallel=settings).plan()
     mesh = build_offline_mesh(dims)
     document = json.loads(json.dumps(plan_to_json(
-        mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
+        mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, mesh_ep=mesh.ep, applied_axes=result.applied_axes,
         recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
         context_parallel=result.context_parallel)))
     hyper_parallelize(parallel, mesh_context, document)

@@ -215,7 +215,7 @@ def _emit_generated(out: Path, layout: str, dims) -> Path:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(mixtral_config())
     result = ShardingPlanner(model, dims=dims, mesh=mesh).plan()
-    frozen = freeze_plan({"format": 1, "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes)},
+    frozen = freeze_plan({"format": 1, "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes), "ep": mesh.ep},
                           "applied_axes": list(result.applied_axes), "recorded_axes": dict(result.recorded_axes),
                           "modules": plan_modules_to_json(result.modules, result.roles)},
                          [name for name, _ in model.named_modules()])
