@@ -77,8 +77,8 @@ a trained pass). ``--keep DIR`` keeps the checkpoints too (an existing one is re
 Prints a table and a summary line; writes ``docs/families.md`` and ``docs/families.json``
 (``--no-docs``: don't) with exactly the rows that were run: a run over fewer families or
 layouts than the full sweep says so ("partial run") in both the summary and the docs.
-The tiny configs and checkpoints (``hyper_parallel/families/tiny.py``) and one case's recipe,
-generate and training (``hyper_parallel/families/case.py``) are in the package: the test
+The tiny configs and checkpoints (``bench/families/tiny.py``) and one case's recipe,
+generate and training (``bench/families/case.py``) live beside this script: the test
 suite's fast subset (``tests/families/test_family_subset.py``, 8 families at tp2 and cp2)
 runs the same code. Progress goes to stderr, one line per case with its seconds. Runs
 subprocesses with OMP_NUM_THREADS=1 and no torchrun variables; ``--jobs N`` runs N cases at
@@ -106,9 +106,9 @@ from transformers import CONFIG_MAPPING
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-# The tiny configs and the case runner live in the package, so the test suite's family
-# subset (tests/families/test_family_subset.py) runs the same code.
-from hyper_parallel.families.case import (
+# The tiny configs and the case runner live beside this script (bench/families/), so the
+# test suite's family subset (tests/families/test_family_subset.py) runs the same code.
+from families.case import (
     LAYOUTS,
     MOE_LAYOUTS,
     TRAIN_STEPS,
@@ -121,7 +121,7 @@ from hyper_parallel.families.case import (
     run_bounded,
     run_case,
 )
-from hyper_parallel.families.tiny import (
+from families.tiny import (
     REMOTE_PREFIX,
     class_defaults,
     family_dir,

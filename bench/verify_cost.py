@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hyper_parallel.codegen.light_boot import NO_TORCH_BOOT, TORCH_IMPORTED_RC
+from light_boot import NO_TORCH_BOOT, TORCH_IMPORTED_RC
 
 try:
     import psutil

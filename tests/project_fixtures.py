@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hyper_parallel.codegen.light_boot import NO_TORCH_BOOT
+from bench.light_boot import NO_TORCH_BOOT
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = "recipes/tiny_cpu/qwen3_moe_tiny.yaml"

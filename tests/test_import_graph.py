@@ -33,12 +33,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("codegen",),                           # the pipeline: the build tool
     ("models.hf", "models.qwen3_moe", "models"),  # model builders: hf / custom / gen backends
     ("trainer",),                           # training on a built model
-    ("families",),                          # model families under test: build, generate, train them
 )
 
 # The layers the issue names as "lower": none of them may import any "higher" one.
 LOWER = ("config", "protocols", "platform", "distributed")
-HIGHER = ("codegen", "models", "trainer", "families", "components")
+HIGHER = ("runtime", "codegen", "models", "trainer", "components")
 
 # Imports the layer order allows but the design does not: the trainer reaches codegen
 # only through the model builders (HyperAutoModel), never its internals.

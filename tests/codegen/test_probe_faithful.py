@@ -18,7 +18,7 @@ from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.model_parts import decoder_layers
 from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility
 from hyper_parallel.distributed.planner import ShardingPlanner
-from hyper_parallel.families.tiny import meta_model, tiny_config
+from bench.families.tiny import meta_model, tiny_config
 
 
 def _probe(config, tp: int = 1):

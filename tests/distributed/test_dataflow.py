@@ -174,7 +174,7 @@ def test_per_head_vector_of_a_gathered_attention_stays_whole():
     # gate_bias hinted colwise; the dry run finds the block cannot run on local heads, so it
     # is gathered, every rank keeps every head, and gate_bias must not be split.
     from hyper_parallel.codegen.check.probe import shrink_widths
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     config = shrink_widths(tiny_config("beam"), tp=TP, ep=1, seq_len=8, where="beam")
     result = _planned(config, ParallelDims(tp=TP))
@@ -223,7 +223,7 @@ def test_a_split_that_runs_but_computes_other_values_is_gathered():
 def test_a_block_returning_flattened_tokens_is_refused_under_sp_and_planned_under_cp():
     # Llama 4's MoE returns [tokens, hidden]: sequence parallel's reduce-scatter along dim 1
     # would split the hidden dim (the decoder layer's view() hid it: wrong numbers, no error).
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     config = tiny_config("llama4_text")
     with pytest.raises(Exception, match=r"sequence_parallel: model.layers.0.feed_forward \(Llama4TextMoe\) "
@@ -235,7 +235,7 @@ def test_a_block_returning_flattened_tokens_is_refused_under_sp_and_planned_unde
 def test_a_block_taking_the_stream_several_times_converts_each():
     # CTRL calls its attention as attn(normed, normed, normed) (v, k, q): under sp every one of
     # the three must be gathered, not only the first (a size mismatch in the attention).
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     result = _planned(tiny_config("ctrl"), ParallelDims(tp=TP), sequence_parallel=True)
     block = result.modules["transformer.h.0.multi_head_attention"]
@@ -249,7 +249,7 @@ def test_a_block_whose_norm_reads_its_partial_sums_reduces_them_first_under_sp()
     # AXK1's MoE ends in post_mlp_layernorm(experts + shared): a norm of partial sums is not
     # a partial sum of norms, so the experts and the shared down projection all-reduce and
     # the block hands on a slice; Qwen3-MoE's block still hands on its partial sum.
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     axk1 = _planned(tiny_config("axk1"), ParallelDims(tp=TP), sequence_parallel=True)
     block = axk1.modules["model.layers.1.mlp"]
@@ -263,7 +263,7 @@ def test_decoder_layer_parameters_of_its_own_read_the_sequence_piece():
     # Doge's decoder layer scales the residual with parameters of its own: under sp the
     # first layer's entry both splits the sequence and keeps them, later layers' entries
     # read the piece (so their gradients are summed over the split axis).
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     result = _planned(tiny_config("doge"), ParallelDims(tp=TP), sequence_parallel=True)
     first, second = result.modules["model.layers.0"], result.modules["model.layers.1"]
@@ -275,7 +275,7 @@ def test_decoder_layer_parameters_of_its_own_read_the_sequence_piece():
 def test_a_module_of_matrices_off_every_block_is_replicated():
     # DBRX's expert GLU holds w1/v1/w2 that the experts' loop slices per expert: no role by
     # name, joined to no projection: replicated rather than refused.
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     result = _planned(tiny_config("dbrx"), ParallelDims(tp=TP))
     assert result.roles["transformer.blocks.0.ffn.experts.mlp"] == "replicate"
@@ -376,7 +376,7 @@ def test_attention_over_a_key_filled_through_views_is_seen_and_its_sinks_stay_wh
     # TP plan writes ``self_attn.sinks: colwise``; the trace must see the attention (the
     # base carries what was written into its views), and as the dataflow gathers that
     # attention (a latent shared by every head), every rank keeps every head's sink.
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     config = tiny_config("hy_v4")
     flow = _flow(_tiny(config))
@@ -390,7 +390,7 @@ def test_attention_over_a_key_filled_through_views_is_seen_and_its_sinks_stay_wh
 def test_an_input_embedding_running_a_module_of_its_own_is_replicated():
     # Inkling-2's embedding normalizes its lookup inside its own forward: split by vocabulary,
     # the norm would see the lookup's partial sums (reduced only at the module's output).
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     result = _planned(tiny_config("inkling2_loop_text"), ParallelDims(tp=TP))
     assert result.roles["model.embed_tokens"] == "replicate"
@@ -405,7 +405,7 @@ def test_a_block_handing_on_two_streams_splits_both_whole(dims, options):
     # DBRX's norm_attn_norm returns (residual + attention, its norm): both are the stream, so
     # both are handed on split along the sequence, each whole before the split (a partial
     # sum reaching two outputs would be reduced for one only).
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     result = _planned(tiny_config("dbrx"), dims, **options)
     block = result.modules["transformer.blocks.0.norm_attn_norm"]
@@ -418,7 +418,7 @@ def test_all_reduce_on_a_module_of_its_own_parameters_sums_their_partial_output(
     # Inkling's shared experts hold 3-d gate/up/down tensors written colwise/colwise/rowwise
     # and the module itself all_reduce: each tensor split as written, the output a partial
     # sum over tp reduced on the way out. At tp 1 (dp, cp) the style needs no role at all.
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     config = tiny_config("inkling_text")
     result = _planned(config, ParallelDims(tp=TP))
@@ -452,7 +452,7 @@ def test_a_parameter_handed_out_as_a_view_is_refused_under_a_sequence_split(monk
     # view of it (or one taken into another module) it cannot follow: refused by name.
     from transformers.models.gpt_neox_japanese import modeling_gpt_neox_japanese as neox_j
 
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     config = tiny_config("gpt_neox_japanese")
     planned = _planned(config, ParallelDims(cp=2))
@@ -472,7 +472,7 @@ def test_a_parameter_handed_out_as_a_view_is_refused_under_a_sequence_split(monk
 def test_modules_after_the_layers_read_the_split_stream_through_other_modules_too():
     # HY-V4's final norm reads its hyper-connection head, which reads the layers: both run
     # on the sequence piece, so both sum their weight gradients over the split axis.
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     config = tiny_config("hy_v4")
     flow = _flow(_tiny(config))
@@ -486,7 +486,7 @@ def test_a_block_holding_other_matrices_is_left_whole_not_split_by_names():
     # Inkling-2's attention runs short convolutions (Conv1d) on k and v: the roles lay out
     # nn.Linear weights only, so the dataflow leaves the block whole; names must not split
     # o_proj.gate_proj alone (colwise by its name, against a replicated attention output).
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     result = _planned(tiny_config("inkling2_loop_text"), ParallelDims(tp=TP))
     attention = {name: role for name, role in result.roles.items() if name.startswith("model.layers.0.self_attn.")}
@@ -502,7 +502,7 @@ def test_a_block_whose_parameters_are_read_outside_their_modules_is_gathered_ove
     # DBRX's experts slice their GLU's matrices in the experts' loop, outside the GLU's
     # forward: those stay plain tensors, whose gradients only whole-sequence work makes whole,
     # so context parallel gathers that block like attention (sequence parallel need not).
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     result = _planned(tiny_config("dbrx"), ParallelDims(cp=2))
     block = result.modules["transformer.blocks.0.ffn"]
@@ -514,7 +514,7 @@ def test_a_block_whose_parameters_are_read_outside_their_modules_is_gathered_ove
 def test_experts_taking_no_routing_are_refused_under_expert_parallel():
     # Llama 4 applies its router before the experts, which take the routed hidden states
     # alone: the token dispatch has no top-k indices to route by (a TypeError in training).
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     with pytest.raises(Exception, match=r"accelerator.ep_size: model.layers.0.feed_forward.experts "
                                         r"\(Llama4TextExperts\) takes \(hidden_states\)"):
@@ -527,7 +527,7 @@ def test_heads_tp_cannot_split_leave_attention_whole_and_split_the_rest():
     # layers' attention is replicated whole (exact at any tp) while the MLP and the
     # vocabulary stay split; the plan's note says why. Without a dataflow to show which
     # modules are attention, the head count is refused as before.
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     config = tiny_config("gpt_bigcode")
     assert config.num_key_value_heads == 1
@@ -545,7 +545,7 @@ def test_heads_tp_cannot_split_leave_attention_whole_and_split_the_rest():
 def test_a_projection_the_trace_saw_pick_experts_is_replicated_whatever_its_name():
     # ZAYA's router MLP ends in out_proj ("rowwise" by name, beside fc1's colwise split); the
     # trace sees it pick the experts: a router, replicated (rowwise crashed on the ranks).
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     result = _planned(tiny_config("zaya"), ParallelDims(tp=TP))
     assert result.roles["model.layers.0.mlp.gate.router_mlp.out_proj"] == "replicate"
@@ -556,7 +556,7 @@ def test_a_linear_weight_applied_outside_its_forward_is_that_linear_output():
     self.classifier.weight)``): the scores top-k picks from are the classifier's output, so
     the classifier is the router. Read as the input's, they named the stream's last writer,
     attention's o_proj, a router, and its attention lost its block."""
-    from hyper_parallel.families.tiny import tiny_config
+    from bench.families.tiny import tiny_config
 
     flow = _flow(_tiny(tiny_config("longcat_flash")))
     assert {pattern(name) for name in flow.routers} == {"model.layers.*.mlp.router.classifier"}

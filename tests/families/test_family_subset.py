@@ -1,5 +1,5 @@
 """The family sweep's fast subset: 8 structurally different transformers families at tp2
-and cp2, through the code the sweep runs (``hyper_parallel.families``: tiny config,
+and cp2, through the code the sweep runs (``bench/families``: tiny config,
 ``save_pretrained`` checkpoint, recipe, ``python -m hyper_parallel.codegen generate``).
 
 Generate runs the verify stage, which trains the bundle at the recipe's world size against
@@ -25,8 +25,8 @@ listed in ``REFUSED``.
 import pytest
 
 from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
-from hyper_parallel.families.case import Case, make_project, run_case
-from hyper_parallel.families.tiny import family_dir, save_checkpoint
+from bench.families.case import Case, make_project, run_case
+from bench.families.tiny import family_dir, save_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

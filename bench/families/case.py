@@ -17,7 +17,7 @@ import yaml
 
 from hyper_parallel.codegen.check.launch import RANK_PREFIX, exit_text, rank_exits, rank_stderr_lines
 from hyper_parallel.codegen.spec.types import STAGES
-from hyper_parallel.families.tiny import REPO, family_dir, is_remote
+from .tiny import REPO, family_dir, is_remote
 from hyper_parallel.trainer.reference import reference_training
 from hyper_parallel.trainer.metrics import read_metrics
 
