@@ -1,6 +1,3 @@
-"""emit: write the generated modeling file and its review diff."""
-
-from hyper_parallel.codegen.emit.diff import unified_diff_text
-from hyper_parallel.codegen.emit.modeling import emit_modeling_source
-
-__all__ = ["emit_modeling_source", "unified_diff_text"]
+"""emit: write the generated modeling file (``modeling.py``) and its review diff
+(``diff.py``). Nothing is imported here: a stage's implementation hash follows what it
+imports, so the diff stage importing ``emit.diff`` does not take in the emitter too."""
