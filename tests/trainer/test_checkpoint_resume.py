@@ -27,6 +27,10 @@ LAYOUTS = {
     "tp2": {"accelerator": {"nproc_per_node": 2, "tp_size": 2}, "async": False},
     # FSDP2 over dp2, saved in the background (dcp.async_save).
     "dp2_fsdp2_async": {"accelerator": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1}, "async": True},
+    # The custom backend (models/common names, fused experts): its checkpoints carry the
+    # HF config and weight map for export, and resume like the others.
+    "custom_tp2": {"accelerator": {"nproc_per_node": 2, "tp_size": 2}, "async": False,
+                   "recipe": {"codegen": False, "modeling_backend": "custom"}},
 }
 
 
@@ -53,6 +57,7 @@ def test_a_resumed_run_continues_exactly(tmp_path_factory, tmp_path, layout):
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
     data["accelerator"].update(LAYOUTS[layout]["accelerator"])
+    data.update(LAYOUTS[layout].get("recipe", {}))
     data["training"].update(steps=6, global_batch_size=4, micro_batch_size=2, seq_len=12, checkpoint={
         "dir": "checkpoints", "every_steps": 2, "keep_last": 2, "async": LAYOUTS[layout]["async"]})
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -75,6 +80,9 @@ def test_a_resumed_run_continues_exactly(tmp_path_factory, tmp_path, layout):
     _assert_same_steps(resumed, whole[4:])  # the metrics list only the steps this run ran
     assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]
     assert (root / "step_6" / "COMPLETE.json").is_file()
+    if layout == "custom_tp2":  # what `trainer export` needs to write HF files from it
+        recorded = json.loads((root / "step_6" / "hf" / "weight_map.json").read_text())
+        assert recorded["model.layers.*.self_attn.q_proj.weight"] == "layers.*.attention.q_proj.weight"
 
     if layout == "tp2":  # --no-resume starts from the model's weights, checkpoints or not
         data["training"]["steps"] = 2
