@@ -90,7 +90,6 @@ def _chunk_range(start: int, stop: int, pieces: int, index: int) -> tuple[int, i
     return lo, min(lo + step, stop)
 
 
-@torch.no_grad()
 def load_sharded_safetensors(model: torch.nn.Module, model_dir: str | Path, *, strict: bool = True,
                              key_mapping: dict[str, str] | None = None,
                              weight_map: dict[str, str | list[str]] | None = None,
@@ -135,6 +134,7 @@ def load_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], *, or
                  source_model=source_model)
 
 
+@torch.no_grad()
 def _fill(model, origin: str, where, leaf, *, strict, weight_map, key_mapping, source_model) -> ShardedLoadReport:
     """Copy each model tensor's (local part of its) source; the tensors nothing fills are
     an error under ``strict``."""
@@ -148,8 +148,7 @@ def _fill(model, origin: str, where, leaf, *, strict, weight_map, key_mapping, s
             if id(tensor) not in loaded:  # a tied weight stored once is fine
                 report.missing.append(name)
             continue
-        with torch.no_grad():
-            _copy_local(name, tensor, source, origin)
+        _copy_local(name, tensor, source, origin)
         loaded.add(id(tensor))
         report.tensors += 1
         report.bytes_read += tensor.to_local().nbytes if isinstance(tensor, DTensor) else tensor.nbytes

@@ -251,12 +251,18 @@ def build_custom_model(custom_module: ModuleType, hf_config: Any, config: Traine
     """The custom model, with the folder's HF checkpoint placed by the weight map (the
     model's classes declare how HF names become theirs). It carries the HF config and
     the weight map to the HF layout, so its checkpoints export to HF files."""
+    from hyper_parallel.distributed.weight_map import WeightMapError
+
     model = custom_module.build_custom_model(hf_config)
     source = hf_source_model(hf_config)
+    try:  # derived once: the loader starts from it, the checkpoints record it
+        weight_map = to_text(derive_weight_map(model, saved_layout(source), source_model=source))
+    except WeightMapError as exc:
+        raise ModelBuildError(f"{config.where}: {exc}") from None
     if with_weights:
-        load_hf_folder(model, source, recipe_model_dir(config))
+        load_hf_folder(model, source, recipe_model_dir(config), weight_map=weight_map)
     model.hyper_hf_config = hf_config
-    model.hyper_weight_map = to_text(derive_weight_map(model, saved_layout(source), source_model=source))
+    model.hyper_weight_map = weight_map
     return model.to(parameter_dtype(config)).train()
 
 
@@ -269,15 +275,18 @@ def hf_source_model(hf_config: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=_is_remote(hf_config))
 
 
-def load_hf_folder(model: nn.Module, source: nn.Module, model_dir: Path) -> None:
+def load_hf_folder(model: nn.Module, source: nn.Module, model_dir: Path,
+                   weight_map: dict[str, Any] | None = None) -> None:
     """A custom model filled from an HF model folder: safetensors read by slices, or
     ``pytorch_model*.bin`` files read whole, either placed by the derived weight map
-    (every custom tensor filled, every HF tensor placed, or an error naming them)."""
+    (every custom tensor filled, every HF tensor placed, or an error naming them).
+    ``weight_map``: the map from the layout ``save_pretrained`` writes, where the caller
+    has it (a checkpoint in another layout is mapped from its own names)."""
     from hyper_parallel.distributed.sharded_load import ShardedLoadError, load_sharded_safetensors, load_tensors
 
     try:
         if has_safetensors(model_dir):
-            load_sharded_safetensors(model, model_dir, source_model=source)
+            load_sharded_safetensors(model, model_dir, weight_map=weight_map, source_model=source)
         else:
             load_tensors(model, load_checkpoint_state_dict(model_dir), origin=str(model_dir), source_model=source)
     except ShardedLoadError as exc:
