@@ -66,21 +66,20 @@ def _parallel(model, config, algorithm: str, balance: bool, mesh_context, dims):
     import torch
     import transformers
 
-    from hyper_parallel.runtime import hyper_parallelize
     from hyper_parallel.config.context_parallel import ContextParallel
-    from hyper_parallel.distributed.mesh import build_offline_mesh
+    from hyper_parallel.config.layout import Layout
+    from hyper_parallel.distributed.mesh import MeshContext
     from hyper_parallel.distributed.plan_format import plan_to_json
     from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.runtime import hyper_parallelize
 
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
-    mesh = build_offline_mesh(dims)
-    result = ShardingPlanner(meta, dims=dims, mesh=mesh,
-                             context_parallel=ContextParallel(algorithm, balance)).plan()
-    document = plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, mesh_ep=mesh.ep, applied_axes=result.applied_axes,
-                            recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
-                            context_parallel=result.context_parallel)
-    return hyper_parallelize(model, mesh_context, json.loads(json.dumps(document)))
+    layout = Layout(dims, context_parallel=ContextParallel(algorithm, balance))
+    result = ShardingPlanner.for_layout(meta, layout).plan()
+    document = plan_to_json(layout=layout, applied_axes=result.applied_axes, recorded_axes=result.recorded_axes,
+                            modules=result.modules, roles=result.roles)
+    return hyper_parallelize(model, MeshContext(mesh_context.device_mesh, layout), json.loads(json.dumps(document)))
 
 
 def _runner(model, seq_len: int, local: int, rank: int):
@@ -141,11 +140,12 @@ def worker(args) -> None:
     import torch.distributed as dist
     import transformers
 
+    from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 
     torch.set_num_threads(1)
     dims = ParallelDims(cp=2)
-    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), Layout(dims))
     rank = dist.get_rank()
     config = _config(transformers, args.attn)
     torch.manual_seed(0)

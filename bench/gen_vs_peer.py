@@ -130,11 +130,12 @@ def build_gen(bundle: str, model_dir: str):
 
     from hyper_parallel.codegen.loader import load_generated_module
     from hyper_parallel.codegen.meta import load_codegen_meta
+    from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
     from hyper_parallel.distributed.sharded_load import materialize_and_load
 
     dims = ParallelDims(tp=2)
-    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), Layout(dims))
     module = load_generated_module(bundle)
     config = transformers.AutoConfig.from_pretrained(model_dir)
     config._attn_implementation = "eager"

@@ -32,6 +32,7 @@ def worker(model_dir: str, out: str) -> None:
     from torch.distributed.tensor import DTensor, Replicate
 
     from hyper_parallel.distributed.applier import apply_sharding_plan
+    from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
     from hyper_parallel.distributed.planner import ShardingPlanner
     from hyper_parallel.distributed.sharded_load import materialize_and_load
@@ -42,7 +43,7 @@ def worker(model_dir: str, out: str) -> None:
     with accelerate.init_empty_weights(include_buffers=False):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     apply_sharding_plan(model, ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan().modules,
-                        MeshContext(mesh, dims))
+                        MeshContext(mesh, Layout(dims)))
     report = materialize_and_load(model, model_dir)
     local = full = sharded_local = sharded_full = 0
     for param in model.parameters():

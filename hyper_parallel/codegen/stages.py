@@ -118,8 +118,8 @@ def run_derive(spec: CodegenSpec) -> None:
     derived = derive_plan(spec)
     plan = derived["plan"]
     write_stage_output(spec, "derive", derived)
-    mesh = dict(zip(plan['mesh']['axes'], plan['mesh']['sizes']))
-    _LOG.info(f"[derive] {len(plan['modules'])} module entries on mesh {mesh}; "
+    layout = " ".join(f"{key}={value}" for key, value in plan["layout"].items())
+    _LOG.info(f"[derive] {len(plan['modules'])} module entries for the layout {layout}; "
               f"applied axes {plan['applied_axes'] or 'none'}")
     for line in unapplied_axis_warnings(plan.get("recorded_axes", {})):
         _LOG.warning(f"[derive] {line}")

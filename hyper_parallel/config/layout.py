@@ -2,17 +2,28 @@
 
 Every size (``ParallelDims``: dp, cp, tp, ep, pp, validated where they are made), sequence
 and loss parallel, and the context-parallel setting as it acts at this cp size
-(``ContextParallel.effective``, applied here and nowhere else). The codegen spec, the
-planner, the custom backend and the bundle's records read this value; two layouts are
-compared as values, and ``differences`` names the fields that differ.
+(``ContextParallel.effective``, applied here and nowhere else: a ``Layout`` normalizes it
+when it is made, so two layouts that split the same way are equal). The codegen spec, the
+planner, the plan document, the mesh context, the custom backend and the bundle's records
+carry this value; two layouts are compared as values, and ``differences`` names the
+fields that differ. ``as_dict`` / ``from_dict`` are its one written form.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.parallel_dims import ParallelDims
+from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.axes import SIZE_AXES
+
+_FLAGS = ("sequence_parallel", "loss_parallel")
+_CP_KEYS = ("cp_algorithm", "cp_load_balance")
+
+
+class LayoutError(ValueError, HyperParallelError):
+    """A written layout that cannot be read; names where and the key."""
 
 
 @dataclass(frozen=True)
@@ -20,7 +31,12 @@ class Layout:
     dims: ParallelDims = ParallelDims()
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    context_parallel: ContextParallel = ContextParallel()  # effective for dims.cp
+    context_parallel: ContextParallel = ContextParallel()  # made effective for dims.cp
+
+    def __post_init__(self) -> None:
+        chosen = self.context_parallel
+        object.__setattr__(self, "context_parallel",
+                           ContextParallel.effective(chosen.algorithm, chosen.load_balance, self.dims.cp))
 
     @classmethod
     def of(cls, accelerator: Any) -> "Layout":
@@ -28,8 +44,7 @@ class Layout:
         chosen = accelerator.context_parallel
         return cls(dims=accelerator.parallel_dims, sequence_parallel=accelerator.sequence_parallel,
                    loss_parallel=accelerator.loss_parallel,
-                   context_parallel=ContextParallel.effective(chosen.algorithm, chosen.load_balance,
-                                                              accelerator.cp_size))
+                   context_parallel=ContextParallel(chosen.algorithm, chosen.load_balance))
 
     dp = property(lambda self: self.dims.dp)
     cp = property(lambda self: self.dims.cp)
@@ -51,6 +66,36 @@ class Layout:
             self.context_parallel.algorithm != "gather_sequence") else {}
         return {**{axis: getattr(self.dims, axis) for axis in SIZE_AXES},
                 "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel, **cp_keys}
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str) -> "Layout":
+        """The layout ``as_dict`` wrote; any other key, a missing one or a bad value is
+        refused naming ``where`` and the key."""
+        if not isinstance(data, Mapping):
+            raise LayoutError(f"{where}: expected an object, got {type(data).__name__}")
+        known = (*SIZE_AXES, *_FLAGS, *_CP_KEYS)
+        unknown = sorted(set(data) - set(known))
+        missing = [key for key in (*SIZE_AXES, *_FLAGS) if key not in data]
+        if unknown or missing:
+            raise LayoutError(f"{where}: expected the keys {', '.join(known[:-2])} (and cp_algorithm, "
+                              f"cp_load_balance where cp splits attention); "
+                              f"{'missing ' + ', '.join(missing) if missing else ''}"
+                              f"{'; ' if unknown and missing else ''}{'unknown ' + ', '.join(unknown) if unknown else ''}")
+        for key in _FLAGS:
+            if not isinstance(data[key], bool):
+                raise LayoutError(f"{where}.{key}: expected true or false, got {data[key]!r}")
+        try:
+            dims = ParallelDims(**{axis: data[axis] for axis in SIZE_AXES})
+            chosen = ContextParallel(data.get("cp_algorithm", ContextParallel.algorithm),
+                                     bool(data.get("cp_load_balance", False)))
+        except ValueError as exc:
+            raise LayoutError(f"{where}: {exc}") from None
+        return cls(dims=dims, sequence_parallel=data["sequence_parallel"], loss_parallel=data["loss_parallel"],
+                   context_parallel=chosen)
+
+    def describe(self) -> str:
+        """``dp=1 cp=2 tp=2 ep=2 pp=1 sequence_parallel=True ...``: how errors name a layout."""
+        return " ".join(f"{key}={value}" for key, value in self.as_dict().items())
 
     def differences(self, other: "Layout") -> list[str]:
         """The fields (each axis by its name) in which ``other`` differs from this layout."""

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.protocols.axes import CP, DP, EP, EXPERT_MESH_AXES, MESH_AXES, PP, TP
 
@@ -124,8 +125,19 @@ def _select_local_device(device_type: str) -> None:
 
 @dataclass
 class MeshContext:
-    """What a generated ``hyper_parallelize(model, mesh_context)`` receives."""
+    """What a generated ``hyper_parallelize(model, mesh_context)`` receives: the device mesh
+    and the run's whole ``Layout`` (the recipe's, ``AcceleratorConfig.layout``), which the
+    runtime compares with the layout the plan was made for."""
 
     device_mesh: Any
-    dims: ParallelDims
+    layout: Layout
     expert_mesh: Any = None  # built on first use by the applier when a plan shards on ep
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, Layout):
+            raise TypeError(f"MeshContext.layout: expected a Layout (config.layout; a recipe's is "
+                            f"config.accelerator.layout), got {type(self.layout).__name__}")
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.layout.dims

@@ -2,14 +2,14 @@
 
 A plan document::
 
-    {"format": 1,
-     "mesh": {"axes": [...], "sizes": [...], "ep": N},
-       (the device mesh's axes and sizes, and the expert-parallel size, whose ranks are
-       borrowed from dp*cp: together every size the plan was made for)
+    {"format": 2,
+     "layout": {"dp": 1, "cp": 2, "tp": 2, "ep": 2, "pp": 1, "sequence_parallel": true,
+                "loss_parallel": true, "cp_algorithm": "allgather_kv", "cp_load_balance": true},
+       (the whole layout the plan was made for, as ``Layout.as_dict`` writes it: every
+       size, ep included, sp, loss parallel, and the context-parallel keys where cp
+       splits attention; the device mesh's axes and sizes follow from it)
      "applied_axes": ["tp"],
      "recorded_axes": {"cp": "<why not applied yet>", ...},
-     "context_parallel": {"algorithm": "allgather_kv", "load_balance": true},
-       (only where cp splits attention otherwise than gather_sequence: absent means that)
      "modules": {FQN_or_glob: ENTRY}}
 
 and ENTRY as ``protocols.sharding_json`` writes and reads it (the one entry codec, which
@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hyper_parallel.config.context_parallel import ContextParallel
+from hyper_parallel.config.layout import Layout, LayoutError
 from hyper_parallel.protocols.axes import DP, PP
 from hyper_parallel.protocols.sharding import ShardingConfig
 from hyper_parallel.protocols.sharding_json import (
@@ -35,20 +36,22 @@ from hyper_parallel.protocols.sharding_json import (
     sharding_config_to_json,
 )
 
-PLAN_FORMAT_VERSION = 1
-_DOC_KEYS = ("format", "mesh", "applied_axes", "recorded_axes", "modules")
+PLAN_FORMAT_VERSION = 2
+_DOC_KEYS = ("format", "layout", "applied_axes", "recorded_axes", "modules")
 
 
 @dataclass
 class PlanDocument:
-    mesh_axes: tuple[str, ...]
-    mesh_sizes: tuple[int, ...]
-    mesh_ep: int | None  # None: a plan written before the ep size was recorded
+    layout: Layout
     applied_axes: list[str]
     recorded_axes: dict[str, str]
     modules: dict[str, ShardingConfig]
     roles: dict[str, str] = field(default_factory=dict)
-    context_parallel: ContextParallel | None = None  # how attention is split over cp; None: no cp
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """How attention is split over cp; None where there is no cp to split over."""
+        return self.layout.context_parallel if self.layout.cp > 1 else None
 
 
 def plan_modules_to_json(modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None) -> dict:
@@ -73,16 +76,13 @@ def plan_entries(plan: Mapping) -> dict[str, dict]:
     return {fqn: full_entry(entry, where=f"modules[{fqn!r}]") for fqn, entry in plan["modules"].items()}
 
 
-def plan_to_json(*, mesh_axes, mesh_sizes, applied_axes, recorded_axes: Mapping[str, str],
-                 modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None,
-                 context_parallel: ContextParallel | None = None, mesh_ep: int = 1) -> dict:
+def plan_to_json(*, layout: Layout, applied_axes, recorded_axes: Mapping[str, str],
+                 modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None) -> dict:
     return {
         "format": PLAN_FORMAT_VERSION,
-        "mesh": {"axes": list(mesh_axes), "sizes": [int(s) for s in mesh_sizes], "ep": int(mesh_ep)},
+        "layout": layout.as_dict(),
         "applied_axes": list(applied_axes),
         "recorded_axes": {str(k): str(v) for k, v in sorted(recorded_axes.items())},
-        **({"context_parallel": context_parallel.as_json()}
-           if context_parallel is not None and context_parallel.algorithm != "gather_sequence" else {}),
         "modules": plan_modules_to_json(modules, roles),
     }
 
@@ -90,41 +90,24 @@ def plan_to_json(*, mesh_axes, mesh_sizes, applied_axes, recorded_axes: Mapping[
 def plan_from_json(document: Mapping, *, where: str = "plan") -> PlanDocument:
     if not isinstance(document, Mapping):
         raise PlanFormatError(f"{where}: expected an object, got {type(document).__name__}")
+    if document.get("format") != PLAN_FORMAT_VERSION:
+        raise PlanFormatError(f"{where}.format: expected {PLAN_FORMAT_VERSION}, got {document.get('format')!r} "
+                              f"(a plan written by another version of the generator; regenerate the bundle: "
+                              f"doit generate config=<the recipe>)")
     missing = [key for key in _DOC_KEYS if key not in document]
     if missing:
         raise PlanFormatError(f"{where}: missing keys {missing}")
-    if document["format"] != PLAN_FORMAT_VERSION:
-        raise PlanFormatError(f"{where}.format: expected {PLAN_FORMAT_VERSION}, got {document['format']!r}")
-    mesh = document["mesh"]
-    axes, sizes = tuple(mesh.get("axes", ())), tuple(mesh.get("sizes", ()))
-    if len(axes) != len(sizes) or not all(isinstance(s, int) and s >= 1 for s in sizes):
-        raise PlanFormatError(f"{where}.mesh: axes {list(axes)} and sizes {list(sizes)} do not pair up")
-    ep = mesh.get("ep")
-    if ep is not None and not (isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1):
-        raise PlanFormatError(f"{where}.mesh.ep: expected an integer >= 1, got {ep!r}")
+    try:
+        layout = Layout.from_dict(document["layout"], where=f"{where}.layout")
+    except LayoutError as exc:
+        raise PlanFormatError(str(exc)) from None
     return PlanDocument(
-        mesh_axes=axes,
-        mesh_sizes=sizes,
-        mesh_ep=ep,
+        layout=layout,
         applied_axes=list(document["applied_axes"]),
         recorded_axes=dict(document["recorded_axes"]),
         modules=plan_modules_from_json(document["modules"]),
         roles=plan_roles_from_json(document["modules"]),
-        context_parallel=_context_parallel(document, where),
     )
-
-
-def _context_parallel(document: Mapping, where: str) -> ContextParallel | None:
-    """The document's context parallel settings; a plan written before they existed
-    (no key) split nothing but the sequence: gather_sequence."""
-    data = document.get("context_parallel")
-    if data is None:
-        return None
-    try:
-        return ContextParallel.from_json(dict(data) if isinstance(data, Mapping) else data,
-                                         where=f"{where}.context_parallel")
-    except ValueError as exc:
-        raise PlanFormatError(str(exc)) from None
 
 
 # The recipe key behind each plan axis, for the warning about one that has no effect.

@@ -34,16 +34,18 @@ is then no error if an override places it (the override is its whole entry).
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
 
 from hyper_parallel.config.context_parallel import ContextParallel
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import PlanOverride
 from hyper_parallel.distributed.config_keys import layer_views
 from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, StandIns, roles_for
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
-from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims
+from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.name_match import plan_entry_for
 from hyper_parallel.distributed.plan_lint import PlanError, heads_not_dividing, lint_config_divisibility, lint_plan
@@ -155,8 +157,10 @@ class ShardingPlanner:
                  overrides: Iterable[PlanOverride] | None = None, dataflow: Dataflow | None = None,
                  dataflow_error: str = "", context_parallel: ContextParallel | None = None):
         self.model = model
-        chosen = context_parallel or ContextParallel()
-        self.context_parallel = ContextParallel.effective(chosen.algorithm, chosen.load_balance, dims.cp)
+        # The one Layout of what was asked: it makes the context-parallel setting effective.
+        self.layout = Layout(dims=dims, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                             context_parallel=context_parallel or ContextParallel())
+        self.context_parallel = self.layout.context_parallel
         self.dataflow, self.dataflow_error = dataflow, dataflow_error
         self.flow_roles: dict[str, str] = {}  # blocks the names and hints do not classify whole
         self.flow_fallback: dict[str, str] = {}  # where names and hints give no role
@@ -167,6 +171,13 @@ class ShardingPlanner:
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.hints = {**_model_tp_hints(model), **(hints or {})}
+
+    @classmethod
+    def for_layout(cls, model: nn.Module, layout: Layout, **kwargs: Any) -> "ShardingPlanner":
+        """The planner of ``layout`` on its offline mesh (``kwargs``: overrides, dataflow...)."""
+        return cls(model, dims=layout.dims, mesh=build_offline_mesh(layout.dims),
+                   sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
+                   context_parallel=layout.context_parallel, **kwargs)
 
     def plan(self) -> PlanResult:
         self.dims.validate()

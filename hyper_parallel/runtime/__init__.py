@@ -10,10 +10,10 @@ from hyper_parallel.runtime.apply import (
     REPLACED_RECORD,
     PlanMeshError,
     ReplacementError,
-    check_plan_mesh,
+    check_plan_layout,
     hyper_apply_replacements,
     hyper_parallelize,
 )
 
-__all__ = ["REPLACED_RECORD", "PlanMeshError", "ReplacementError", "check_plan_mesh", "hyper_apply_replacements",
+__all__ = ["REPLACED_RECORD", "PlanMeshError", "ReplacementError", "check_plan_layout", "hyper_apply_replacements",
            "hyper_parallelize"]

@@ -22,7 +22,6 @@ from torch import nn
 from hyper_parallel.class_paths import class_paths
 from hyper_parallel.distributed.name_match import name_matches
 from hyper_parallel.errors import HyperParallelError
-from hyper_parallel.protocols.axes import EP
 
 # Set on every module a replacement produced: the keys of the entries applied to it.
 # A later call (the head model's __init__ after the base model's) skips those modules.
@@ -78,48 +77,51 @@ def hyper_apply_replacements(root: nn.Module, replacements: Sequence[Mapping[str
 
 
 def hyper_parallelize(model: nn.Module, mesh_context: Any, plan: Mapping[str, Any]) -> nn.Module:
-    """Shard ``model`` in place on ``mesh_context`` with a frozen plan; return it. A mesh
-    of other sizes than the plan was made for is refused before anything is sharded."""
+    """Shard ``model`` in place on ``mesh_context`` with a frozen plan; return it. A run of
+    another layout than the plan was made for is refused before anything is sharded."""
     from hyper_parallel.distributed.applier import apply_sharding_plan
     from hyper_parallel.distributed.plan_format import plan_from_json
 
     document = plan_from_json(plan, where="HYPER_PARALLEL_PLAN")
-    check_plan_mesh(document.mesh_axes, document.mesh_sizes, mesh_context, ep=document.mesh_ep)
+    check_plan_layout(document.layout, mesh_context)
     apply_sharding_plan(model, document.modules, mesh_context, context_parallel=document.context_parallel,
                         roles=document.roles)
     return model
 
 
 class PlanMeshError(ValueError, HyperParallelError):
-    """The plan was made for another mesh than the one it is applied on."""
+    """The plan was made for another layout than the one it is applied on."""
 
 
-def check_plan_mesh(axes: Sequence[str], sizes: Sequence[int], mesh_context: Any, *, ep: int | None) -> None:
-    """Every size of the mesh context (and of its device and expert meshes, when it has
-    them) must be the plan's, ep included (``ep`` None: the plan predates recording it,
-    so only a mesh with ep 1 is taken): a plan applied on another layout shards tensors
-    by the wrong factor, and the first sign of it would be a wrong loss, not an error."""
-    from hyper_parallel.distributed.mesh import mesh_layout
+def check_plan_layout(planned: Any, mesh_context: Any) -> None:
+    """The mesh context's layout must be the plan's, every field (each size, ep included,
+    sp, loss parallel, the context-parallel setting), and so must the sizes of its device
+    and expert meshes: a plan applied on another layout shards tensors by the wrong factor
+    or places activations another way, and the first sign of it would be a wrong loss,
+    not an error."""
+    from hyper_parallel.distributed.mesh import expert_mesh_layout, mesh_layout
 
-    planned = {**dict(zip(axes, sizes)), EP: 1 if ep is None else ep}
-    names, layout = mesh_layout(mesh_context.dims)
-    given = {"mesh context": {**dict(zip(names, layout)), EP: mesh_context.dims.ep}}
-    device_mesh = getattr(mesh_context, "device_mesh", None)
-    if device_mesh is not None and device_mesh.mesh_dim_names:
-        given["device mesh"] = {**dict(zip(device_mesh.mesh_dim_names, device_mesh.shape)), EP: planned[EP]}
-    expert_mesh = getattr(mesh_context, "expert_mesh", None)
-    if expert_mesh is not None and EP in (expert_mesh.mesh_dim_names or ()):
-        given["expert mesh"] = {**planned, EP: expert_mesh.size(expert_mesh.mesh_dim_names.index(EP))}
-    for what, mesh in given.items():
-        differing = [axis for axis in {**planned, **mesh} if planned.get(axis) != mesh.get(axis)]
+    given = mesh_context.layout
+    differing = planned.differences(given)
+    if differing:
+        _refuse(planned.describe(), "the run's layout (the mesh context's)", given.describe(), differing)
+    for what, mesh, (names, sizes) in (("device mesh", getattr(mesh_context, "device_mesh", None),
+                                        mesh_layout(planned.dims)),
+                                       ("expert mesh", getattr(mesh_context, "expert_mesh", None),
+                                        expert_mesh_layout(planned.dims))):
+        if mesh is None or not mesh.mesh_dim_names:
+            continue
+        expected, actual = dict(zip(names, sizes)), dict(zip(mesh.mesh_dim_names, mesh.shape))
+        differing = [axis for axis in {**expected, **actual} if expected.get(axis) != actual.get(axis)]
         if differing:
-            unrecorded = (" (the plan records no ep size: it was written before ep was recorded)"
-                          if ep is None and EP in differing else "")
-            raise PlanMeshError(f"HYPER_PARALLEL_PLAN was made for the mesh {_mesh_text(planned)}, but the {what} "
-                                f"is {_mesh_text(mesh)}: {', '.join(differing)} "
-                                f"{'differs' if len(differing) == 1 else 'differ'}{unrecorded}; regenerate "
-                                f"the bundle for this layout (doit generate config=<the recipe>) or build the mesh "
-                                f"from the recipe's accelerator section")
+            _refuse(_mesh_text(expected), f"the {what}", _mesh_text(actual), differing)
+
+
+def _refuse(planned: str, what: str, given: str, differing: Sequence[str]) -> None:
+    raise PlanMeshError(f"HYPER_PARALLEL_PLAN was made for {planned}, but {what} is {given}: "
+                        f"{', '.join(differing)} {'differs' if len(differing) == 1 else 'differ'}; regenerate the "
+                        f"bundle for this layout (doit generate config=<the recipe>) or build the mesh context from "
+                        f"the recipe (MeshContext(device_mesh, config.accelerator.layout))")
 
 
 def _mesh_text(mesh: Mapping[str, int]) -> str:

@@ -58,7 +58,8 @@ class BaseTrainer:
         check_launch_world_size(config)
         acc = config.accelerator
         self.dims = acc.parallel_dims
-        self.mesh_context = MeshContext(build_device_mesh(self.dims, runtime_device_type(acc.device_type)), self.dims)
+        self.mesh_context = MeshContext(build_device_mesh(self.dims, runtime_device_type(acc.device_type)),
+                                        acc.layout)
         self.rank = dist.get_rank()
         # Before any model is built: a bad dataset is found by every rank alike and said
         # once (trainer/__main__.py); the process group lets the ranks leave together.

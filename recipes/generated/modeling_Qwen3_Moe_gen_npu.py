@@ -739,8 +739,8 @@ HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 # placements: AXIS=replicate|shard(dim)|partial (summands)|packed_shard(dim,parts) (each part split), else replicate
 # fields: PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; local_map: local tensors
 HYPER_PARALLEL_PLAN = {
-    "format": 1,
-    "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 1, 2, 2], "ep": 2},
+    "format": 2,
+    "layout": {"dp": 1, "cp": 2, "tp": 2, "ep": 2, "pp": 1, "sequence_parallel": True, "loss_parallel": True},
     "applied_axes": ["tp", "cp", "ep", "loss_parallel", "sp"],
     "recorded_axes": {},
     "modules": {

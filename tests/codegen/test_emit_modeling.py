@@ -31,8 +31,8 @@ BANNER = {
     "parallel_dims": {"dp": 1, "tp": 2, "cp": 1, "ep": 1, "pp": 1, "sequence_parallel": True},
 }
 PLAN = {
-    "format": 1,
-    "mesh": {"axes": ["dp", "tp"], "sizes": [1, 2]},
+    "format": 2,
+    "layout": {"dp": 1, "cp": 1, "tp": 2, "ep": 1, "pp": 1, "sequence_parallel": True, "loss_parallel": False},
     "applied_axes": ["tp"],
     "recorded_axes": {"pp": "pipeline splitting belongs to the trainer"},
     "modules": {
@@ -196,8 +196,8 @@ def test_banner_and_plan_errors_name_the_key():
         emit(banner={**BANNER, "recipe": "/abs/r.yaml"})
     with pytest.raises(ValueError, match=r"banner: missing keys \['transformers_version'\]"):
         emit(banner={k: v for k, v in BANNER.items() if k != "transformers_version"})
-    with pytest.raises(ValueError, match=r"frozen_plan\.format: expected 1, got 2"):
-        emit(plan={**PLAN, "format": 2})
+    with pytest.raises(ValueError, match=r"frozen_plan\.format: expected 2, got 1"):
+        emit(plan={**PLAN, "format": 1})
 
 
 def test_plan_is_a_readable_literal_that_round_trips(import_generated):

@@ -15,7 +15,7 @@ def _entry(role: str, placement: str = "shard(0)") -> dict:
 
 
 def _plan(modules: dict) -> dict:
-    return {"format": 1, "mesh": {"axes": ["tp"], "sizes": [2]}, "applied_axes": ["tp"], "recorded_axes": {},
+    return {"format": 2, "layout": {"dp": 1, "cp": 1, "tp": 2, "ep": 1, "pp": 1, "sequence_parallel": False, "loss_parallel": False}, "applied_axes": ["tp"], "recorded_axes": {},
             "modules": modules}
 
 

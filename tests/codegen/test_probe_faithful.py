@@ -94,12 +94,12 @@ def test_the_probe_plan_drops_only_entries_of_layers_the_probe_cut_off():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(_probe(tiny_config("doge")))
     assert len(model.model.layers) == 1
-    plan = {"format": 1, "modules": {"model.layers.0": {"role": "replicate"}, "model.layers.1": {"role": "replicate"},
+    plan = {"format": 2, "modules": {"model.layers.0": {"role": "replicate"}, "model.layers.1": {"role": "replicate"},
                                      "model.layers.*.mlp.up_proj": {"role": "colwise"}, "lm_head": {"role": "lm_head"},
                                      "model.layers.10x": {"role": "replicate"}}}
     kept = probe_plan(plan, model)
     assert sorted(kept["modules"]) == ["lm_head", "model.layers.*.mlp.up_proj", "model.layers.0", "model.layers.10x"]
-    assert kept["format"] == 1 and len(plan["modules"]) == 5  # the bundle's plan is not changed
+    assert kept["format"] == 2 and len(plan["modules"]) == 5  # the bundle's plan is not changed
 
 
 def _heads_by_layer(config) -> list[tuple[int, int, int]]:

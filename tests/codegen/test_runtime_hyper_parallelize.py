@@ -19,6 +19,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.codegen.emit.modeling import emit_modeling_source
 from hyper_parallel.runtime import hyper_apply_replacements
 from hyper_parallel.config.plan_override import parse_plan_overrides, replacement_entries
@@ -55,7 +56,7 @@ def frozen_tp2_plan() -> dict:
         model = transformers.AutoModelForCausalLM.from_config(tiny_config())
     hyper_apply_replacements(model, REPLACEMENTS)
     result = ShardingPlanner(model, dims=dims, mesh=mesh).plan()
-    return freeze_plan({"format": 1, "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes), "ep": mesh.ep},
+    return freeze_plan({"format": 2, "layout": Layout(dims).as_dict(),
                         "applied_axes": list(result.applied_axes), "recorded_axes": dict(result.recorded_axes),
                         "modules": plan_modules_to_json(result.modules, result.roles)},
                        [name for name, _ in model.named_modules()])
@@ -118,7 +119,7 @@ def _worker(generated: Path, weights: Path, out: Path) -> None:
     reference.load_state_dict(state)
     model = module.Qwen3MoeForCausalLM(tiny_config())
     model.load_state_dict(state)
-    assert module.hyper_parallelize(model, MeshContext(mesh, dims)) is model
+    assert module.hyper_parallelize(model, MeshContext(mesh, Layout(dims))) is model
 
     batch = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(7))
     ref_loss = reference(input_ids=batch, labels=batch).loss

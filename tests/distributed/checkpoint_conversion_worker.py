@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import hyper_parallel.distributed.sharded_load as sharded_load
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from tests.rank_exit import leave_after_barrier
 
@@ -140,7 +141,7 @@ def main() -> None:
         layout, _, path = case.partition("=")
         dims = LAYOUTS[layout]
         results[layout] = run_case(_import_generated(Path(path)), config, args.model_dir,
-                                   MeshContext(build_device_mesh(dims, "cpu"), dims), reference_state, log)
+                                   MeshContext(build_device_mesh(dims, "cpu"), Layout(dims)), reference_state, log)
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
     leave_after_barrier(dist)
 

@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.runtime import hyper_parallelize
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.context_parallel import CONTEXT_ATTRIBUTE
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.plan_format import plan_to_json
 from hyper_parallel.distributed.planner import ShardingPlanner
 from tests.batch_worker import run_cases
@@ -103,7 +104,9 @@ def run_layout(args) -> dict:
     """One layout: a fresh mesh (a new DeviceMesh over the same process group), fresh
     models from seed 0, three steps on both; what this rank measured."""
     dims = ParallelDims(cp=args.cp, tp=args.tp, ep=args.ep)
-    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    layout = Layout(dims, sequence_parallel=args.sp,
+                    context_parallel=ContextParallel(args.algorithm, args.load_balance))
+    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), layout)
     rank = dist.get_rank()
     config = tiny_config(args.family, args.attn, args.kv_heads)
     torch.manual_seed(0)
@@ -117,14 +120,10 @@ def run_layout(args) -> dict:
                                                              dtype=torch.float32)
     if args.fused:
         fused(meta)
-    settings = ContextParallel(args.algorithm, args.load_balance)
-    result = ShardingPlanner(meta, dims=dims, mesh=build_offline_mesh(dims), sequence_parallel=args.sp,
-                             context_parallel=settings).plan()
-    mesh = build_offline_mesh(dims)
+    result = ShardingPlanner.for_layout(meta, layout).plan()
     document = json.loads(json.dumps(plan_to_json(
-        mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, mesh_ep=mesh.ep, applied_axes=result.applied_axes,
-        recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
-        context_parallel=result.context_parallel)))
+        layout=layout, applied_axes=result.applied_axes, recorded_axes=result.recorded_axes,
+        modules=result.modules, roles=result.roles)))
     hyper_parallelize(parallel, mesh_context, document)
 
     batch = torch.randint(0, VOCAB, (2, args.seq_len), generator=torch.Generator().manual_seed(7))

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.grad_norm import global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
@@ -139,7 +140,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dims = ParallelDims(tp=2)
-    mesh = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    mesh = MeshContext(build_device_mesh(dims, "cpu"), Layout(dims))
     layouts = {"concatenated": {"concatenated": True, "transposed": False},
                "interleaved_transposed": {"concatenated": False, "transposed": True}}
     results = [check_layout(name, layout, mesh) for name, layout in layouts.items()]

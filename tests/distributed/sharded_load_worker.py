@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 import transformers
 from safetensors.torch import load_file
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
 from hyper_parallel.distributed.planner import ShardingPlanner
@@ -41,7 +42,7 @@ def main() -> None:
     target.add_argument("--cases", help="JSON file {name: ['--model-dir', DIR]}: load these folders in turn")
     args = parser.parse_args()
     dims = ParallelDims(tp=2)
-    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), Layout(dims))
     if args.cases is None:
         result = load_and_compare(args.model_dir, mesh_context)
         Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))

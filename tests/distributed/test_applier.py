@@ -6,6 +6,7 @@ import transformers
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import PlanApplyError, apply_sharding_plan
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_to_json
@@ -44,7 +45,7 @@ def test_json_plan_with_globs_runs_like_the_plain_model(tiny_config, mesh):
     parallel.load_state_dict(reference.state_dict())
     plan = plan_modules_to_json(_plan(parallel))
     plan = {key.replace(".0.", ".*.", 1) if ".1." not in key else key: entry for key, entry in plan.items()}
-    apply_sharding_plan(parallel, plan, MeshContext(mesh, ParallelDims()), single_rank_axes=True)
+    apply_sharding_plan(parallel, plan, MeshContext(mesh, Layout(ParallelDims())), single_rank_axes=True)
     batch = torch.randint(0, tiny_config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
     expected = reference(input_ids=batch, labels=batch).loss
     actual = parallel(input_ids=batch, labels=batch).loss

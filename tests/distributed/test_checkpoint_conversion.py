@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from transformers.core_model_loading import Interleave, Split, WeightConverter
 
 import hyper_parallel.distributed.checkpoint_names as checkpoint_names
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.checkpoint_names import StoredTensor, conversion_transforms, route_checkpoint
 from hyper_parallel.distributed.sharded_load import load_sharded_safetensors
 from tests.launch import assert_ran, torchrun
@@ -215,7 +216,7 @@ def _emit_generated(out: Path, layout: str, dims) -> Path:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(mixtral_config())
     result = ShardingPlanner(model, dims=dims, mesh=mesh).plan()
-    frozen = freeze_plan({"format": 1, "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.sizes), "ep": mesh.ep},
+    frozen = freeze_plan({"format": 2, "layout": Layout(dims).as_dict(),
                           "applied_axes": list(result.applied_axes), "recorded_axes": dict(result.recorded_axes),
                           "modules": plan_modules_to_json(result.modules, result.roles)},
                          [name for name, _ in model.named_modules()])

@@ -2,6 +2,7 @@ import re
 
 import pytest
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.parallel_dims import ParallelDimsError
 from hyper_parallel.distributed.mesh import (
     MeshContext,
@@ -55,7 +56,7 @@ def test_build_device_mesh_checks_world_size_then_builds_named_mesh(world_one_gr
     mesh = build_device_mesh(ParallelDims(), "cpu")
     assert mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
     assert tuple(mesh.shape) == (1, 1, 1, 1)
-    assert MeshContext(mesh, ParallelDims()).device_mesh is mesh
+    assert MeshContext(mesh, Layout(ParallelDims())).device_mesh is mesh
 
 
 def test_build_device_mesh_rejects_unknown_device_type():

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.plan_format import (
     PlanFormatError,
@@ -40,13 +41,13 @@ def test_planner_plan_round_trips_and_serialises_deterministically(meta_model):
     dims = ParallelDims(tp=2)
     mesh = build_offline_mesh(dims)
     result = ShardingPlanner(meta_model, dims=dims, mesh=mesh).plan()
-    doc = plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, applied_axes=result.applied_axes,
+    doc = plan_to_json(layout=Layout(dims), applied_axes=result.applied_axes,
                        recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles)
     text = json.dumps(doc)
     parsed = plan_from_json(json.loads(text))
-    assert parsed.mesh_axes == ("pp", "dp", "cp", "tp") and parsed.mesh_sizes == (1, 1, 1, 2)
+    assert parsed.layout == Layout(dims) and doc["layout"]["tp"] == 2
     assert parsed.roles["model.layers.0.mlp.experts"] == "packed_experts"
-    again = plan_to_json(mesh_axes=parsed.mesh_axes, mesh_sizes=parsed.mesh_sizes, applied_axes=parsed.applied_axes,
+    again = plan_to_json(layout=parsed.layout, applied_axes=parsed.applied_axes,
                          recorded_axes=parsed.recorded_axes, modules=parsed.modules, roles=parsed.roles)
     assert json.dumps(again) == text
     experts = doc["modules"]["model.layers.0.mlp.experts"]
@@ -58,10 +59,10 @@ def test_format_errors_name_the_place():
         plan_modules_from_json({"lm_head": {"colour": 1}})
     with pytest.raises(PlanFormatError, match=r"modules\['x'\]\.state_shardings\.weight.*unknown placement 'rows'"):
         plan_modules_from_json({"x": {"state_shardings": {"weight": {"tp": "rows"}}}})
-    with pytest.raises(PlanFormatError, match=r"plan\.format: expected 1, got 2"):
-        plan_from_json({"format": 2, "mesh": {}, "applied_axes": [], "recorded_axes": {}, "modules": {}})
+    with pytest.raises(PlanFormatError, match=r"plan\.format: expected 2, got 3"):
+        plan_from_json({"format": 3, "layout": {}, "applied_axes": [], "recorded_axes": {}, "modules": {}})
     with pytest.raises(PlanFormatError, match=r"missing keys \['applied_axes'"):
-        plan_from_json({"format": 1, "mesh": {}, "modules": {}})
+        plan_from_json({"format": 2, "layout": {}, "modules": {}})
     with pytest.raises(PlanFormatError, match="local_map: expected true or false"):
         sharding_config_from_json({"local_map": "yes"})
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 import transformers
 from safetensors.torch import load_file
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.fsdp import fully_shard_over_dp
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
@@ -72,7 +73,7 @@ def start_tp2_worker(*flags: str) -> tuple[argparse.Namespace, MeshContext]:
         parser.add_argument(flag, required=True)
     args = parser.parse_args()
     dims = ParallelDims(tp=2)
-    return args, MeshContext(build_device_mesh(dims, "cpu"), dims)
+    return args, MeshContext(build_device_mesh(dims, "cpu"), Layout(dims))
 
 
 def loss_of(model, batch):
@@ -214,7 +215,7 @@ def run_form(args) -> dict:
     frozen = plan_modules_from_json(json.loads(json.dumps(plan_json)))
 
     reference = build_model(config, weights)
-    mesh_context = MeshContext(device_mesh, dims)
+    mesh_context = MeshContext(device_mesh, Layout(dims))
     parallel = apply_sharding_plan(build_model(config, weights), frozen, mesh_context)
     data_parallel = None
     if dims.dp > 1:

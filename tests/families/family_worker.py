@@ -21,6 +21,7 @@ import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
@@ -74,7 +75,7 @@ def run_case(case: dict, device_mesh, dims: ParallelDims) -> dict:
     frozen = plan_modules_from_json(json.loads(json.dumps(plan_json)))  # exactly what a bundle holds
 
     reference = build(case, weights=weights)
-    parallel = apply_sharding_plan(build(case, weights=weights), frozen, MeshContext(device_mesh, dims))
+    parallel = apply_sharding_plan(build(case, weights=weights), frozen, MeshContext(device_mesh, Layout(dims)))
     vocab = reference.get_input_embeddings().num_embeddings
     batch = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(7))
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config import load_training_config
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.models.hf import HyperAutoModel
@@ -57,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
 
     dims = ParallelDims(tp=2)
-    context = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    context = MeshContext(build_device_mesh(dims, "cpu"), Layout(dims))
     base = load_training_config(args.recipe)
     model_dir = Path(args.recipe).parent / base.model.pretrained_model_name_or_path
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")

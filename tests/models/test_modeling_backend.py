@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config import load_training_config
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims
 from hyper_parallel.models.hf import (
@@ -124,5 +125,5 @@ def test_from_config_default_backend_is_custom_for_qwen3_moe(tmp_path):
 
 def test_a_mesh_of_other_sizes_than_the_recipe_is_refused(tmp_path):
     config = load_training_config(tiny_project_recipe(tmp_path / "project", codegen=False))  # tp 1
-    with pytest.raises(ModelBuildError, match=r"accelerator sizes \(dp=1 cp=1 tp=1 ep=1 pp=1\) differ from the mesh context's \(dp=1 cp=1 tp=2 "):
-        HyperAutoModel.from_config(config, mesh_context=MeshContext(device_mesh=None, dims=ParallelDims(tp=2)))
+    with pytest.raises(ModelBuildError, match=r"layout \(dp=1 cp=1 tp=1 ep=1 pp=1 .*\) differs from the mesh context's \(dp=1 cp=1 tp=2 .*\) in tp;"):
+        HyperAutoModel.from_config(config, mesh_context=MeshContext(device_mesh=None, layout=Layout(ParallelDims(tp=2))))

@@ -117,5 +117,5 @@ def _banner() -> dict:
 
 
 def _plan() -> dict:
-    return {"format": 1, "mesh": {"axes": ["dp"], "sizes": [1]}, "applied_axes": [], "recorded_axes": {},
+    return {"format": 2, "layout": {"dp": 1, "cp": 1, "tp": 1, "ep": 1, "pp": 1, "sequence_parallel": False, "loss_parallel": False}, "applied_axes": [], "recorded_axes": {},
             "modules": {}}

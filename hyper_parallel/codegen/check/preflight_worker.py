@@ -65,7 +65,7 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     mesh = build_device_mesh(dims, "cpu")  # preflight checks layout, not kernels: gloo everywhere
     global_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     progress("applying hyper_parallelize")
-    module.hyper_parallelize(model, MeshContext(device_mesh=mesh, dims=dims))
+    module.hyper_parallelize(model, MeshContext(device_mesh=mesh, layout=p))
     modules = plan_entries(module.HYPER_PARALLEL_PLAN)
     checked = 0
     for name, param in model.named_parameters():

@@ -368,9 +368,10 @@ def _first_divergence(spec, probe, run_job: dict, tmp: Path, mode: str, world: i
         ranks = torch.load(job["result"], weights_only=False)["outputs"]
     except VerifyError as exc:
         return f"(diagnosis failed: {exc})"
-    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+    from hyper_parallel.config.layout import Layout
+    from hyper_parallel.distributed.mesh import build_offline_mesh
 
-    mesh = build_offline_mesh(ParallelDims(**job["dims"]))
+    mesh = build_offline_mesh(Layout.from_dict(job["layout"], where="verify job").dims)
     coords = [dict(zip(mesh.axis_names, mesh.coordinates(rank))) for rank in range(world)]
     for name, want in expected.items():
         have = _reassemble(name, want, ranks, coords)
@@ -451,7 +452,7 @@ def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_c
     job = {"bundle_dir": str(bundle_dir), "bundle_key": bundle_key, "files": files, "modeling_file": spec.modeling_file,
            "model_class": model_class, "probe_dir": str(tmp / "probe"),
            "attn_implementation": spec.attn_implementation,
-           "dims": p.dims.as_dict(),
+           "layout": p.as_dict(),
            "diagnose": diagnose, "mode": verify_mode(p.world_size), "timeout_s": spec.check_timeout_s,
            "result": str(tmp / f"{tag}.pt"), "error": str(tmp / f"{tag}.error"), "path": str(tmp / f"{tag}.json"),
            "rank_files": str(tmp / tag), "preload": rank_preload(spec.source)}

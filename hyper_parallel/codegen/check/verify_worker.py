@@ -238,13 +238,15 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
     import torch.distributed as dist
 
     from hyper_parallel.distributed.grad_norm import global_grad_norm
-    from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+    from hyper_parallel.config.layout import Layout
+    from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
 
     rank = dist.get_rank()
-    dims = ParallelDims(**job["dims"])
+    layout = Layout.from_dict(job["layout"], where="verify job")
+    dims = layout.dims
     progress(job, "building the mesh")
     mesh = build_device_mesh(dims, "cpu")
-    context = MeshContext(device_mesh=mesh, dims=dims)
+    context = MeshContext(device_mesh=mesh, layout=layout)
     progress(job, "building the probe model")
     module, model, tokens = build_probe_model(job)
     progress(job, "applying hyper_parallelize")

@@ -144,22 +144,15 @@ def _config_build_error(spec: CodegenSpec, config, exc: Exception) -> Exception:
 
 def plan_model(model, spec: CodegenSpec):
     """The planner's result for ``model`` (replacements already applied) under the
-    recipe's parallel dims and overrides, and the offline mesh it planned on. The derive
+    recipe's layout and overrides, on the layout's offline mesh. The derive
     stage and the hf backend's run-time planning both call this."""
-    from hyper_parallel.distributed.mesh import build_offline_mesh
     from hyper_parallel.distributed.planner import ShardingPlanner
 
-    p = spec.layout
-    dims = p.dims
-    mesh = build_offline_mesh(dims)
     # The planner reads the HF config's base_model_tp_plan itself, as role hints, merges
     # the recipe's overrides (which may specify modules it cannot classify), then lints.
     flow, flow_error = trace_dataflow(spec)
-    result = ShardingPlanner(model, dims=dims, mesh=mesh, sequence_parallel=p.sequence_parallel,
-                             loss_parallel=p.loss_parallel, overrides=spec.plan_overrides,
-                             dataflow=flow, dataflow_error=flow_error,
-                             context_parallel=p.context_parallel).plan()
-    return result, mesh
+    return ShardingPlanner.for_layout(model, spec.layout, overrides=spec.plan_overrides, dataflow=flow,
+                                      dataflow_error=flow_error).plan()
 
 
 TRACE_TOKENS = 8
@@ -208,7 +201,7 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
 
     try:
         model, _ = build_meta_model(spec)
-        result, mesh = plan_model(model, spec)
+        result = plan_model(model, spec)
     except RuntimeError as exc:
         if type(exc).__name__ != "AmbiguousGlobalPerLayerAttributeError":
             raise
@@ -224,8 +217,6 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
         "notes": list(result.notes),
         "module_names": [name for name, _ in model.named_modules()],
         "weight_map": recorded_weight_map(spec, model),
-        "plan": plan_to_json(mesh_axes=mesh.axis_names, mesh_sizes=mesh.sizes, mesh_ep=mesh.ep,
-                             applied_axes=result.applied_axes,
-                             recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
-                             context_parallel=result.context_parallel),
+        "plan": plan_to_json(layout=spec.layout, applied_axes=result.applied_axes,
+                             recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles),
     }

@@ -34,10 +34,9 @@ def freeze_plan(plan: dict[str, Any], module_names: list[str]) -> dict[str, Any]
         raise FreezeError("the derived plan has no module entries; nothing would be parallelized")
     return {
         "format": PLAN_FORMAT_VERSION,
-        "mesh": plan["mesh"],
+        "layout": dict(plan["layout"]),
         "applied_axes": list(plan["applied_axes"]),
         "recorded_axes": dict(sorted(plan["recorded_axes"].items())),
-        **({"context_parallel": dict(plan["context_parallel"])} if "context_parallel" in plan else {}),
         "modules": merge_by_character(compress_by_pattern(modules, module_names), module_names),
     }
 

@@ -81,12 +81,14 @@ def resolve_backend_for(config: TrainerConfig, hf_config: Any) -> ModelingBacken
 
 
 def check_mesh_matches_recipe(config: TrainerConfig, mesh_context: MeshContext) -> None:
-    """A plan made for the recipe's sizes only fits a mesh of those sizes."""
-    recipe, mesh = config.accelerator.parallel_dims, mesh_context.dims
-    if recipe != mesh:
-        raise mb.ModelBuildError(f"{config.where}: accelerator sizes ({recipe.describe()}) differ "
-                                 f"from the mesh context's ({mesh.describe()}); build the mesh from the recipe's "
-                                 f"accelerator section")
+    """A model built for the recipe's layout only fits a mesh context of that layout."""
+    recipe, given = config.accelerator.layout, mesh_context.layout
+    differing = recipe.differences(given)
+    if differing:
+        raise mb.ModelBuildError(f"{config.where}: the accelerator section's layout ({recipe.describe()}) differs "
+                                 f"from the mesh context's ({given.describe()}) in {', '.join(differing)}; build "
+                                 f"the mesh context from the recipe: MeshContext(device_mesh, "
+                                 f"config.accelerator.layout)")
 
 
 def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretrained: bool, rank: int | None,

@@ -312,7 +312,7 @@ def parallelize_with_planner(model: nn.Module, spec: Any, mesh_context: MeshCont
     from hyper_parallel.distributed.applier import apply_sharding_plan
 
     hyper_apply_replacements(model, spec.replacements)
-    result, _ = plan_model(model, spec)
+    result = plan_model(model, spec)
     if mesh_context.device_mesh.get_rank() == 0:
         for line in unapplied_axis_warnings(result.recorded_axes):
             _LOG.warning(line)

@@ -721,8 +721,8 @@ HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 # placements: AXIS=replicate|shard(dim)|partial (summands)|packed_shard(dim,parts) (each part split), else replicate
 # fields: PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; local_map: local tensors
 HYPER_PARALLEL_PLAN = {
-    "format": 1,
-    "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 16, 1, 4], "ep": 8},
+    "format": 2,
+    "layout": {"dp": 16, "cp": 1, "tp": 4, "ep": 8, "pp": 1, "sequence_parallel": True, "loss_parallel": True},
     "applied_axes": ["tp", "ep", "loss_parallel", "sp"],
     "recorded_axes": {"dp": "data parallel is applied by the trainer (FSDP2 fully_shard), not by the plan"},
     "modules": {

@@ -717,8 +717,8 @@ HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 # placements: AXIS=replicate|shard(dim)|partial (summands)|packed_shard(dim,parts) (each part split), else replicate
 # fields: PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; local_map: local tensors
 HYPER_PARALLEL_PLAN = {
-    "format": 1,
-    "mesh": {"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 1, 1, 2], "ep": 1},
+    "format": 2,
+    "layout": {"dp": 1, "cp": 1, "tp": 2, "ep": 1, "pp": 1, "sequence_parallel": False, "loss_parallel": False},
     "applied_axes": ["tp"],
     "recorded_axes": {},
     "modules": {

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.context_parallel import CONTEXT_ATTRIBUTE
@@ -62,7 +63,7 @@ def hf_run(tie: bool, kv_heads: int) -> tuple[dict, torch.Tensor, torch.Tensor, 
 def run_variant(flags: dict, reference) -> dict:
     dims = ParallelDims(cp=int(flags["cp"]), tp=int(flags["tp"]), ep=int(flags.get("ep", 1)))
     base, ids, labels, ref_losses, ref_grads = reference
-    mesh = MeshContext(build_device_mesh(dims, "cpu"), dims)
+    mesh = MeshContext(build_device_mesh(dims, "cpu"), Layout(dims))
     model = build_custom_model(base["config"])
     load_hf_tensors(model, base["config"], base["state"])
     if flags.get("recipe"):  # as HyperAutoModel does: the recipe's accelerator section decides
