@@ -128,8 +128,8 @@ def build_gen(bundle: str, model_dir: str):
     import accelerate
     import transformers
 
-    from hyper_parallel.codegen.loader import load_generated_module
-    from hyper_parallel.codegen.meta import load_codegen_meta
+    from hyper_parallel.runtime.loader import load_generated_module
+    from hyper_parallel.runtime.meta import load_codegen_meta
     from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
     from hyper_parallel.distributed.sharded_load import materialize_and_load

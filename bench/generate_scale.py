@@ -96,10 +96,10 @@ def bench_preflight(project: Path) -> dict:
     measured([sys.executable, "-m", "doit", "install", f"config={recipe}"], project)
     world4, _ = measured([sys.executable, "-m", "doit", "check", f"config={recipe}"], project)
     single_code = ("import sys\n"
-                   "from hyper_parallel.codegen.check.preflight import preflight_integrity_check\n"
-                   "from hyper_parallel.codegen.loader import load_generated_module\n"
+                   "from hyper_parallel.runtime.integrity import preflight_integrity_check\n"
+                   "from hyper_parallel.runtime.loader import load_generated_module\n"
                    "from hyper_parallel.codegen.manager import load_spec\n"
-                   "from hyper_parallel.codegen.meta import load_codegen_meta\n"
+                   "from hyper_parallel.runtime.meta import load_codegen_meta\n"
                    "from hyper_parallel.codegen.plan.derive import build_meta_model\n"
                    "spec = load_spec(sys.argv[1])\n"
                    "module = load_generated_module(spec.bundle_dir)\n"

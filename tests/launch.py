@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hyper_parallel.codegen.check.forked_torchrun import torchrun_command
+from hyper_parallel.launch.forked_torchrun import torchrun_command
 from tests.project_fixtures import run
 
 

@@ -89,7 +89,7 @@ def orphaned_scratch(settle_s: float = 15.0) -> list[str]:
     removes its folder within moments, so a folder is reported only when it outlives
     ``settle_s``: another test running at the same time (pytest-xdist) may be inside that
     moment, a leak is not."""
-    from hyper_parallel.codegen.bundle_folder import pid_alive
+    from hyper_parallel.launch.processes import pid_alive
 
     deadline = time.monotonic() + settle_s
     while True:

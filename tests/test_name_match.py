@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 import hyper_parallel
-from hyper_parallel.codegen.check.preflight import uncovered_parameters
+from hyper_parallel.runtime.integrity import uncovered_parameters
 from hyper_parallel.codegen.plan.freeze import compress_by_pattern
 from hyper_parallel.runtime import hyper_apply_replacements
 from hyper_parallel.config.plan_override import parse_plan_overrides

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from hyper_parallel.codegen.check.launch import RANK_PREFIX, exit_text, rank_exits, rank_stderr_lines
+from hyper_parallel.launch.ranks import RANK_PREFIX, exit_text, rank_exits, rank_stderr_lines
 from hyper_parallel.codegen.spec.types import STAGES
 from .tiny import REPO, family_dir, is_remote
 from hyper_parallel.trainer.reference import reference_training

@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hyper_parallel.errors import HyperParallelError
-
-META_FILE = "codegen_meta.json"
+from hyper_parallel.launch.processes import pid_alive  # noqa: F401 (stale staging folders; tests use it)
+from hyper_parallel.runtime.meta import META_FILE
 _TEMP_PREFIX = ".hp-bundle-"  # only dirs named <prefix><bundle>-<dead pid>-* are ever removed
 _RENAME_EXCHANGE = 2
 
@@ -200,14 +200,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while a process with this pid exists (ours or another user's)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -145,7 +145,7 @@ def _under_torchrun(args: argparse.Namespace, recipe: str, config: TrainerConfig
     """One rank: rank 0 generates (or reuses) the bundle, the others wait for it; then
     every rank checks the installed bundle's integrity."""
     from hyper_parallel.codegen.check.drift import fix_command
-    from hyper_parallel.codegen.check.preflight import preflight_integrity_check
+    from hyper_parallel.runtime.integrity import preflight_integrity_check
     from hyper_parallel.codegen.spec.project import signature_from_spec
 
     check_launch_world_size(config)

@@ -7,17 +7,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.digest import sha256_bytes, sha256_file  # noqa: F401 (the codegen side's names)
 from hyper_parallel.errors import HyperParallelError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../hyper_parallel
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: str | Path) -> str:
-    return sha256_bytes(Path(path).read_bytes())
 
 
 def canonical_json(value: Any) -> str:

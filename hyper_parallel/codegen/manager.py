@@ -12,23 +12,18 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from hyper_parallel.codegen.bundle_folder import META_FILE, check_owned, remove_stale_staging_dirs
+from hyper_parallel.codegen.bundle_folder import check_owned, remove_stale_staging_dirs
 from hyper_parallel.codegen.spec.project import project_codegen_spec, signature_from_spec
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
-from hyper_parallel.codegen.stages import (
-    check_workspace_owned,
-    read_json,
-    remove_orphaned_temp_files,
-    run_stage,
-    stage_is_current,
-    write_json,
-)
+from hyper_parallel.codegen.stages import run_stage, stage_is_current
+from hyper_parallel.codegen.workspace import check_workspace_owned, read_json, remove_orphaned_temp_files, write_json
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.runtime.meta import META_FILE
+from hyper_parallel.runtime.build import DEFAULT_WAIT_TIMEOUT_S
 
 _LOG = logging.getLogger(__name__)
-DEFAULT_WAIT_TIMEOUT_S = 600.0
 
 
 class CodegenWaitError(TimeoutError, HyperParallelError):

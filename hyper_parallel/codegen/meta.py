@@ -1,26 +1,18 @@
-"""codegen_meta.json: what a bundle is, what it was built from, and what it covers."""
+"""Writing codegen_meta.json: what a bundle is, what it was built from, and what it
+covers. Reading it is the runtime's (``runtime/meta.py``)."""
 
 import json
-from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.bundle_folder import META_FILE
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_json
 from hyper_parallel.codegen.spec.types import CodegenSpec
-from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.runtime.meta import META_SCHEMA_VERSION
 
-META_SCHEMA_VERSION = 1
-REQUIRED_META_FIELDS = ("schema_version", "signature", "recipe", "source", "model", "parallel",
-                        "modeling_file", "outputs", "plan", "verified", "covered", "not_covered")
 NOT_COVERED = (
     "pipeline_parallel: pp_size is recorded; PP splitting is done by the trainer",
     "data_parallel: FSDP2 fully_shard over dp is applied by the trainer",
     "activation_checkpointing, torch.compile and DeviceMesh construction are owned by the runtime",
 )
-
-
-class MetaError(ValueError, HyperParallelError):
-    """A codegen_meta.json that is missing, unreadable or incomplete."""
 
 
 def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, bytes],
@@ -52,21 +44,3 @@ def build_codegen_meta(spec: CodegenSpec, *, signature: str, files: dict[str, by
         "not_covered": list(NOT_COVERED),
     }
     return (json.dumps(meta, indent=2, sort_keys=False) + "\n").encode()
-
-
-def load_codegen_meta(bundle_dir: str | Path) -> dict[str, Any]:
-    path = Path(bundle_dir) / META_FILE
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: a file sits where the bundle goes
-        raise MetaError(f"{path}: no bundle here (codegen_meta.json missing); run `doit generate`") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MetaError(f"{path}: unreadable ({exc}); the bundle is damaged, run `doit generate`") from None
-    if not isinstance(meta, dict):
-        raise MetaError(f"{path}: expected a JSON object, got {type(meta).__name__}")
-    missing = [f for f in REQUIRED_META_FIELDS if f not in meta]
-    if missing:
-        raise MetaError(f"{path}: required field(s) missing: {', '.join(missing)}; run `doit generate`")
-    if meta["schema_version"] != META_SCHEMA_VERSION:
-        raise MetaError(f"{path}: schema_version: expected {META_SCHEMA_VERSION}, got {meta['schema_version']!r}")
-    return meta

@@ -10,7 +10,7 @@ meta file name).
 
 from dataclasses import dataclass
 
-from hyper_parallel.codegen.bundle_folder import META_FILE
+from hyper_parallel.runtime.meta import META_FILE
 
 # The pipeline workspace: per-recipe stage outputs and doit's state, a folder
 # of this name under the folder doit runs in, unless ``$HYPER_PARALLEL_WORKSPACE`` moves it.

@@ -1,37 +1,38 @@
-"""The pipeline stages as library functions.
+"""The pipeline stages' runners, and when each stage is current.
 
-Each stage reads its inputs from the recipe's workspace, writes its output there (and
-the signature it was built from into the workspace's ``signatures.json``), and is
-current when that recorded signature equals the one computed now. doit, the CLI and the training path all call these functions.
+Each stage reads its inputs from the recipe's workspace (``workspace.py``), writes its
+output there (and the signature it was built from into the workspace's
+``signatures.json``), and is current when that recorded signature equals the one
+computed now (the stage table's ``current`` rule says how each is judged). doit, the CLI
+and the training path's door (``runtime/build.py``) all call these functions.
 Only ``derive`` and ``preflight`` import torch, and only when they actually run.
 Progress goes to this module's logger, each line tagged with its stage (``[derive] ...``);
 the entry point that runs a stage decides how it is shown (``console_log``).
 """
 
 import importlib
-import json
 import logging
-import os
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.bundle_folder import META_FILE, BundleError, pid_alive, write_bundle_atomic
+from hyper_parallel.codegen.bundle_folder import write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
 from hyper_parallel.codegen.spec.types import CodegenSpec
-from hyper_parallel.codegen.stage_table import (
-    INSTALLED,
-    SIGNATURES_FILE,
-    STAGED_DIR,
-    STAGES,
-    WORKSPACE_ENTRIES,
-    stage_row,
+from hyper_parallel.codegen.stage_table import INSTALLED, SIGNATURES_FILE, STAGES, stage_row
+from hyper_parallel.codegen.workspace import (
+    StageFiles,
+    read_stage_record,
+    read_upstream,
+    recorded_signatures,
+    write_if_changed,
+    write_json,
+    write_stage_record,
 )
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.runtime.meta import META_FILE
 
 _LOG = logging.getLogger(__name__)
 
@@ -39,34 +40,6 @@ _LOG = logging.getLogger(__name__)
 class StageError(RuntimeError, HyperParallelError):
     """A stage's inputs are not what the stages before it recorded (a staged file edited,
     verify run for other bytes or another layout); names the file and the command to rerun."""
-
-
-class StageRecordError(FileNotFoundError, HyperParallelError):
-    """An earlier stage's output is missing, unreadable or edited."""
-
-
-_TEMP_FILE = re.compile(r"^\..+\.(\d+)\.tmp$")  # write_if_changed's temp files, named after their writer
-
-
-@dataclass(frozen=True)
-class StageFiles:
-    """Where a recipe's stage outputs live, as the stage table places them."""
-
-    spec: CodegenSpec
-
-    @property
-    def staged(self) -> Path:
-        """The staged bundle (emit's and diff's files), inside the recipe's workspace."""
-        return self.spec.workspace / STAGED_DIR
-
-    def output(self, name: str) -> Path:
-        """The record stage ``name`` writes: in the workspace, or the installed bundle's meta."""
-        row = stage_row(name)
-        return (self.spec.bundle_dir if row.in_bundle else self.spec.workspace) / row.output_name
-
-    def upstream(self, name: str) -> list[Path]:
-        """The outputs of the earlier stages that stage ``name`` reads."""
-        return [self.output(earlier) for earlier in stage_row(name).reads]
 
 
 def expected_signature(spec: CodegenSpec, stage: str) -> str | None:
@@ -230,7 +203,7 @@ def install_payload(spec: CodegenSpec, verified: dict[str, Any]) -> tuple[dict[s
 def verify_installed(spec: CodegenSpec) -> dict[str, Any]:
     """``doit check``: run verify on the installed bundle (what training will import)."""
     from hyper_parallel.codegen.check.verify import verify_bundle
-    from hyper_parallel.codegen.meta import load_codegen_meta
+    from hyper_parallel.runtime.meta import load_codegen_meta
 
     meta = load_codegen_meta(spec.bundle_dir)
     return verify_bundle(spec, spec.bundle_dir, meta["signature"], meta["outputs"],
@@ -275,7 +248,7 @@ def run_install(spec: CodegenSpec) -> None:
 
 def installed_recipe(bundle_dir: Path) -> str | None:
     """The recipe (relative to the bundle) the installed bundle was built from, if readable."""
-    from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
+    from hyper_parallel.runtime.meta import MetaError, load_codegen_meta
 
     try:
         return load_codegen_meta(bundle_dir).get("recipe")
@@ -314,23 +287,6 @@ def banner_fields(spec: CodegenSpec, frozen: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# --- small file helpers ----------------------------------------------------------------------
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-
-
-def read_upstream(path: Path) -> dict[str, Any]:
-    """An earlier stage's output, which must exist as that stage wrote it (doit and
-    run_pipeline order the stages; an edited one is refused)."""
-    value = read_stage_record(path)
-    if value is None:
-        raise StageRecordError(f"{path}: missing, unreadable or edited output of an earlier stage; "
-                                f"run the whole pipeline (`doit generate config=...`)")
-    return value
 
 
 def write_stage_output(spec: CodegenSpec, stage: str, record: dict[str, Any]) -> None:
@@ -342,26 +298,6 @@ def write_stage_output(spec: CodegenSpec, stage: str, record: dict[str, Any]) ->
     signatures = recorded_signatures(spec)
     signatures[stage] = expected_signature(spec, stage)
     write_json(spec.workspace / SIGNATURES_FILE, dict(sorted(signatures.items())))
-
-
-def recorded_signatures(spec: CodegenSpec) -> dict[str, str]:
-    """stage -> the signature its current record was built from (empty when none)."""
-    return read_json(spec.workspace / SIGNATURES_FILE) or {}
-
-
-def write_stage_record(path: Path, record: dict[str, Any]) -> None:
-    """A stage's output, sealed with the sha256 of its own content: an edited output
-    (a hand-changed plan.json) is stale, so it is rebuilt, never passed on."""
-    write_json(path, {**record, "content_sha256": sha256_json(record)})
-
-
-def read_stage_record(path: Path) -> dict[str, Any] | None:
-    """A stage output whose content is what its stage wrote, else None."""
-    record = read_json(path)
-    if record is None:
-        return None
-    body = {key: value for key, value in record.items() if key != "content_sha256"}
-    return body if record.get("content_sha256") == sha256_json(body) else None
 
 
 def install_is_current(spec: CodegenSpec) -> bool:
@@ -381,20 +317,6 @@ def install_is_current(spec: CodegenSpec) -> bool:
     return present == set(expected) and all((folder / name).read_bytes() == data for name, data in expected.items())
 
 
-def write_json(path: Path, value: dict[str, Any]) -> None:
-    write_if_changed(path, (json.dumps(value, indent=1, sort_keys=False) + "\n").encode())
-
-
-def write_if_changed(path: Path, data: bytes) -> None:
-    """Leave identical files untouched (mtime too): the early cutoff for later stages."""
-    if path.is_file() and path.read_bytes() == data:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
 def _write_staged(spec: CodegenSpec, stage: str, outputs: dict[str, bytes]) -> None:
     files = StageFiles(spec)
     for name, data in outputs.items():
@@ -402,28 +324,3 @@ def _write_staged(spec: CodegenSpec, stage: str, outputs: dict[str, bytes]) -> N
     write_stage_output(spec, stage, {"outputs": {name: sha256_bytes(data) for name, data in outputs.items()}})
 
 
-def check_workspace_owned(workspace: Path) -> None:
-    """Clean removes a recipe's workspace only when it holds nothing but stage outputs."""
-    if workspace.is_symlink():
-        raise BundleError(f"cannot remove the workspace {workspace}: it is a symbolic link (to "
-                            f"{os.readlink(workspace)}); nothing was changed")
-    known = WORKSPACE_ENTRIES
-    foreign = sorted(e.name for e in workspace.iterdir()
-                     if e.is_symlink() or (e.name not in known and not _TEMP_FILE.match(e.name)))
-    if foreign:
-        raise BundleError(f"cannot remove the workspace {workspace}: it holds {len(foreign)} entr(ies) the "
-                            f"pipeline did not write ({', '.join(foreign[:10])}); nothing was changed; move them out")
-
-
-def remove_orphaned_temp_files(workspace: Path) -> list[Path]:
-    """Temp files a killed run left in the workspace (their writer is gone)."""
-    removed = []
-    for folder in (workspace, workspace / STAGED_DIR):
-        if not folder.is_dir() or folder.is_symlink():
-            continue
-        for entry in folder.iterdir():
-            found = _TEMP_FILE.match(entry.name)
-            if found and entry.is_file() and not entry.is_symlink() and not pid_alive(int(found.group(1))):
-                entry.unlink(missing_ok=True)
-                removed.append(entry)
-    return removed

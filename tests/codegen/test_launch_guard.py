@@ -11,15 +11,15 @@ import time
 
 import psutil
 
-from hyper_parallel.codegen.check.launch import scratch_dir
-from hyper_parallel.codegen.check.launch_guard import OWNER_ENV
+from hyper_parallel.launch.ranks import scratch_dir
+from hyper_parallel.launch.guard import OWNER_ENV
 
 # The run: starts an orphaned "rank" (double fork, own session) carrying the owner mark,
 # prints its pid, then opens a scratch folder (starting the watcher after the rank is
 # already re-parented, so no poll can see it as a descendant) and waits to be killed.
 RUN = textwrap.dedent("""
     import os, subprocess, sys, time
-    from hyper_parallel.codegen.check.launch import scratch_dir
+    from hyper_parallel.launch.ranks import scratch_dir
     env = {**os.environ, "%(owner)s": str(os.getpid())}
     middle = subprocess.Popen([sys.executable, "-c",
         "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "

@@ -4,7 +4,7 @@ is "silent"; a rank left waiting for a rank that failed on its own is not blamed
 import os
 import time
 
-from hyper_parallel.codegen.check.launch import RankFiles, rank_reports
+from hyper_parallel.launch.ranks import RankFiles, rank_reports
 
 
 def _files(tmp_path, *, error_after_s: float) -> RankFiles:

@@ -3,7 +3,7 @@ summary that only says a child failed."""
 
 import pytest
 
-from hyper_parallel.codegen.check.launch import last_error_line as _last_error_line
+from hyper_parallel.launch.ranks import last_error_line as _last_error_line
 from tests.launch import torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -133,7 +133,9 @@ def run_layout(args) -> dict:
         logits_shape = list(parallel(input_ids=batch).logits.shape)
     out = {
         "rank": rank,
-        "context_parallel": document.get("context_parallel"),
+        "context_parallel": ({"algorithm": document["layout"]["cp_algorithm"],
+                              "load_balance": document["layout"]["cp_load_balance"]}
+                             if "cp_algorithm" in document["layout"] else None),
         "roles": sorted(set(result.roles.values())),
         "losses": trained["losses"],
         "grad_failures": trained["grad_failures"],

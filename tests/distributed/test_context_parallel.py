@@ -102,7 +102,7 @@ def test_allgather_kv_matches_single_process(case, batches):
 def test_gather_sequence_keeps_whole_sequence_attention(batches):
     """The explicit baseline: the block gathers its input, no attention wrapper is installed."""
     for result in batches.results(GATHER_SEQUENCE):
-        assert result["context_parallel"] is None  # the document's default: absent means gather_sequence
+        assert result["context_parallel"] is None  # the layout's default: no cp keys means gather_sequence
         assert "attention_block" in result["roles"]
         assert result["attention_blocks"] == 0
         assert result["grad_failures"] == []

@@ -10,7 +10,7 @@ from typing import Callable
 
 from hyper_parallel.codegen.bundle_folder import write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes
-from hyper_parallel.codegen.meta import META_SCHEMA_VERSION, REQUIRED_META_FIELDS
+from hyper_parallel.runtime.meta import META_SCHEMA_VERSION, REQUIRED_META_FIELDS
 from tests.project_fixtures import REPO, TINY_RECIPE, cli, doit, make_project
 
 # The package is not installed: subprocesses started in a project copy find it here.

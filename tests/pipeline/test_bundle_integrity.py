@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from hyper_parallel.codegen.bundle_folder import META_FILE, remove_stale_staging_dirs, write_bundle_atomic
-from hyper_parallel.codegen.check.drift import bundle_file_problems
-from hyper_parallel.codegen.check.preflight import PreflightError, preflight_integrity_check
+from hyper_parallel.codegen.bundle_folder import remove_stale_staging_dirs, write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
-from hyper_parallel.codegen.loader import bundle_package_name
-from hyper_parallel.codegen.meta import load_codegen_meta
+from hyper_parallel.runtime.integrity import PreflightError, bundle_file_problems, preflight_integrity_check
+from hyper_parallel.runtime.loader import bundle_package_name
+from hyper_parallel.runtime.meta import META_FILE, load_codegen_meta
 from tests.pipeline.pipeline_helpers import BUNDLE, ENV, MODELING_FILE, copy_project, generated_tiny_project
 from tests.project_fixtures import REPO, TINY_RECIPE, doit
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from hyper_parallel.codegen.check.preflight import preflight_integrity_check
+from hyper_parallel.runtime.integrity import preflight_integrity_check
 from hyper_parallel.codegen.hash import implementation_sha256
 from hyper_parallel.codegen.manager import load_spec
 from hyper_parallel.codegen.spec.project import signature_from_spec

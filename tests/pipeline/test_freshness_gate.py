@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from hyper_parallel.codegen.bundle_folder import META_FILE
+from hyper_parallel.runtime.meta import META_FILE
 from hyper_parallel.codegen.check.freshness import freshness_problems
 from hyper_parallel.codegen.manager import load_spec
 from tests.pipeline.pipeline_helpers import BUNDLE, ENV, MODELING_FILE, copy_project, generated_tiny_project

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hyper_parallel.codegen.loader import (
+from hyper_parallel.runtime.loader import (
     PACKAGE_PREFIX,
     BundleImportError,
     bundle_package_name,

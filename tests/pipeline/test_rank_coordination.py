@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hyper_parallel.codegen.bundle_folder import META_FILE
+from hyper_parallel.runtime.meta import META_FILE
 from hyper_parallel.codegen.hash import implementation_sha256
 from hyper_parallel.codegen.manager import CodegenWaitError, ensure_codegen_artifact
 from hyper_parallel.config import load_training_config

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hyper_parallel.codegen.bundle_folder import META_FILE
+from hyper_parallel.runtime.meta import META_FILE
 from tests.pipeline.pipeline_helpers import generated_tiny_project
 from tests.project_fixtures import TINY_RECIPE
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
 
-from hyper_parallel.codegen.loader import load_generated_module
-from hyper_parallel.codegen.meta import load_codegen_meta
+from hyper_parallel.runtime.loader import load_generated_module
+from hyper_parallel.runtime.meta import load_codegen_meta
 from tests.distributed.tp_equivalence_worker import one_step_against_reference, start_tp2_worker
 from tests.rank_exit import leave_after_barrier
 

@@ -7,7 +7,7 @@ them)."""
 import pytest
 import yaml
 
-from hyper_parallel.codegen.loader import load_generated_module
+from hyper_parallel.runtime.loader import load_generated_module
 from hyper_parallel.codegen.manager import load_spec, run_pipeline
 from hyper_parallel.codegen.plan.derive import build_meta_model
 from hyper_parallel.runtime import ReplacementError

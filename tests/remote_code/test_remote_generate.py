@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hyper_parallel.codegen.check.preflight import PreflightError, preflight_integrity_check
+from hyper_parallel.runtime.integrity import PreflightError, preflight_integrity_check
 from hyper_parallel.codegen.hash import sha256_file
-from hyper_parallel.codegen.loader import bundle_package_name, load_generated_module
+from hyper_parallel.runtime.loader import bundle_package_name, load_generated_module
 from hyper_parallel.codegen.manager import load_spec
-from hyper_parallel.codegen.meta import load_codegen_meta
+from hyper_parallel.runtime.meta import load_codegen_meta
 from hyper_parallel.codegen.plan.derive import build_meta_model
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO, cli, doit, tasks_ran

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from hyper_parallel.codegen.astkit import SourceModule, apply_text_edits
-from hyper_parallel.codegen.check.drift import bundle_file_problems
+from hyper_parallel.runtime.integrity import bundle_file_problems
 from hyper_parallel.codegen.emit.imports import RemoteCode, remote_import_edits
 from hyper_parallel.codegen.hash import canonical_json, sha256_file
 from hyper_parallel.codegen.manager import load_spec

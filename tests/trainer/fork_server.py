@@ -8,7 +8,7 @@ costs), then reads one JSON request per line from stdin and answers one JSON lin
 - ``{"op": "run", "cwd": DIR, "log": FILE, "argv": [...]}``: forks a child that runs
   ``forked_torchrun.main(argv)`` in DIR, its stdout and stderr in FILE; answers ``{"pid": N}``.
   The child is a whole torchrun (agent, rendezvous, ranks forked from it) like the one
-  ``python -m hyper_parallel.codegen.check.forked_torchrun`` starts, only without
+  ``python -m hyper_parallel.launch.forked_torchrun`` starts, only without
   importing the modules again; SIGKILL of it and its ranks is a lost host as before.
 - ``{"op": "wait", "pid": N}``: reaps the child, answers ``{"code": C}`` (``-9`` when killed).
 """
@@ -29,7 +29,7 @@ def _child(request: dict) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    from hyper_parallel.codegen.check.forked_torchrun import main
+    from hyper_parallel.launch.forked_torchrun import main
 
     try:
         return main(request["argv"]) or 0
@@ -46,7 +46,7 @@ def serve(preload: list[str]) -> None:
             importlib.import_module(name)
         except Exception:  # the run imports it again and reports the error itself
             pass
-    importlib.import_module("hyper_parallel.codegen.check.forked_torchrun")  # what every child runs
+    importlib.import_module("hyper_parallel.launch.forked_torchrun")  # what every child runs
 
     for line in sys.stdin:
         request = json.loads(line)

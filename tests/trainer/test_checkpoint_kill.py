@@ -25,7 +25,7 @@ import psutil
 import pytest
 import yaml
 
-from hyper_parallel.codegen.check.forked_torchrun import torchrun_command
+from hyper_parallel.launch.forked_torchrun import torchrun_command
 from hyper_parallel.trainer.checkpoint import MARKER, scan
 from hyper_parallel.trainer.metrics import read_metrics
 from tests.pipeline.pipeline_helpers import copy_project, generated_tiny_project

@@ -119,7 +119,7 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
         assert "replace_qwen3_moe_grouped_experts" in modeling and "replace_qwen3_moe_flash_attention" in modeling
     if "context_parallel" in accelerator:  # the bundle splits attention as the recipe says
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
-        assert '"context_parallel": {"algorithm": "allgather_kv", "load_balance": True}' in modeling
+        assert '"cp_algorithm": "allgather_kv", "cp_load_balance": True}' in modeling
         assert '"kv_gathered_attention | ' in modeling  # the attention entries' line starts with the role
     records = read_metrics(metrics)
     got, got_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]

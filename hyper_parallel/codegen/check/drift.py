@@ -2,11 +2,10 @@
 
 from pathlib import Path
 
-from hyper_parallel.codegen.bundle_folder import META_FILE
-from hyper_parallel.codegen.hash import sha256_file
-from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.project import signature_from_spec
 from hyper_parallel.codegen.spec.types import CodegenSpec
+from hyper_parallel.runtime.integrity import bundle_file_problems
+from hyper_parallel.runtime.meta import META_FILE, MetaError, load_codegen_meta
 
 
 def fix_command(spec: CodegenSpec) -> str:
@@ -18,37 +17,6 @@ def fix_command(spec: CodegenSpec) -> str:
     except ValueError:
         pass
     return f"doit generate config={recipe}"
-
-
-def bundle_file_problems(bundle_dir: Path, meta: dict) -> list[str]:
-    """Files listed in the meta that are missing or whose sha256 differs, and remote-code
-    siblings the source records that the bundle does not carry unchanged."""
-    problems = sibling_problems(bundle_dir, meta)
-    for name, expected in meta["outputs"].items():
-        path = bundle_dir / name
-        if not path.is_file():
-            problems.append(f"{path}: missing (listed in codegen_meta.json)")
-            continue
-        actual = sha256_file(path)
-        if actual != expected:
-            problems.append(f"{path}: sha256 mismatch: codegen_meta.json expects {expected}, "
-                            f"the file has {actual}")
-    return problems
-
-
-def sibling_problems(bundle_dir: Path, meta: dict) -> list[str]:
-    """Every sibling of a remote-code source must be listed in ``outputs`` with the
-    sha256 it was resolved with (the bundle carries it byte for byte)."""
-    problems = []
-    outputs = meta["outputs"]
-    for name, expected in (meta["source"].get("siblings") or []):
-        if name not in outputs:
-            problems.append(f"{bundle_dir / META_FILE}: outputs: remote-code sibling {name} of "
-                            f"{meta['source'].get('file')} is not part of the bundle")
-        elif outputs[name] != expected:
-            problems.append(f"{bundle_dir / META_FILE}: outputs: sibling {name}: expected the sha256 "
-                            f"resolved from the model folder {expected}, listed {outputs[name]}")
-    return problems
 
 
 def installed_bundle_problems(spec: CodegenSpec) -> list[str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hyper_parallel.codegen.check.drift import fix_command, installed_bundle_problems
-from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
+from hyper_parallel.runtime.meta import MetaError, load_codegen_meta
 from hyper_parallel.codegen.spec.types import CodegenSpec
 
 _MAX_DIFF_LINES = 400  # per file: enough to review, not a wall

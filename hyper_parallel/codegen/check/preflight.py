@@ -1,79 +1,24 @@
-"""Preflight: per-rank integrity checks and the torchrun launcher."""
+"""Preflight, the build tool's stage: the per-rank integrity checks (``runtime/integrity.py``,
+which training runs too) on ``world_size`` ranks under torchrun, or in one process above
+the process cap."""
 
 import json
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.bundle_folder import META_FILE
-from hyper_parallel.codegen.check.forked_torchrun import rank_preload, torchrun_command
-from hyper_parallel.codegen.check.launch import LaunchError, RankFiles, RankLaunch, scratch_dir, wait_for_ranks
-from hyper_parallel.codegen.check.drift import bundle_file_problems, fix_command
-from hyper_parallel.codegen.hash import sha256_bytes, sha256_file
-from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
+from hyper_parallel.codegen.check.drift import fix_command
+from hyper_parallel.codegen.check.rank_preload import rank_preload
 from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.distributed.plan_format import plan_entries
-from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.launch.forked_torchrun import torchrun_command
+from hyper_parallel.launch.ranks import LaunchError, RankFiles, RankLaunch, scratch_dir, wait_for_ranks
+from hyper_parallel.runtime.integrity import PreflightError, preflight_integrity_check
+from hyper_parallel.runtime.meta import load_codegen_meta
 
 _LOG = logging.getLogger(__name__)
 
 PREFLIGHT_TIMEOUT_S = 900
-
-
-class PreflightError(RuntimeError, HyperParallelError):
-    """The bundle is not fit to train with; the message says what and how to fix it."""
-
-
-def preflight_integrity_check(bundle_dir: str | Path, *, expected_signature: str | None = None,
-                              model: Any = None, fix: str = "doit generate") -> dict[str, Any]:
-    """Checks every rank runs before importing a bundle. Returns a small report."""
-    from hyper_parallel.codegen.loader import load_generated_module
-
-    bundle_dir = Path(bundle_dir)
-    try:
-        meta = load_codegen_meta(bundle_dir)
-    except MetaError as exc:
-        raise PreflightError(f"{exc}\n  fix: {fix}") from None
-    if expected_signature is not None and meta["signature"] != expected_signature:
-        raise PreflightError(f"{bundle_dir / META_FILE}: signature mismatch: expected {expected_signature}, "
-                             f"bundle has {meta['signature']}\n  fix: {fix}")
-    problems = bundle_file_problems(bundle_dir, meta)
-    if problems:
-        raise PreflightError("\n".join(problems) + f"\n  fix: {fix}")
-    module = load_generated_module(bundle_dir)
-    plan = getattr(module, "HYPER_PARALLEL_PLAN", None)
-    if not plan or not plan.get("modules"):
-        raise PreflightError(f"{bundle_dir / meta['modeling_file']}: HYPER_PARALLEL_PLAN is empty\n  fix: {fix}")
-    if model is not None:
-        uncovered = uncovered_parameters(model, plan_entries(plan))
-        if uncovered:
-            raise PreflightError(f"{bundle_dir / meta['modeling_file']}: the frozen plan covers no entry for "
-                                 f"parameter(s) {', '.join(uncovered[:5])}\n  fix: {fix}")
-    return {"signature": meta["signature"], "digest": bundle_digest(bundle_dir, meta),
-            "plan_entries": len(plan["modules"])}
-
-
-def bundle_digest(bundle_dir: Path, meta: dict[str, Any]) -> str:
-    """One hash for everything a rank will import: the meta and every listed file."""
-    parts = [sha256_file(bundle_dir / META_FILE)] + [
-        f"{name}={sha256_file(bundle_dir / name)}" for name in sorted(meta["outputs"])]
-    return sha256_bytes("\n".join(parts).encode())
-
-
-def uncovered_parameters(model: Any, modules: dict[str, dict]) -> list[str]:
-    """Trainable parameters no entry of ``modules`` (full entries, ``plan_entries``) places."""
-    from hyper_parallel.distributed.name_match import plan_entry_for
-
-    missing = []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        owner, _, leaf = name.rpartition(".")
-        found = plan_entry_for(owner, modules)
-        if found is None or leaf not in found[1].get("state_shardings", {}):
-            missing.append(name)
-    return missing
 
 
 def run_torchrun_preflight(spec: CodegenSpec) -> dict[str, Any]:
@@ -116,7 +61,7 @@ def run_torchrun_preflight(spec: CodegenSpec) -> dict[str, Any]:
 def checked_meta_model(spec: CodegenSpec, fix: str) -> tuple[dict[str, Any], Any, Any]:
     """What both preflights start from: the installed bundle's integrity, its module, and
     the full-size model on the meta device, which its plan must cover."""
-    from hyper_parallel.codegen.loader import load_generated_module
+    from hyper_parallel.runtime.loader import load_generated_module
     from hyper_parallel.codegen.plan.derive import build_meta_model
     from hyper_parallel.codegen.spec.project import signature_from_spec
 

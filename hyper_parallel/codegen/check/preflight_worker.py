@@ -10,7 +10,7 @@ import os
 import sys
 from datetime import timedelta
 
-from hyper_parallel.codegen.check.launch import RankFiles
+from hyper_parallel.launch.ranks import RankFiles
 from hyper_parallel.distributed.rank_exit import exit_rank
 
 

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.check.forked_torchrun import rank_preload, torchrun_command
-from hyper_parallel.codegen.check.launch import (
+from hyper_parallel.codegen.check.rank_preload import rank_preload
+from hyper_parallel.launch.forked_torchrun import torchrun_command
+from hyper_parallel.launch.ranks import (
     LaunchError,
     RankFiles,
     RankLaunch,
@@ -340,7 +341,7 @@ def _fmt(value) -> str:
 
 
 def _plan_entry(job: dict, param_name: str) -> tuple[str | None, Any]:
-    from hyper_parallel.codegen.loader import load_bundle_module
+    from hyper_parallel.runtime.loader import load_bundle_module
     from hyper_parallel.distributed.name_match import plan_entry_for
 
     module = load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"], job["files"])

@@ -24,7 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.check.launch import RankFiles
+from hyper_parallel.launch.ranks import RankFiles
 from hyper_parallel.codegen.check.verify_mode import STEPS
 from hyper_parallel.distributed.rank_exit import exit_rank
 
@@ -190,7 +190,7 @@ def _track_running(model, plan: dict[str, Any], running: list[str], finished: li
 
 
 def _load_bundle_module(job: dict[str, Any]):
-    from hyper_parallel.codegen.loader import load_bundle_module
+    from hyper_parallel.runtime.loader import load_bundle_module
 
     return load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"], job["files"])
 

@@ -21,7 +21,6 @@ prepared bundle, and only ``from_pretrained`` prepares one.
 import logging
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
-from hyper_parallel.distributed.plan_format import plan_entries, unapplied_axis_warnings
+from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
 from hyper_parallel.models.hf import model_builder as mb
 from hyper_parallel.models.hf.backend import (
     BackendError,
@@ -38,6 +37,9 @@ from hyper_parallel.models.hf.backend import (
     custom_model_module,
     resolve_modeling_backend,
 )
+from hyper_parallel.runtime.bundle import prepare_bundle
+from hyper_parallel.runtime.integrity import check_plan_covers
+from hyper_parallel.runtime.recipe import Recipe
 
 _LOG = logging.getLogger(__name__)
 
@@ -93,14 +95,10 @@ def check_mesh_matches_recipe(config: TrainerConfig, mesh_context: MeshContext) 
 
 def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretrained: bool, rank: int | None,
            timeout_s: float | None, workspace_root: str | os.PathLike | None) -> nn.Module:
-    from hyper_parallel.codegen.spec.project import project_codegen_spec
-
     if mesh_context is not None:
         check_mesh_matches_recipe(config, mesh_context)
-    # The recipe's one projection in this build (None: default_workspace_root() decides).
-    spec = project_codegen_spec(config, workspace_root=workspace_root or None)
-    hf_config = mb.build_hf_config(config, spec)
-    backend = resolve_backend_for(config, hf_config)
+    recipe = Recipe.load(config, workspace_root=workspace_root)  # the build's one projection and HF config
+    backend = resolve_backend_for(config, recipe.hf_config)
     with_weights = mb.weights_to_load(config, pretrained)
     if backend is ModelingBackend.GEN:
         if not pretrained:
@@ -109,13 +107,13 @@ def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretraine
                 f"backend (codegen: true / modeling_backend: gen): a generated model needs a prepared "
                 f"bundle, which only from_pretrained() prepares; call HyperAutoModel.from_pretrained(config), "
                 f"or set modeling_backend: hf for a freshly initialized HF model")
-        return _build_generated(config, spec, hf_config, mesh_context=mesh_context, with_weights=with_weights,
-                                rank=rank, timeout_s=timeout_s)
+        return _build_generated(recipe, mesh_context=mesh_context, with_weights=with_weights, rank=rank,
+                                timeout_s=timeout_s)
     if backend is ModelingBackend.CUSTOM:
-        return _build_custom(config, hf_config, mesh_context=mesh_context, with_weights=with_weights)
-    model = mb.build_hf_model(hf_config, config, with_weights=with_weights).to(mb.target_device(config))
+        return _build_custom(config, recipe.hf_config, mesh_context=mesh_context, with_weights=with_weights)
+    model = mb.build_hf_model(recipe.hf_config, config, with_weights=with_weights).to(mb.target_device(config))
     if mesh_context is not None:
-        mb.parallelize_with_planner(model, spec, mesh_context)
+        mb.parallelize_with_planner(model, recipe.spec, mesh_context)
     return apply_model_infrastructure(model, config, mesh_context)
 
 
@@ -129,9 +127,10 @@ def _build_custom(config: TrainerConfig, hf_config: Any, *, mesh_context: MeshCo
     return apply_model_infrastructure(model, config, mesh_context)
 
 
-def _build_generated(config: TrainerConfig, spec: Any, hf_config: Any, *, mesh_context: MeshContext | None,
-                     with_weights: bool, rank: int | None, timeout_s: float | None) -> nn.Module:
-    bundle_dir, module, meta = prepare_bundle(spec, rank=rank, timeout_s=timeout_s)
+def _build_generated(recipe: Recipe, *, mesh_context: MeshContext | None, with_weights: bool, rank: int | None,
+                     timeout_s: float | None) -> nn.Module:
+    config, hf_config = recipe.config, recipe.hf_config
+    bundle_dir, module, meta, fix = prepare_bundle(recipe.spec, rank=rank, timeout_s=timeout_s)
     if rank in (None, 0):  # what derive said, said again by a run that reuses the bundle
         for line in unapplied_axis_warnings(getattr(module, "HYPER_PARALLEL_PLAN", {}).get("recorded_axes", {})):
             _LOG.warning(f"{bundle_dir.name}: {line}")
@@ -147,59 +146,13 @@ def _build_generated(config: TrainerConfig, spec: Any, hf_config: Any, *, mesh_c
     model = mb.build_generated_model(model_class, hf_config, config, with_weights=with_weights)
     model = model.to(mb.target_device(config))
     if mesh_context is not None:
-        if meta.get("covered", {}).get("sharding_plan") is True:
-            _check_plan_covers(model, module, bundle_dir)
+        if planned:
+            check_plan_covers(model, module, bundle_dir, fix)
             module.hyper_parallelize(model, mesh_context)
         else:  # the bundle carries no plan: plan at run time, as the hf backend does
-            mb.parallelize_with_planner(model, spec, mesh_context)
+            mb.parallelize_with_planner(model, recipe.spec, mesh_context)
     model.hyper_weight_map = meta.get("weight_map")
     return apply_model_infrastructure(model, config, mesh_context)
-
-
-def prepare_bundle(spec: Any, *, rank: int | None = None,
-                   timeout_s: float | None = None) -> tuple[Path, Any, dict[str, Any]]:
-    """Rank 0 generates or reuses the bundle of the projected recipe ``spec``, the others
-    wait for it; then every rank preflights and imports it. Returns (bundle dir, modeling
-    module, meta)."""
-    from hyper_parallel.codegen.check.drift import fix_command
-    from hyper_parallel.codegen.check.preflight import preflight_integrity_check
-    from hyper_parallel.codegen.loader import load_generated_module
-    from hyper_parallel.codegen.manager import DEFAULT_WAIT_TIMEOUT_S, ensure_bundle
-    from hyper_parallel.codegen.meta import load_codegen_meta
-    from hyper_parallel.codegen.spec.project import signature_from_spec
-
-    ensure_bundle(spec, rank=rank, timeout_s=DEFAULT_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
-    report = preflight_integrity_check(spec.bundle_dir, expected_signature=signature_from_spec(spec),
-                                       fix=fix_command(spec))
-    _check_digests_agree(report["digest"], spec.bundle_dir, fix_command(spec))
-    return spec.bundle_dir, load_generated_module(spec.bundle_dir), load_codegen_meta(spec.bundle_dir)
-
-
-def _check_digests_agree(digest: str, bundle_dir: Path, fix: str) -> None:
-    """Every rank imports the same bytes: a rank that sees another bundle (a stale copy on
-    a node-local disk) fails the start, named."""
-    import torch.distributed as dist
-
-    from hyper_parallel.codegen.check.preflight import PreflightError
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
-    if differing:
-        raise PreflightError(f"{bundle_dir}: bundle digest differs across ranks: rank 0 has {digests[0][:12]}, "
-                             f"rank(s) {differing} have {[digests[r][:12] for r in differing]}\n  fix: {fix} "
-                             f"and make the folder the same on every node")
-
-
-def _check_plan_covers(model: nn.Module, module: Any, bundle_dir: Path) -> None:
-    from hyper_parallel.codegen.check.preflight import PreflightError, uncovered_parameters
-
-    uncovered = uncovered_parameters(model, plan_entries(module.HYPER_PARALLEL_PLAN))
-    if uncovered:
-        raise PreflightError(f"{bundle_dir}: the frozen plan has no entry for parameter(s) "
-                             f"{', '.join(uncovered[:5])}; run `doit generate`")
 
 
 def fsdp_mixed_precision(config: TrainerConfig) -> Any:

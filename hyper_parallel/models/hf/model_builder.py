@@ -64,16 +64,13 @@ def parameter_dtype(config: TrainerConfig) -> torch.dtype:
     return dtype
 
 
-def build_hf_config(config: TrainerConfig, spec: Any = None) -> Any:
+def build_hf_config(config: TrainerConfig) -> Any:
     """The model folder's HF config with ``model.config_overrides`` (the same function the
-    derive stage uses, remote code included) and the recipe's attention kernel. ``spec``:
-    the recipe's projection where the caller made it (a model build projects once)."""
-    from hyper_parallel.codegen.plan.derive import build_hf_config as build_recipe_hf_config
-    from hyper_parallel.codegen.spec.project import project_codegen_spec
+    derive stage uses, remote code included) and the recipe's attention kernel; a model
+    build reads it once, in its ``Recipe`` (runtime/recipe.py)."""
+    from hyper_parallel.runtime.recipe import Recipe
 
-    hf_config = build_recipe_hf_config(spec if spec is not None else project_codegen_spec(config))
-    hf_config._attn_implementation = config.model.attn_implementation
-    return hf_config
+    return Recipe.load(config).hf_config
 
 
 def _is_remote(hf_config: Any) -> bool:
@@ -307,12 +304,11 @@ def parallelize_with_planner(model: nn.Module, spec: Any, mesh_context: MeshCont
     """The runtime path for HF models: the recipe's ``replace_module`` entries, then the
     same planner + overrides the derive stage runs, applied to the real mesh. ``spec``:
     the recipe's projection (``project_codegen_spec``), made once per model build."""
-    from hyper_parallel.codegen.plan.derive import plan_model
-    from hyper_parallel.runtime import hyper_apply_replacements
     from hyper_parallel.distributed.applier import apply_sharding_plan
+    from hyper_parallel.runtime import build, hyper_apply_replacements
 
     hyper_apply_replacements(model, spec.replacements)
-    result = plan_model(model, spec)
+    result = build.plan_at_run_time(model, spec)
     if mesh_context.device_mesh.get_rank() == 0:
         for line in unapplied_axis_warnings(result.recorded_axes):
             _LOG.warning(line)

@@ -1,6 +1,6 @@
 """Generated bundle for ../qwen3_moe_tiny.yaml (hyper-parallel codegen; do not edit).
 
-Import it with ``hyper_parallel.codegen.loader.load_generated_module(<this folder>)``;
+Import it with ``hyper_parallel.runtime.loader.load_generated_module(<this folder>)``;
 the model class is ``modeling_Qwen3_Moe_gen_cpu.Qwen3MoeForCausalLM``.
 """
 

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
-from hyper_parallel.codegen.hash import sha256_bytes
-from hyper_parallel.codegen.meta import MetaError, load_codegen_meta
+from hyper_parallel.digest import sha256_bytes
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.runtime.meta import MetaError, load_codegen_meta
 
 PACKAGE_PREFIX = "hyper_parallel_generated"
 

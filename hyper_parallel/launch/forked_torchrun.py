@@ -1,6 +1,6 @@
 """torchrun whose ranks are forked from a launcher that imported the heavy modules first.
 
-    python -m hyper_parallel.codegen.check.forked_torchrun --preload MOD[,MOD...] -- -m WORKER ARGS...
+    python -m hyper_parallel.launch.forked_torchrun --preload MOD[,MOD...] -- -m WORKER ARGS...
 
 Every rank of verify and preflight imports torch, transformers and the model's modeling
 module before it does a second of work: about 7 CPU-seconds per rank on a small machine,
@@ -22,18 +22,6 @@ import sys
 
 from hyper_parallel.distributed.rank_exit import FORKED_ENV
 
-# What every verify and preflight rank imports, heaviest first.
-RANK_IMPORTS = ("transformers", "torch.distributed.tensor", "torch.distributed.fsdp", "hyper_parallel.codegen.loader",
-                "hyper_parallel.codegen.plan.derive", "hyper_parallel.distributed.applier",
-                "hyper_parallel.distributed.mesh", "hyper_parallel.codegen.check.preflight")
-
-
-def rank_preload(source) -> list[str]:
-    """The modules a rank of this model imports: the common ones and, for a model
-    transformers ships, its modeling module (a remote model's is loaded from its folder)."""
-    return [*RANK_IMPORTS, *([source.module] if source is not None and not source.is_remote else [])]
-
-
 def torchrun_command(world: int, worker_module: str, worker_args: list[str], preload: list[str]) -> list[str]:
     """The command line that starts ``world`` forked ranks of ``worker_module``."""
     return [sys.executable, "-m", __name__, "--preload", ",".join(preload), "--",
@@ -42,7 +30,7 @@ def torchrun_command(world: int, worker_module: str, worker_args: list[str], pre
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.codegen.check.forked_torchrun",
+    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.launch.forked_torchrun",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--preload", default="", help="comma-separated modules to import before forking")
     parser.add_argument("torchrun_args", nargs=argparse.REMAINDER,

@@ -1,7 +1,7 @@
 """Nothing of a run outlives it: end its processes and remove its scratch when it dies.
 
-    python -m hyper_parallel.codegen.check.launch_guard watch --parent PID --scratch DIR
-    python -m hyper_parallel.codegen.check.launch_guard exec --parent PID -- COMMAND...
+    python -m hyper_parallel.launch.guard watch --parent PID --scratch DIR
+    python -m hyper_parallel.launch.guard exec --parent PID -- COMMAND...
 
 ``watch`` is started by ``scratch_dir`` with a pipe on stdin, in a session of its own (a
 signal to the run's process group does not reach it). While the pipe is open it records
@@ -34,7 +34,7 @@ OWNER_ENV = "HP_LAUNCH_OWNER"  # the pid of the process whose launch started thi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.codegen.check.launch_guard")
+    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.launch.guard")
     sub = parser.add_subparsers(dest="mode", required=True)
     watch = sub.add_parser("watch", help="clean up after the parent when it dies")
     watch.add_argument("--parent", type=int, required=True)

@@ -3,7 +3,7 @@
 A launch runs in a scratch folder of its own (``scratch_dir``) and in a process group of
 its own; each rank reports its phase and its own error in per-rank files (no closing
 collective that a silent rank could block), so ``wait_for_ranks`` can name a rank that
-went silent. A watcher process (``launch_guard``) removes the scratch folder and ends every
+went silent. A watcher process (``launch/guard.py``) removes the scratch folder and ends every
 process the run started if the run dies — SIGKILL included, where no ``finally`` runs;
 each launch also asks the kernel to kill it with its parent. No torch import here: the
 launcher side stays light.
@@ -23,12 +23,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hyper_parallel.codegen.bundle_folder import pid_alive
-from hyper_parallel.codegen.check.launch_guard import OWNER_ENV
+from hyper_parallel.launch.processes import pid_alive
+from hyper_parallel.launch.guard import OWNER_ENV
 from hyper_parallel.distributed.rank_exit import FORKED_ENV
 from hyper_parallel.errors import HyperParallelError
 
-GUARD = "hyper_parallel.codegen.check.launch_guard"
+GUARD = "hyper_parallel.launch.guard"
 SCRATCH_PREFIX = "hp-"  # scratch folders are named hp-<kind>-<pid of their owner>-<random>
 # A launch from inside a rank (the trainer's rank 0 generating) starts ranks of its own:
 # none of the outer launch's rendezvous, nor its "forked" mark, may reach them.
@@ -120,7 +120,7 @@ class RankFiles:
 
 class RankLaunch:
     """The rank processes, in their own process group, killed by the kernel if this process
-    dies (``launch_guard exec``) and ended with everything they started when the caller
+    dies (``guard exec``) and ended with everything they started when the caller
     leaves early (an exception, a signal turned into one)."""
 
     def __init__(self, cmd: list[str], *, log: Path, env: dict[str, str] | None = None):

@@ -1,0 +1,129 @@
+"""The checks every rank runs on an installed bundle before it trains with one.
+
+Each says what is wrong and ends with the fix (the command that regenerates the bundle,
+which the build tool's door, ``runtime/build.py``, words): the meta reads and lists the
+expected signature; every listed file is present with its sha256; remote-code siblings
+are carried unchanged; the plan is not empty and covers every trainable parameter; and
+every rank imports the same bytes (``check_digests_agree``). Torch-free at import.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.digest import sha256_bytes, sha256_file
+from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.runtime.meta import META_FILE, MetaError, load_codegen_meta
+
+
+class PreflightError(RuntimeError, HyperParallelError):
+    """The bundle is not fit to train with; the message says what and how to fix it."""
+
+
+def preflight_integrity_check(bundle_dir: str | Path, *, expected_signature: str | None = None,
+                              model: Any = None, fix: str = "doit generate") -> dict[str, Any]:
+    """Checks every rank runs before importing a bundle. Returns a small report."""
+    from hyper_parallel.distributed.plan_format import plan_entries
+    from hyper_parallel.runtime.loader import load_generated_module
+
+    bundle_dir = Path(bundle_dir)
+    try:
+        meta = load_codegen_meta(bundle_dir)
+    except MetaError as exc:
+        raise PreflightError(f"{exc}\n  fix: {fix}") from None
+    if expected_signature is not None and meta["signature"] != expected_signature:
+        raise PreflightError(f"{bundle_dir / META_FILE}: signature mismatch: expected {expected_signature}, "
+                             f"bundle has {meta['signature']}\n  fix: {fix}")
+    problems = bundle_file_problems(bundle_dir, meta)
+    if problems:
+        raise PreflightError("\n".join(problems) + f"\n  fix: {fix}")
+    module = load_generated_module(bundle_dir)
+    plan = getattr(module, "HYPER_PARALLEL_PLAN", None)
+    if not plan or not plan.get("modules"):
+        raise PreflightError(f"{bundle_dir / meta['modeling_file']}: HYPER_PARALLEL_PLAN is empty\n  fix: {fix}")
+    if model is not None:
+        uncovered = uncovered_parameters(model, plan_entries(plan))
+        if uncovered:
+            raise PreflightError(f"{bundle_dir / meta['modeling_file']}: the frozen plan covers no entry for "
+                                 f"parameter(s) {', '.join(uncovered[:5])}\n  fix: {fix}")
+    return {"signature": meta["signature"], "digest": bundle_digest(bundle_dir, meta),
+            "plan_entries": len(plan["modules"])}
+
+
+def bundle_digest(bundle_dir: Path, meta: dict[str, Any]) -> str:
+    """One hash for everything a rank will import: the meta and every listed file."""
+    parts = [sha256_file(bundle_dir / META_FILE)] + [
+        f"{name}={sha256_file(bundle_dir / name)}" for name in sorted(meta["outputs"])]
+    return sha256_bytes("\n".join(parts).encode())
+
+
+def bundle_file_problems(bundle_dir: Path, meta: dict) -> list[str]:
+    """Files listed in the meta that are missing or whose sha256 differs, and remote-code
+    siblings the source records that the bundle does not carry unchanged."""
+    problems = sibling_problems(bundle_dir, meta)
+    for name, expected in meta["outputs"].items():
+        path = bundle_dir / name
+        if not path.is_file():
+            problems.append(f"{path}: missing (listed in codegen_meta.json)")
+            continue
+        actual = sha256_file(path)
+        if actual != expected:
+            problems.append(f"{path}: sha256 mismatch: codegen_meta.json expects {expected}, "
+                            f"the file has {actual}")
+    return problems
+
+
+def sibling_problems(bundle_dir: Path, meta: dict) -> list[str]:
+    """Every sibling of a remote-code source must be listed in ``outputs`` with the
+    sha256 it was resolved with (the bundle carries it byte for byte)."""
+    problems = []
+    outputs = meta["outputs"]
+    for name, expected in (meta["source"].get("siblings") or []):
+        if name not in outputs:
+            problems.append(f"{bundle_dir / META_FILE}: outputs: remote-code sibling {name} of "
+                            f"{meta['source'].get('file')} is not part of the bundle")
+        elif outputs[name] != expected:
+            problems.append(f"{bundle_dir / META_FILE}: outputs: sibling {name}: expected the sha256 "
+                            f"resolved from the model folder {expected}, listed {outputs[name]}")
+    return problems
+
+
+def uncovered_parameters(model: Any, modules: dict[str, dict]) -> list[str]:
+    """Trainable parameters no entry of ``modules`` (full entries, ``plan_entries``) places."""
+    from hyper_parallel.distributed.name_match import plan_entry_for
+
+    missing = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        found = plan_entry_for(owner, modules)
+        if found is None or leaf not in found[1].get("state_shardings", {}):
+            missing.append(name)
+    return missing
+
+
+def check_plan_covers(model: Any, module: Any, bundle_dir: Path, fix: str) -> None:
+    """The model a run built (replacements applied) has no trainable parameter the
+    bundle's frozen plan leaves unplaced."""
+    from hyper_parallel.distributed.plan_format import plan_entries
+
+    uncovered = uncovered_parameters(model, plan_entries(module.HYPER_PARALLEL_PLAN))
+    if uncovered:
+        raise PreflightError(f"{bundle_dir}: the frozen plan has no entry for parameter(s) "
+                             f"{', '.join(uncovered[:5])}\n  fix: {fix}")
+
+
+def check_digests_agree(digest: str, bundle_dir: Path, fix: str) -> None:
+    """Every rank imports the same bytes: a rank that sees another bundle (a stale copy on
+    a node-local disk) fails the start, named."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
+    if differing:
+        raise PreflightError(f"{bundle_dir}: bundle digest differs across ranks: rank 0 has {digests[0][:12]}, "
+                             f"rank(s) {differing} have {[digests[r][:12] for r in differing]}\n  fix: {fix} "
+                             f"and make the folder the same on every node")
