@@ -9,7 +9,8 @@ from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.runtime.meta import META_SCHEMA_VERSION
 
 NOT_COVERED = (
-    "pipeline_parallel: pp_size is recorded; PP splitting is done by the trainer",
+    "pipeline_parallel: the stage split is recorded in the plan (pipeline.stages); the trainer runs the stages "
+    "with torch.distributed.pipelining",
     "data_parallel: FSDP2 fully_shard over dp is applied by the trainer",
     "activation_checkpointing, torch.compile and DeviceMesh construction are owned by the runtime",
 )

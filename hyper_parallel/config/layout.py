@@ -15,11 +15,13 @@ from typing import Any
 
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.parallel_dims import ParallelDims
+from hyper_parallel.config.pipeline import PipelineSettings
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.axes import SIZE_AXES
 
 _FLAGS = ("sequence_parallel", "loss_parallel")
 _CP_KEYS = ("cp_algorithm", "cp_load_balance")
+_PP_KEYS = ("pp_schedule", "pp_split_points")
 
 
 class LayoutError(ValueError, HyperParallelError):
@@ -32,19 +34,24 @@ class Layout:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     context_parallel: ContextParallel = ContextParallel()  # made effective for dims.cp
+    pipeline: PipelineSettings = PipelineSettings()  # the default where pp is 1 (nothing to split)
 
     def __post_init__(self) -> None:
         chosen = self.context_parallel
         object.__setattr__(self, "context_parallel",
                            ContextParallel.effective(chosen.algorithm, chosen.load_balance, self.dims.cp))
+        if self.dims.pp == 1:
+            object.__setattr__(self, "pipeline", PipelineSettings())
 
     @classmethod
     def of(cls, accelerator: Any) -> "Layout":
         """The layout of a recipe's ``accelerator`` section."""
-        chosen = accelerator.context_parallel
+        chosen, pipeline = accelerator.context_parallel, accelerator.pipeline
+        points = tuple(pipeline.split_points) if pipeline.split_points is not None else None
         return cls(dims=accelerator.parallel_dims, sequence_parallel=accelerator.sequence_parallel,
                    loss_parallel=accelerator.loss_parallel,
-                   context_parallel=ContextParallel(chosen.algorithm, chosen.load_balance))
+                   context_parallel=ContextParallel(chosen.algorithm, chosen.load_balance),
+                   pipeline=PipelineSettings(pipeline.schedule, points))
 
     dp = property(lambda self: self.dims.dp)
     cp = property(lambda self: self.dims.cp)
@@ -64,8 +71,12 @@ class Layout:
         cp_keys = {"cp_algorithm": self.context_parallel.algorithm,
                    "cp_load_balance": self.context_parallel.load_balance} if self.cp > 1 and (
             self.context_parallel.algorithm != "gather_sequence") else {}
+        points = self.pipeline.split_points
+        pp_keys = {"pp_schedule": self.pipeline.schedule,
+                   "pp_split_points": list(points) if points is not None else None} if self.pp > 1 else {}
         return {**{axis: getattr(self.dims, axis) for axis in SIZE_AXES},
-                "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel, **cp_keys}
+                "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel, **cp_keys,
+                **pp_keys}
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str) -> "Layout":
@@ -73,12 +84,13 @@ class Layout:
         refused naming ``where`` and the key."""
         if not isinstance(data, Mapping):
             raise LayoutError(f"{where}: expected an object, got {type(data).__name__}")
-        known = (*SIZE_AXES, *_FLAGS, *_CP_KEYS)
+        known = (*SIZE_AXES, *_FLAGS, *_CP_KEYS, *_PP_KEYS)
         unknown = sorted(set(data) - set(known))
         missing = [key for key in (*SIZE_AXES, *_FLAGS) if key not in data]
         if unknown or missing:
-            raise LayoutError(f"{where}: expected the keys {', '.join(known[:-2])} (and cp_algorithm, "
-                              f"cp_load_balance where cp splits attention); "
+            raise LayoutError(f"{where}: expected the keys {', '.join((*SIZE_AXES, *_FLAGS))} (and cp_algorithm, "
+                              f"cp_load_balance where cp splits attention; pp_schedule, pp_split_points where pp "
+                              f"splits the model); "
                               f"{'missing ' + ', '.join(missing) if missing else ''}"
                               f"{'; ' if unknown and missing else ''}{'unknown ' + ', '.join(unknown) if unknown else ''}")
         for key in _FLAGS:
@@ -88,10 +100,13 @@ class Layout:
             dims = ParallelDims(**{axis: data[axis] for axis in SIZE_AXES})
             chosen = ContextParallel(data.get("cp_algorithm", ContextParallel.algorithm),
                                      bool(data.get("cp_load_balance", False)))
-        except ValueError as exc:
+            points = data.get("pp_split_points")
+            pipeline = PipelineSettings(data.get("pp_schedule", PipelineSettings.schedule),
+                                        tuple(points) if isinstance(points, list) else points)
+        except (ValueError, TypeError) as exc:
             raise LayoutError(f"{where}: {exc}") from None
         return cls(dims=dims, sequence_parallel=data["sequence_parallel"], loss_parallel=data["loss_parallel"],
-                   context_parallel=chosen)
+                   context_parallel=chosen, pipeline=pipeline)
 
     def describe(self) -> str:
         """``dp=1 cp=2 tp=2 ep=2 pp=1 sequence_parallel=True ...``: how errors name a layout."""

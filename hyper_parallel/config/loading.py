@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from hyper_parallel.config.parallel_dims import ParallelDimsError
+from hyper_parallel.config.pipeline import PipelineError
 from hyper_parallel.config.plan_override import PlanOverride, PlanOverrideError, parse_plan_overrides, trusted_packages
 from hyper_parallel.config.schema import (
     CP_ALGORITHMS,
@@ -130,6 +131,10 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
             f"nproc_per_node*nnodes = {launched}")
     _validate_context_parallel(config, where)
     _refuse_keys_without_effect(config, where)
+    try:
+        acc.layout  # the pipeline settings are checked where they are made
+    except PipelineError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
     if config.modeling_backend is not None and config.modeling_backend not in MODELING_BACKENDS:
         raise RecipeError(f"{where}: modeling_backend: expected one of {', '.join(MODELING_BACKENDS)}, "
                           f"got {config.modeling_backend!r}")
@@ -176,6 +181,10 @@ def _refuse_keys_without_effect(config: TrainerConfig, where: str) -> None:
     if cp_keys and acc.cp_size == 1:
         raise RecipeError(f"{where}: {cp_keys[0]}: has no effect with cp_size 1 (no sequence is split); "
                           f"set accelerator.cp_size > 1, or remove accelerator.context_parallel")
+    pp_keys = sorted(k for k in written if k.startswith("accelerator.pipeline."))
+    if pp_keys and acc.pp_size == 1:
+        raise RecipeError(f"{where}: {pp_keys[0]}: has no effect with pp_size 1 (the model is not split into "
+                          f"stages); set accelerator.pp_size > 1, or remove accelerator.pipeline")
     if "accelerator.context_parallel.load_balance" in written and acc.context_parallel.algorithm != "allgather_kv":
         raise RecipeError(f"{where}: accelerator.context_parallel.load_balance: applies to algorithm allgather_kv "
                           f"only (its chunk order), but algorithm is {acc.context_parallel.algorithm!r}; remove "
@@ -265,6 +274,9 @@ def _validate_schedule_and_eval(config: TrainerConfig, where: str) -> None:
     if config.dataset.kind == "bytes":
         raise RecipeError(f"{where}: training.eval: dataset.kind bytes (a smoke test on a file's bytes) has no "
                           f"held-out split; remove training.eval, or train on kind text, jsonl or parquet")
+    if config.accelerator.pp_size > 1:
+        raise RecipeError(f"{where}: training.eval: the held-out loss is not computed through pipeline stages yet "
+                          f"(accelerator.pp_size {config.accelerator.pp_size}); remove training.eval, or pp_size 1")
 
 
 def _validate_metrics(config: TrainerConfig, where: str) -> None:

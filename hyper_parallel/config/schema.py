@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from hyper_parallel.config.context_parallel import CP_ALGORITHMS, DEFAULT_CP_ALGORITHM  # noqa: F401 (re-exported)
+from hyper_parallel.config.pipeline import DEFAULT_PP_SCHEDULE
 from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.config.plan_override import PlanOverride
 
@@ -56,6 +57,17 @@ class ContextParallelConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """``accelerator.pipeline`` (``pp_size > 1``): the schedule (config/pipeline.py's
+    ``PP_SCHEDULES``) and, optionally, ``split_points``: the first decoder layer of each
+    stage after the first (default: stages balanced by parameter count). The number of
+    micro-batches is the recipe's (``global_batch_size / (dp_size * micro_batch_size)``)."""
+
+    schedule: str = DEFAULT_PP_SCHEDULE
+    split_points: list[int] | None = None
+
+
+@dataclass
 class AcceleratorConfig:
     device_type: str = "cpu"
     dp_size: int = 1
@@ -66,6 +78,7 @@ class AcceleratorConfig:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     nproc_per_node: int = 1
     nnodes: int = 1
     # verify's and preflight's collectives give up after this long; the error names the

@@ -56,6 +56,7 @@ from hyper_parallel.distributed.boundary_collectives import (
     output_shares,
 )
 from hyper_parallel.distributed.context_parallel import SequenceOrder, install_context_parallel
+from hyper_parallel.distributed.pipeline import PrunedModule, names_only_pruned, pruned_names
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
@@ -180,12 +181,14 @@ def _resolve_targets(model: nn.Module, modules: Mapping) -> dict[str, ShardingCo
     """Expand globs to exact FQNs by the one precedence rule (``name_match``): an exact key
     beats a glob for the same module; among globs the last one wins."""
     matches = match_plan_keys((name for name, _ in model.named_modules()), modules)
+    pruned = pruned_names(model)  # a pipeline stage's: what other stages run
     configs: dict[str, ShardingConfig] = {}
     for key, config in modules.items():
         configs[key] = _as_config(config, key)
-        if not matches.hits[key]:
+        if not matches.hits[key] and not names_only_pruned(key, pruned):
             raise PlanApplyError(f"plan key {key!r} matches no module of {type(model).__name__}")
-    return {name: configs[key] for name, key in matches.applied.items()}
+    return {name: configs[key] for name, key in matches.applied.items()
+            if not isinstance(model.get_submodule(name), PrunedModule)}
 
 
 def _as_config(config, key: str) -> ShardingConfig:

@@ -2,6 +2,8 @@
 
 from torch import nn
 
+from hyper_parallel.distributed.pipeline import STAGE_ATTRIBUTE
+
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 wraps one by one: HF's ``_no_split_modules`` classes."""
@@ -42,5 +44,11 @@ def fully_shard_over_dp(model: nn.Module, dp_mesh, expert_dp_mesh=None, mp_polic
                                  "expert mesh's edp axis (expert_dp_mesh)")
             fully_shard(experts, mesh=expert_dp_mesh, **options).set_gradient_divide_factor(float(dp_size))
         fully_shard(layer, mesh=dp_mesh, **options)
+    base = getattr(model, "base_model", None)
+    if model.__dict__.get(STAGE_ATTRIBUTE) is not None and isinstance(base, nn.Module) and base is not model:
+        # A pipeline stage before the last runs the base model, not the head model's
+        # forward (distributed/pipeline.py): the base model is then the unit FSDP2
+        # gathers and reduces from, so it is one of its own.
+        fully_shard(base, mesh=dp_mesh, **options)
     fully_shard(model, mesh=dp_mesh, **options)
     return model

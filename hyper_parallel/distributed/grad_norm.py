@@ -7,14 +7,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def global_grad_norm(parameters) -> float:
+def global_grad_norm(parameters, pp: int = 1) -> float:
     """L2 norm of all gradients, as one process holding the whole model would compute it.
 
-    Every rank holds a part of every parameter (SPMD): a DTensor's local shard, or a
-    plain tensor replicated on all ranks. A part is held by ``world / (ways it is
-    sharded)`` ranks, so each rank adds its parts' squared norms divided by that count,
-    and one all-reduce sums them. Partial gradients are reduced first."""
-    world = dist.get_world_size()
+    Every rank of a pipeline stage holds a part of every parameter of its stage (SPMD): a
+    DTensor's local shard, or a plain tensor replicated on the stage's ranks. A part is
+    held by ``world / pp / (ways it is sharded)`` ranks, so each rank adds its parts'
+    squared norms divided by that count, and one all-reduce over every rank (every
+    stage) sums them. Partial gradients are reduced first."""
+    world = dist.get_world_size() // pp
     total = torch.zeros((), dtype=torch.float64)
     for param in parameters:
         grad = param.grad

@@ -10,6 +10,9 @@ A plan document::
        splits attention; the device mesh's axes and sizes follow from it)
      "applied_axes": ["tp"],
      "recorded_axes": {"cp": "<why not applied yet>", ...},
+     "pipeline": {"stages": [[0, 24], [24, 48]]},
+       (only where pp > 1: each stage's [start, end) decoder layers, the split the
+       trainer runs; config/pipeline.py's ``stage_split`` made it)
      "modules": {FQN_or_glob: ENTRY}}
 
 and ENTRY as ``protocols.sharding_json`` writes and reads it (the one entry codec, which
@@ -47,6 +50,7 @@ class PlanDocument:
     recorded_axes: dict[str, str]
     modules: dict[str, ShardingConfig]
     roles: dict[str, str] = field(default_factory=dict)
+    pipeline_stages: tuple[tuple[int, int], ...] | None = None  # where pp > 1
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -77,12 +81,14 @@ def plan_entries(plan: Mapping) -> dict[str, dict]:
 
 
 def plan_to_json(*, layout: Layout, applied_axes, recorded_axes: Mapping[str, str],
-                 modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None) -> dict:
+                 modules: Mapping[str, ShardingConfig], roles: Mapping[str, str] | None = None,
+                 pipeline_stages=None) -> dict:
     return {
         "format": PLAN_FORMAT_VERSION,
         "layout": layout.as_dict(),
         "applied_axes": list(applied_axes),
         "recorded_axes": {str(k): str(v) for k, v in sorted(recorded_axes.items())},
+        **({"pipeline": {"stages": [[int(a), int(b)] for a, b in pipeline_stages]}} if pipeline_stages else {}),
         "modules": plan_modules_to_json(modules, roles),
     }
 
@@ -107,7 +113,25 @@ def plan_from_json(document: Mapping, *, where: str = "plan") -> PlanDocument:
         recorded_axes=dict(document["recorded_axes"]),
         modules=plan_modules_from_json(document["modules"]),
         roles=plan_roles_from_json(document["modules"]),
+        pipeline_stages=_pipeline_stages(document, layout, where),
     )
+
+
+def _pipeline_stages(document: Mapping, layout: Layout, where: str) -> tuple[tuple[int, int], ...] | None:
+    """The recorded stage split: one contiguous, non-empty [start, end) per stage from
+    layer 0, present exactly where the layout has pp > 1."""
+    record = document.get("pipeline")
+    if record is None and layout.pp == 1:
+        return None
+    stages = record.get("stages") if isinstance(record, Mapping) else None
+    pairs = [tuple(pair) for pair in stages] if isinstance(stages, list) and all(
+        isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair) for pair in stages) else None
+    if pairs is None or len(pairs) != layout.pp or pairs[0][0] != 0 or any(
+            a >= b for a, b in pairs) or any(pairs[i][1] != pairs[i + 1][0] for i in range(len(pairs) - 1)):
+        raise PlanFormatError(f"{where}.pipeline: expected {{'stages': [[start, end], ...]}} with {layout.pp} "
+                              f"contiguous non-empty layer ranges from 0 (the layout's pp is {layout.pp}), "
+                              f"got {record!r}")
+    return tuple(pairs)
 
 
 # The recipe key behind each plan axis, for the warning about one that has no effect.

@@ -91,7 +91,7 @@ _AGREEING_GROUPS = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_
 # Forms the plan applies besides tp (sequence_layout.py: sp, cp, loss_parallel; expert_layout.py: ep).
 _APPLIED = frozenset({SP, CP, "loss_parallel", EP})
 _NOT_APPLIED = {
-    "pp": "pipeline parallel is owned by the runtime (stage splitting), not by the plan",
+    "pp": "pipeline parallel runs in the trainer (torch.distributed.pipelining); the plan records the stage split",
     "dp": "data parallel is applied by the trainer (FSDP2 fully_shard), not by the plan",
 }
 

@@ -19,7 +19,7 @@ from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
 from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
-from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_device_type
+from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_device_type, target_device
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import PackedCorpus, check_vocabulary, corpus_batch, prepare_corpus
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
@@ -66,6 +66,7 @@ class BaseTrainer:
         self.corpus = self._prepare_corpus()
         torch.manual_seed(config.training.seed)
         self.model = self._build_model()
+        self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
         self.optimizer = self._build_optimizer()
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, config.where)
 
@@ -108,6 +109,22 @@ class BaseTrainer:
         """The recipe's model through HyperAutoModel (the recipe itself knows no models),
         with the backend the recipe resolves to."""
         return HyperAutoModel.from_pretrained(self.config, mesh_context=self.mesh_context)
+
+    def _build_pipeline(self):
+        """torch's schedule over this rank's pipeline stage (distributed/pipeline.py), one
+        micro-batch per ``training.micro_batch_size`` rows of the rank's share."""
+        from hyper_parallel.distributed.pipeline import build_schedule
+
+        training = self.config.training
+        model = self.model
+
+        def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
+
+        return build_schedule(model, schedule=self.config.accelerator.pipeline.schedule,
+                              microbatches=training.global_batch_size // (self.dims.dp * training.micro_batch_size),
+                              pp_group=self.mesh_context.device_mesh.get_group("pp"),
+                              device=target_device(self.config), loss=loss)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW (optimizer.name is checked at recipe load) over the master parameters."""
@@ -156,7 +173,7 @@ class BaseTrainer:
             seed_step(step, training.seed)
             parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
             total = self._forward_backward(parts)
-            grad_norm = global_grad_norm(self.model.parameters())
+            grad_norm = global_grad_norm(self.model.parameters(), pp=self.dims.pp)
             if training.max_grad_norm is not None:
                 clip_grads_to(self.model.parameters(), grad_norm, training.max_grad_norm)
             lr = self._optimizer_step(step + 1)
@@ -177,6 +194,8 @@ class BaseTrainer:
     def _forward_backward(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one step's micro-batches, gradients accumulated; the
         step's mean loss on this rank (a plain tensor, detached)."""
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(torch.cat(parts))
         total = None
         for micro in parts:
             with compute_context(self.config, fsdp_casts=self.dims.dp > 1):
@@ -184,6 +203,26 @@ class BaseTrainer:
             loss.backward()
             value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
             total = value if total is None else total + value
+        return total
+
+    def _pipeline_forward_backward(self, rows: torch.Tensor) -> torch.Tensor:
+        """One step through the pipeline schedule: the first stage feeds this dp rank's
+        rows, the last compares its logits with them (the loss shifts the labels); every
+        stage gets the step's mean loss from the last."""
+        from hyper_parallel.distributed.pipeline import STAGE_ATTRIBUTE
+
+        info = self.model.__dict__[STAGE_ATTRIBUTE]
+        losses: list[torch.Tensor] = []
+        inputs = (rows,) if info.is_first else ()
+        with compute_context(self.config, fsdp_casts=self.dims.dp > 1):
+            self.pipeline.step(*inputs, target=rows if info.is_last else None,
+                               losses=losses if info.is_last else None, return_outputs=False)
+        total = torch.zeros((), dtype=torch.float32)
+        if info.is_last:
+            total = sum((loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+                        for loss in losses).float().cpu()
+        group = self.mesh_context.device_mesh.get_group("pp")
+        dist.broadcast(total, group=group, group_src=self.dims.pp - 1)
         return total
 
     def _optimizer_step(self, update: int) -> float:

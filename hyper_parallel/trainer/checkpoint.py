@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -52,7 +52,12 @@ from hyper_parallel.trainer.export import write_export_info
 _LOG = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
-FORMAT = 1  # the marker's format version
+# The marker's format version. 2: the optimizer state is flattened to one entry per
+# parameter name (``flatten_optimizer_state_dict``), so every rank, whichever pipeline
+# stage's parameters it holds, saves and loads its own param-group settings.
+FORMAT = 2
+# DCP's state dict options: the optimizer state keyed by parameter name throughout.
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _COMPLETE_NAME = re.compile(r"^step_(\d+)$")
 _PARTIAL_NAME = re.compile(r"^step_\d+\.tmp-")
 
@@ -267,7 +272,7 @@ class Checkpointer:
     def _state(self) -> dict:
         """Model and optimizer state as DCP saves and loads it: sharded (DTensor/FSDP2
         shards stay on their ranks), named by the model's own parameter names."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
         return {"model": model_state, "optim": optim_state}
 
     def resume(self, wanted: bool) -> Resumed | None:
@@ -288,6 +293,11 @@ class Checkpointer:
         view, parts = _dcp_view(state)
         try:  # another model's or a damaged checkpoint: one line naming the tensor or file
             record = read_marker(path / MARKER, self.where)
+            if record.get("format") != FORMAT:
+                raise CheckpointMismatch(f"{self.where}: training.checkpoint.dir: checkpoint {path} has format "
+                                         f"{record.get('format')!r}, this version reads {FORMAT} (its optimizer "
+                                         f"state is kept in another form); fix: train on with --no-resume, or point "
+                                         f"training.checkpoint.dir at a new folder")
             read_metadata(path, self.where)  # a missing or unreadable .metadata, named
             # saved at another layout: packed tensors may be held as blocks here and whole there
             view, restores = adapt_view(view, parts, saved_tensors(path))
@@ -301,7 +311,8 @@ class Checkpointer:
         _restore_parts(parts)
         for restore in restores:
             restore.run()
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=STATE_OPTIONS)
         rng = path / "rng" / f"rank_{self.rank}.pt"
         if rng.is_file():
             torch.set_rng_state(torch.load(rng, weights_only=True))

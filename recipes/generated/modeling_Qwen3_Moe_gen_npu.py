@@ -6,7 +6,7 @@
 #   HYPER_PARALLEL_PLAN and hyper_parallelize() appended.
 # Parallel: dp=1 cp=2 tp=2 ep=2 pp=1 sequence_parallel=True loss_parallel=True device_type=npu world_size=4; applied:
 #   tp, cp, ep, loss_parallel, sp; recorded only: none. The trainer owns: the device mesh, data parallel (FSDP2),
-#   pipeline parallel splitting, activation checkpointing, torch.compile.
+#   running the pipeline stages (the plan records the split), activation checkpointing, torch.compile.
 # --------------------------------------------------------------------------------------------------
 
 # Copyright 2025 The Qwen team, Alibaba Group and the HuggingFace Inc. team. All rights reserved.

@@ -185,7 +185,7 @@ def test_banner_names_inputs_axes_and_what_the_runtime_owns():
                      f"From {SOURCE_MODULE} (transformers 5.x)", "codegen_meta.json",
                      "dp=1 tp=2 cp=1 ep=1 pp=1 sequence_parallel=True", "applied: tp",
                      "recorded only: pp (pipeline splitting belongs to the trainer)", "FSDP2",
-                     "activation checkpointing", "torch.compile", "pipeline parallel"):
+                     "activation checkpointing", "torch.compile", "running the pipeline stages (the plan records the split)"):
         assert expected in flat
     assert all(line.startswith("#") for line in head.splitlines())
     assert not re.search(r"[0-9a-f]{16}", head)  # no signature or sha256: those live in codegen_meta.json

@@ -13,6 +13,7 @@ from torch import nn
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.parallel_dims import ParallelDims
+from hyper_parallel.config.pipeline import PipelineSettings
 from hyper_parallel.distributed.mesh import MeshContext, mesh_layout
 from hyper_parallel.distributed.plan_format import PlanFormatError, plan_from_json, plan_to_json
 from hyper_parallel.runtime import PlanMeshError, check_plan_layout, hyper_parallelize
@@ -120,3 +121,29 @@ def test_the_layout_normalizes_its_context_parallel_setting():
     cp2 = ParallelDims(cp=2)
     assert Layout(cp2, context_parallel=ContextParallel("ulysses", True)) == Layout(
         cp2, context_parallel=ContextParallel("ulysses", False))
+
+
+PP2 = Layout(ParallelDims(pp=2, tp=2))
+
+
+def test_a_pipeline_layout_carries_its_stage_split_and_a_wrong_one_is_refused():
+    document = plan_to_json(layout=PP2, applied_axes=["tp"], recorded_axes={}, modules={},
+                            pipeline_stages=((0, 3), (3, 8)))
+    assert document["pipeline"] == {"stages": [[0, 3], [3, 8]]}
+    assert plan_from_json(document).pipeline_stages == ((0, 3), (3, 8))
+    assert plan_from_json(_plan(Layout())).pipeline_stages is None
+    for bad in ({"stages": [[0, 3]]}, {"stages": [[0, 3], [4, 8]]}, {"stages": [[1, 3], [3, 8]]},
+                {"stages": [[0, 3], [3, 3]]}, {"stages": "0-3,3-8"}, None):
+        broken = {**document, "pipeline": bad} if bad is not None else {k: v for k, v in document.items()
+                                                                        if k != "pipeline"}
+        with pytest.raises(PlanFormatError, match=r"plan.pipeline: expected \{'stages'.* with 2 contiguous"):
+            plan_from_json(broken)
+
+
+def test_the_pipeline_settings_are_part_of_the_layout():
+    one = Layout(ParallelDims(pp=2), pipeline=PipelineSettings("gpipe"))
+    other = Layout(ParallelDims(pp=2), pipeline=PipelineSettings("1f1b", (1,)))
+    assert one.differences(other) == ["pipeline"]
+    assert Layout.from_dict(other.as_dict(), where="w") == other
+    assert other.as_dict()["pp_split_points"] == [1] and "pp_schedule" not in Layout().as_dict()
+    assert Layout(pipeline=PipelineSettings("gpipe")) == Layout()  # nothing to split at pp 1

@@ -31,6 +31,8 @@ LAYOUTS = {
     # HF config and weight map for export, and resume like the others.
     "custom_tp2": {"accelerator": {"nproc_per_node": 2, "tp_size": 2}, "async": False,
                    "recipe": {"codegen": False, "modeling_backend": "custom"}},
+    # Pipeline stages: each rank saves and loads its own stage's part of the model.
+    "pp2": {"accelerator": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1}, "async": False},
 }
 
 
@@ -83,6 +85,17 @@ def test_a_resumed_run_continues_exactly(tmp_path_factory, tmp_path, layout):
     if layout == "custom_tp2":  # what `trainer export` needs to write HF files from it
         recorded = json.loads((root / "step_6" / "hf" / "weight_map.json").read_text())
         assert recorded["model.layers.*.self_attn.q_proj.weight"] == "layers.*.attention.q_proj.weight"
+
+    if layout == "pp2":  # a checkpoint of the earlier format (another optimizer state form) is refused, named
+        marker_file = root / "step_6" / "COMPLETE.json"
+        marker_file.write_text(json.dumps({**json.loads(marker_file.read_text()), "format": 1}))
+        data["training"]["steps"] = 8
+        recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+        proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe)], project, nproc=2,
+                        preload=(QWEN3_MOE_MODELING,))
+        assert proc.returncode != 0
+        assert f"checkpoint {root / 'step_6'} has format 1, this version reads 2" in proc.stdout + proc.stderr
+        assert "--no-resume" in proc.stdout + proc.stderr
 
     if layout == "tp2":  # --no-resume starts from the model's weights, checkpoints or not
         data["training"]["steps"] = 2

@@ -84,6 +84,10 @@ LAYOUTS = {
     "dp2_cp2_ep2_fsdp2": {"nproc_per_node": 4, "dp_size": 2, "cp_size": 2, "tp_size": 1, "ep_size": 2},
     "tp2_cp2_ep2_sp_lp_replaced": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
                                    "sequence_parallel": True, "loss_parallel": True, "replacements": True},
+    # pipeline parallel through the whole trainer loop (the loss from the last stage, the
+    # gradient norm summed over the stages); tests/trainer/test_pipeline_training.py
+    # compares every gradient of the pipeline layouts
+    "pp2": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1},
     # context parallel splitting attention (K/V all-gathered over cp, load-balanced chunks),
     # with the fused attention replacement, sequence parallel and the vocab-sharded loss
     "tp2_cp2_ep2_sp_lp_replaced_allgather_kv": {
@@ -119,7 +123,7 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
         assert "replace_qwen3_moe_grouped_experts" in modeling and "replace_qwen3_moe_flash_attention" in modeling
     if "context_parallel" in accelerator:  # the bundle splits attention as the recipe says
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
-        assert '"cp_algorithm": "allgather_kv", "cp_load_balance": True}' in modeling
+        assert '"cp_algorithm": "allgather_kv"' in modeling and '"cp_load_balance": True' in modeling
         assert '"kv_gathered_attention | ' in modeling  # the attention entries' line starts with the role
     records = read_metrics(metrics)
     got, got_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]

@@ -29,7 +29,7 @@ from hyper_parallel.config.plan_override import PlanOverride, replacement_entrie
 
 RUNTIME_IMPORT = "from hyper_parallel import runtime as hyper_parallel_runtime"
 BANNER_KEYS = ("recipe", "transformers_version", "parallel_dims")
-RUNTIME_OWNS = ("the device mesh", "data parallel (FSDP2)", "pipeline parallel splitting",
+RUNTIME_OWNS = ("the device mesh", "data parallel (FSDP2)", "running the pipeline stages (the plan records the split)",
                 "activation checkpointing", "torch.compile")
 _RULE = "# " + "-" * 98 + "\n"
 # transformers' banner on files generated from a modular_*.py: a rule of sirens, the text, a rule.

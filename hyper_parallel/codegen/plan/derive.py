@@ -196,6 +196,27 @@ def trace_dataflow(spec: CodegenSpec):
         return None, f"the dataflow trace of a tiny copy failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
+def pipeline_stages(spec: CodegenSpec, model) -> tuple[tuple[int, int], ...] | None:
+    """Where pp > 1, the decoder layers each pipeline stage runs (config/pipeline.py's
+    split, which the trainer runs as the plan records it). A model whose input and output
+    embeddings are one tensor is refused: they would sit on two stages."""
+    from hyper_parallel.config.pipeline import PipelineError, stage_split
+    from hyper_parallel.distributed.pipeline import PipelineSplitError, decoder_layer_weights
+
+    layout = spec.layout
+    if layout.pp == 1:
+        return None
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise DeriveError(f"{spec.recipe_path}: accelerator.pp_size {layout.pp}: {spec.model_dir / 'config.json'} "
+                          f"ties the input and output embeddings (tie_word_embeddings: true), which would sit on the "
+                          f"first and the last pipeline stage; pipeline parallel does not sum their gradients yet: "
+                          f"set model.config_overrides.tie_word_embeddings: false, or pp_size 1")
+    try:
+        return stage_split(layout.pipeline, layout.pp, decoder_layer_weights(model))
+    except (PipelineError, PipelineSplitError) as exc:
+        raise DeriveError(f"{spec.recipe_path}: {exc}") from None
+
+
 def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
     from hyper_parallel.distributed.plan_format import plan_to_json
 
@@ -218,5 +239,6 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
         "module_names": [name for name, _ in model.named_modules()],
         "weight_map": recorded_weight_map(spec, model),
         "plan": plan_to_json(layout=spec.layout, applied_axes=result.applied_axes,
-                             recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles),
+                             recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
+                             pipeline_stages=pipeline_stages(spec, model)),
     }

@@ -37,6 +37,7 @@ def freeze_plan(plan: dict[str, Any], module_names: list[str]) -> dict[str, Any]
         "layout": dict(plan["layout"]),
         "applied_axes": list(plan["applied_axes"]),
         "recorded_axes": dict(sorted(plan["recorded_axes"].items())),
+        **({"pipeline": dict(plan["pipeline"])} if "pipeline" in plan else {}),
         "modules": merge_by_character(compress_by_pattern(modules, module_names), module_names),
     }
 

@@ -113,12 +113,16 @@ def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretraine
         return _build_custom(config, recipe.hf_config, mesh_context=mesh_context, with_weights=with_weights)
     model = mb.build_hf_model(recipe.hf_config, config, with_weights=with_weights).to(mb.target_device(config))
     if mesh_context is not None:
+        mb.prune_for_pipeline(model, config, mesh_context)
         mb.parallelize_with_planner(model, recipe.spec, mesh_context)
     return apply_model_infrastructure(model, config, mesh_context)
 
 
 def _build_custom(config: TrainerConfig, hf_config: Any, *, mesh_context: MeshContext | None,
                   with_weights: bool) -> nn.Module:
+    if config.accelerator.pp_size > 1:
+        raise BackendError(f"{config.where}: accelerator.pp_size {config.accelerator.pp_size}: the custom backend "
+                           f"does not split into pipeline stages yet; use modeling_backend: gen (or hf), or pp_size 1")
     custom = custom_model_module(getattr(hf_config, "model_type", None))
     model = mb.build_custom_model(custom, hf_config, config, with_weights=with_weights)
     model = model.to(mb.target_device(config))
@@ -146,6 +150,7 @@ def _build_generated(recipe: Recipe, *, mesh_context: MeshContext | None, with_w
     model = mb.build_generated_model(model_class, hf_config, config, with_weights=with_weights)
     model = model.to(mb.target_device(config))
     if mesh_context is not None:
+        mb.prune_for_pipeline(model, config, mesh_context, mb.recorded_pipeline_stages(module) if planned else None)
         if planned:
             check_plan_covers(model, module, bundle_dir, fix)
             module.hyper_parallelize(model, mesh_context)

@@ -148,12 +148,46 @@ def build_generated_model_sharded(model_class: type, hf_config: Any, config: Tra
     with init_empty_weights(include_buffers=False):
         model = model_class(hf_config)
     tied = tie_like_transformers(model)
+    prune_for_pipeline(model, config, mesh_context, recorded_pipeline_stages(module))
     module.hyper_parallelize(model, mesh_context)
     with parameters_keep_identity():
         materialize_and_load(model, recipe_model_dir(config), device=target_device(config), weight_map=weight_map)
         model = model.to(parameter_dtype(config)).train()
     check_tied(model, tied, "after loading the checkpoint")
     return model
+
+
+def recorded_pipeline_stages(module: ModuleType) -> tuple[tuple[int, int], ...] | None:
+    """The stage split a bundle's frozen plan records (None where pp is 1)."""
+    from hyper_parallel.distributed.plan_format import plan_from_json
+
+    return plan_from_json(module.HYPER_PARALLEL_PLAN, where="HYPER_PARALLEL_PLAN").pipeline_stages
+
+
+def prune_for_pipeline(model: nn.Module, config: TrainerConfig, mesh_context: Any,
+                       boundaries: tuple[tuple[int, int], ...] | None = None) -> None:
+    """With ``pp_size > 1``: take out of ``model`` what the other pipeline stages run
+    (distributed/pipeline.py), keeping this rank's stage (its pp coordinate), split as
+    ``boundaries`` (a bundle's recorded split) or, without them, as ``accelerator.pipeline``
+    says. Tied input and output embeddings would live on two stages and train apart:
+    refused, naming the key."""
+    from hyper_parallel.config.pipeline import PipelineError, stage_split
+    from hyper_parallel.distributed.pipeline import decoder_layer_weights, prune_to_stage
+
+    layout = config.accelerator.layout
+    if layout.pp == 1:
+        return
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        raise ModelBuildError(f"{config.where}: accelerator.pp_size {layout.pp}: the model ties its input and output "
+                              f"embeddings (config.json tie_word_embeddings: true), which would sit on the first and "
+                              f"the last pipeline stage; pipeline parallel does not sum their gradients yet: set "
+                              f"model.config_overrides.tie_word_embeddings: false (unties them), or pp_size 1")
+    if boundaries is None:
+        try:
+            boundaries = stage_split(layout.pipeline, layout.pp, decoder_layer_weights(model))
+        except PipelineError as exc:
+            raise ModelBuildError(f"{config.where}: {exc}") from None
+    prune_to_stage(model, boundaries, mesh_context.device_mesh.get_local_rank("pp"))
 
 
 def tie_like_transformers(model: nn.Module) -> dict[str, str]:

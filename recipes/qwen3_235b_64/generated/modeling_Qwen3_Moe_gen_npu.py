@@ -5,8 +5,8 @@
 #   transformers' own, relative imports made absolute, HYPER_PARALLEL_PLAN and hyper_parallelize() appended.
 # Parallel: dp=16 cp=1 tp=4 ep=8 pp=1 sequence_parallel=True loss_parallel=True device_type=npu world_size=64; applied:
 #   tp, ep, loss_parallel, sp; recorded only: dp (data parallel is applied by the trainer (FSDP2 fully_shard), not by
-#   the plan). The trainer owns: the device mesh, data parallel (FSDP2), pipeline parallel splitting, activation
-#   checkpointing, torch.compile.
+#   the plan). The trainer owns: the device mesh, data parallel (FSDP2), running the pipeline stages (the plan records
+#   the split), activation checkpointing, torch.compile.
 # --------------------------------------------------------------------------------------------------
 
 # Copyright 2025 The Qwen team, Alibaba Group and the HuggingFace Inc. team. All rights reserved.

@@ -4,8 +4,8 @@
 # From transformers.models.qwen3_moe.modeling_qwen3_moe (transformers 5.24.0), edited: this banner replaces
 #   transformers' own, relative imports made absolute, HYPER_PARALLEL_PLAN and hyper_parallelize() appended.
 # Parallel: dp=1 cp=1 tp=2 ep=1 pp=1 sequence_parallel=False loss_parallel=False device_type=cpu world_size=2; applied:
-#   tp; recorded only: none. The trainer owns: the device mesh, data parallel (FSDP2), pipeline parallel splitting,
-#   activation checkpointing, torch.compile.
+#   tp; recorded only: none. The trainer owns: the device mesh, data parallel (FSDP2), running the pipeline stages (the
+#   plan records the split), activation checkpointing, torch.compile.
 # --------------------------------------------------------------------------------------------------
 
 # Copyright 2025 The Qwen team, Alibaba Group and the HuggingFace Inc. team. All rights reserved.

@@ -1,0 +1,87 @@
+"""Pipeline parallel settings and the stage split, torch-free.
+
+``accelerator.pipeline`` (with ``pp_size > 1``): the schedule torch's pipelining engine
+runs (``PP_SCHEDULES``) and, optionally, where the stages start (``split_points``: the
+first decoder layer of stages 1..pp-1). Without split points the decoder layers are cut
+into contiguous stages that balance their parameter counts (``balanced_split``), which
+for a model of equal layers is a split by layer count; the embeddings go with the first
+stage, the final norm, head and loss with the last. One function (``stage_split``)
+decides the split, for codegen's plan record and for the runtime alike.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hyper_parallel.errors import HyperParallelError
+
+# accelerator.pipeline.schedule: torch.distributed.pipelining's single-stage schedules.
+#   gpipe: every micro-batch's forward, then every backward (most activation memory);
+#   1f1b: one forward, one backward in steady state (activations of at most pp micro-batches).
+PP_SCHEDULES = ("1f1b", "gpipe")
+DEFAULT_PP_SCHEDULE = "1f1b"
+
+
+class PipelineError(ValueError, HyperParallelError):
+    """Pipeline settings or a split that cannot be; names the recipe key."""
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    schedule: str = DEFAULT_PP_SCHEDULE
+    split_points: tuple[int, ...] | None = None  # first layer of stages 1..pp-1; None: balanced
+
+    def __post_init__(self) -> None:
+        if self.schedule not in PP_SCHEDULES:
+            raise PipelineError(f"accelerator.pipeline.schedule: expected one of {', '.join(PP_SCHEDULES)}, "
+                                f"got {self.schedule!r}")
+        points = self.split_points
+        if points is not None:
+            if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in points) or \
+                    list(points) != sorted(set(points)):
+                raise PipelineError(f"accelerator.pipeline.split_points: expected increasing layer indices >= 1 "
+                                    f"(the first layer of each stage after the first), got {list(points)}")
+            object.__setattr__(self, "split_points", tuple(points))
+
+
+def stage_split(settings: PipelineSettings, stages: int, layer_weights: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``[start, end)`` decoder layer ranges, one per stage, covering every layer once in
+    order, each non-empty: from the split points when the recipe gives them, else
+    balanced by ``layer_weights`` (a parameter count per layer)."""
+    layers = len(layer_weights)
+    if stages > layers:
+        raise PipelineError(f"accelerator.pp_size: {stages} stages need at least {stages} decoder layers, the model "
+                            f"has {layers}; use a pp_size of at most {layers}")
+    points = settings.split_points
+    if points is None:
+        return balanced_split(layer_weights, stages)
+    if len(points) != stages - 1 or points[-1] >= layers:
+        raise PipelineError(f"accelerator.pipeline.split_points: expected {stages - 1} increasing layer indices "
+                            f"in 1..{layers - 1} (pp_size {stages}, {layers} decoder layers), got {list(points)}")
+    bounds = (0, *points, layers)
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def balanced_split(weights: Sequence[int], stages: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous, non-empty ranges of ``weights`` whose largest sum is the least any
+    split into ``stages`` ranges has (the classic linear partition, by dynamic
+    programming); ties go to the split whose earlier stages end first."""
+    count = len(weights)
+    prefix = [0]
+    for weight in weights:
+        prefix.append(prefix[-1] + max(int(weight), 1))
+    # best[s][i]: the least largest sum splitting the first i layers into s ranges.
+    best = [[float("inf")] * (count + 1) for _ in range(stages + 1)]
+    cut = [[0] * (count + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, count + 1):
+            for j in range(s - 1, i):
+                largest = max(best[s - 1][j], prefix[i] - prefix[j])
+                if largest < best[s][i]:
+                    best[s][i], cut[s][i] = largest, j
+    ranges, end = [], count
+    for s in range(stages, 0, -1):
+        start = cut[s][end]
+        ranges.append((start, end))
+        end = start
+    return tuple(reversed(ranges))

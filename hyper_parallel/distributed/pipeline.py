@@ -1,0 +1,180 @@
+"""Pipeline parallel on ``torch.distributed.pipelining``: one stage of a causal LM per pp rank.
+
+A stage is the whole model object with what other stages run taken out
+(``prune_to_stage``): decoder layers outside the stage's range become ``PassThrough``s,
+which hand their input on, so the remaining layers keep their indices (HF models look
+up per-layer settings, such as sliding or full attention, by the index in the layer
+loop); stages after the first drop the input embeddings, stages before the last drop
+the final norm (a pass-through there) and the head. Module names do not change, so the
+frozen plan applies to a stage as it does to the whole model (plan keys that only name
+pruned modules are skipped, ``pruned_names``), and checkpoints keep the model's keys.
+
+``StageModule`` runs a stage: the first from token ids, the others from the hidden
+states the stage before sent; the last returns logits, which the schedule hands to the
+loss. The model's own forward does the work (rotary embeddings, the causal mask), so
+every family whose forward accepts ``inputs_embeds`` runs unchanged.
+
+``build_schedule`` wraps the stage in torch's ``PipelineStage`` and one of its
+schedules. The loss of each micro-batch is the model's loss (``loss_function``, the
+sharded one under loss parallel) divided by the number of micro-batches, and the
+schedule does not rescale gradients, so a step's gradients are those of the mean of
+the micro-batch losses, as gradient accumulation without pipelining gives.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
+from hyper_parallel.distributed.name_match import name_matches
+from hyper_parallel.errors import HyperParallelError
+
+# Set on a pruned model: its StageInfo.
+STAGE_ATTRIBUTE = "hyper_pipeline_stage"
+# The base model's final norm, by the names transformers' families give it.
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+
+
+class PipelineSplitError(ValueError, HyperParallelError):
+    """A model that cannot be split into pipeline stages as asked; names what is missing."""
+
+
+class PrunedModule(nn.Module):
+    """Stands where a module another stage runs was: no parameters, and no forward."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineSplitError(f"{self.what} runs on another pipeline stage")
+
+
+class PassThrough(PrunedModule):
+    """A decoder layer (or the final norm) another stage runs: the hidden states pass
+    through unchanged."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    index: int
+    num_stages: int
+    layers: tuple[int, int]  # [start, end) of the decoder layers this stage runs
+    pruned: tuple[str, ...]  # the module names (and their submodules') taken out
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def decoder_layer_weights(model: nn.Module) -> list[int]:
+    """Each decoder layer's parameter count (meta tensors count too): what a balanced
+    split evens out across stages."""
+    found = decoder_layers(model)
+    if found is None:
+        raise PipelineSplitError(f"{type(model).__name__}: no decoder layer list to split into pipeline stages")
+    return [sum(p.numel() for p in layer.parameters()) for layer in found[1]]
+
+
+def prune_to_stage(model: nn.Module, boundaries: tuple[tuple[int, int], ...], index: int) -> StageInfo:
+    """Take out of ``model`` (in place) what stages other than ``index`` run; record and
+    return the stage (``STAGE_ATTRIBUTE``)."""
+    found = decoder_layers(model)
+    if found is None:
+        raise PipelineSplitError(f"{type(model).__name__}: no decoder layer list to split into pipeline stages")
+    list_name, layers = found
+    start, end = boundaries[index]
+    info_first, info_last = index == 0, index == len(boundaries) - 1
+    names = dict((id(module), name) for name, module in model.named_modules())
+    pruned: list[str] = []
+
+    def take_out(name: str, replacement: nn.Module) -> None:
+        pruned.extend(n for n, _ in model.get_submodule(name).named_modules(prefix=name))
+        model.set_submodule(name, replacement)
+
+    for position in range(len(layers)):
+        if not start <= position < end:
+            take_out(f"{list_name}.{position}", PassThrough(f"decoder layer {position}"))
+    if not info_first:
+        embeddings = input_embeddings(model)
+        if embeddings is None or id(embeddings) not in names:
+            raise PipelineSplitError(f"{type(model).__name__}: no input embeddings (get_input_embeddings) to leave "
+                                     f"to the first pipeline stage")
+        take_out(names[id(embeddings)], PrunedModule("the input embeddings"))
+    if not info_last:
+        head = output_embeddings(model)
+        if head is None or id(head) not in names:
+            raise PipelineSplitError(f"{type(model).__name__}: no output head (get_output_embeddings) to leave to "
+                                     f"the last pipeline stage")
+        take_out(names[id(head)], PrunedModule("the output head"))
+        take_out(_final_norm_name(model), PassThrough("the final norm"))
+    info = StageInfo(index, len(boundaries), (start, end), tuple(pruned))
+    model.__dict__[STAGE_ATTRIBUTE] = info
+    return info
+
+
+def _final_norm_name(model: nn.Module) -> str:
+    base = getattr(model, "base_model", model)
+    prefix = next((name for name, module in model.named_modules() if module is base), "")
+    for name in FINAL_NORM_NAMES:
+        if isinstance(getattr(base, name, None), nn.Module):
+            return f"{prefix}.{name}" if prefix else name
+    raise PipelineSplitError(f"{type(base).__name__}: no final norm among {', '.join(FINAL_NORM_NAMES)} to leave to "
+                             f"the last pipeline stage; this family cannot be split into pipeline stages yet")
+
+
+def pruned_names(model: nn.Module) -> tuple[str, ...]:
+    """The module names a pipeline stage took out (none for a whole model)."""
+    info = model.__dict__.get(STAGE_ATTRIBUTE)
+    return info.pruned if info is not None else ()
+
+
+def names_only_pruned(key: str, pruned: tuple[str, ...]) -> bool:
+    """A plan key that hits no module of a stage but would hit one it took out."""
+    return any(name_matches(name, key) for name in pruned)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a causal LM: token ids or hidden states in, hidden states or
+    (last stage) logits out. Holds the pruned model as ``model``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.info: StageInfo = model.__dict__[STAGE_ATTRIBUTE]
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        given = {"input_ids": inputs} if self.info.is_first else {"inputs_embeds": inputs}
+        if self.info.is_last:
+            return self.model(**given, use_cache=False).logits
+        return self.model.base_model(**given, use_cache=False).last_hidden_state
+
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def build_schedule(model: nn.Module, *, schedule: str, microbatches: int, pp_group: Any,
+                   device: torch.device, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """torch's schedule ``schedule`` over this rank's stage of the pruned ``model``;
+    ``loss(logits, labels)``: one micro-batch's mean loss (divided here by the number of
+    micro-batches, with the schedule's own gradient scaling off)."""
+    from torch.distributed import pipelining
+
+    info: StageInfo = model.__dict__[STAGE_ATTRIBUTE]
+    stage = pipelining.PipelineStage(StageModule(model), info.index, info.num_stages, device, group=pp_group)
+
+    def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss(logits, labels) / microbatches
+
+    schedule_class = getattr(pipelining, SCHEDULE_CLASSES[schedule])
+    return schedule_class(stage, n_microbatches=microbatches, loss_fn=micro_batch_loss, scale_grads=False)

@@ -1,0 +1,135 @@
+"""Pipeline stages: the split of the decoder layers, and a model's stages run one after
+another in one process give the whole model's logits (no process group needed: the
+stages are the pruned models, and what would cross ranks is handed on by hand)."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from hyper_parallel.config.pipeline import (
+    PP_SCHEDULES,
+    PipelineError,
+    PipelineSettings,
+    balanced_split,
+    stage_split,
+)
+from hyper_parallel.distributed.pipeline import (
+    SCHEDULE_CLASSES,
+    PrunedModule,
+    PassThrough,
+    StageModule,
+    decoder_layer_weights,
+    names_only_pruned,
+    prune_to_stage,
+    pruned_names,
+)
+
+
+def test_equal_layers_split_by_count_and_unequal_ones_by_weight():
+    assert balanced_split([5] * 4, 2) == ((0, 2), (2, 4))
+    assert balanced_split([5] * 6, 3) == ((0, 2), (2, 4), (4, 6))
+    # a heavy (MoE) layer among light (dense) ones gets a stage to itself
+    assert balanced_split([1, 1, 1, 1, 10, 1], 2) == ((0, 4), (4, 6))
+    assert balanced_split([10, 1, 1, 1, 1, 10], 3) == ((0, 1), (1, 5), (5, 6))
+    for stages in range(1, 7):  # every layer once, in order, no stage empty
+        ranges = balanced_split([3, 1, 4, 1, 5, 9], stages)
+        assert [a for a, _ in ranges][0] == 0 and ranges[-1][1] == 6
+        assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(stages - 1))
+
+
+def test_split_points_are_the_recipes_and_bad_ones_are_refused_naming_the_key():
+    assert stage_split(PipelineSettings(split_points=(1,)), 2, [1] * 4) == ((0, 1), (1, 4))
+    with pytest.raises(PipelineError, match=r"accelerator.pipeline.split_points: expected 1 increasing layer indices "
+                                            r"in 1..3 .*got \[1, 2\]"):
+        stage_split(PipelineSettings(split_points=(1, 2)), 2, [1] * 4)
+    with pytest.raises(PipelineError, match="split_points: expected 1 increasing layer indices in 1..3"):
+        stage_split(PipelineSettings(split_points=(4,)), 2, [1] * 4)
+    with pytest.raises(PipelineError, match="split_points: expected increasing layer indices >= 1"):
+        PipelineSettings(split_points=(2, 1))
+    with pytest.raises(PipelineError, match="accelerator.pp_size: 3 stages need at least 3 decoder layers, the model "
+                                            "has 2"):
+        stage_split(PipelineSettings(), 3, [1, 1])
+    with pytest.raises(PipelineError, match=r"accelerator.pipeline.schedule: expected one of 1f1b, gpipe, got 'zb'"):
+        PipelineSettings(schedule="zb")
+
+
+def test_every_schedule_the_recipe_may_name_has_an_engine_class():
+    from torch.distributed import pipelining
+
+    assert set(SCHEDULE_CLASSES) == set(PP_SCHEDULES)
+    assert all(hasattr(pipelining, name) for name in SCHEDULE_CLASSES.values())
+
+
+def _tiny(family: str):
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=8)
+    elif family == "qwen3_sliding":  # per-layer attention kinds, looked up by the layer's index
+        config = transformers.Qwen3Config(**common, head_dim=8, use_sliding_window=True, sliding_window=4,
+                                          max_window_layers=2)
+    elif family == "llama":
+        config = transformers.LlamaConfig(**common)
+    elif family == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=4)
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=16, decoder_sparse_step=2, mlp_only_layers=[0])
+    elif family == "gemma2":  # scales the embeddings inside the base model's forward
+        config = transformers.Gemma2Config(**common, head_dim=8, sliding_window=4)
+    elif family == "phi3":
+        config = transformers.Phi3Config(**common)
+    else:
+        raise AssertionError(family)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+
+
+FAMILIES = ["qwen3", "qwen3_sliding", "llama", "mistral", "qwen3_moe", "gemma2", "phi3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_stages_run_in_turn_give_the_whole_models_logits_and_gradients(family, stages):
+    whole = _tiny(family).train()
+    boundaries = stage_split(PipelineSettings(), stages, decoder_layer_weights(whole))
+    parts = []
+    for index in range(stages):
+        part = copy.deepcopy(whole)
+        prune_to_stage(part, boundaries, index)
+        parts.append(StageModule(part))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = whole(input_ids=ids, labels=ids)
+    hidden = ids
+    for part in parts:
+        hidden = part(hidden)
+    assert torch.allclose(hidden, want.logits, rtol=1e-5, atol=1e-6), (hidden - want.logits).abs().max()
+    loss = parts[-1].model.loss_function(logits=hidden, labels=ids, vocab_size=96)
+    assert torch.allclose(loss, want.loss, rtol=1e-6)
+    loss.backward()
+    want.loss.backward()
+    held = {name: param for part in parts for name, param in part.model.named_parameters()}
+    assert set(held) == {name for name, _ in whole.named_parameters()}  # each parameter on exactly one stage
+    assert sum(1 for part in parts for _ in part.model.parameters()) == len(held)
+    for name, param in whole.named_parameters():
+        assert torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_a_stage_keeps_its_layers_names_and_records_what_it_took_out():
+    model = _tiny("qwen3")
+    info = prune_to_stage(model, ((0, 1), (1, 3), (3, 4)), 1)
+    assert (info.index, info.num_stages, info.layers, info.is_first, info.is_last) == (1, 3, (1, 3), False, False)
+    assert isinstance(model.model.layers[0], PassThrough) and isinstance(model.model.layers[3], PassThrough)
+    assert isinstance(model.model.embed_tokens, PrunedModule) and isinstance(model.lm_head, PrunedModule)
+    assert isinstance(model.model.norm, PassThrough)
+    assert {name for name, _ in model.named_parameters()} == {
+        name for name, _ in _tiny("qwen3").named_parameters() if name.startswith(("model.layers.1.", "model.layers.2."))}
+    taken = pruned_names(model)
+    assert "model.layers.0.self_attn.q_proj" in taken and "lm_head" in taken and "model.norm" in taken
+    assert names_only_pruned("model.layers.3.mlp.*", taken) and names_only_pruned("model.embed_tokens", taken)
+    assert not names_only_pruned("model.layers.1.mlp", taken) and not names_only_pruned("model.nothing", taken)
+    with pytest.raises(Exception, match="the input embeddings runs on another pipeline stage"):
+        model.model.embed_tokens(torch.zeros(1, 2, dtype=torch.long))
