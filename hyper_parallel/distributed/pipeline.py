@@ -105,18 +105,18 @@ def prune_to_stage(model: nn.Module, boundaries: tuple[tuple[int, int], ...], in
     for position in range(len(layers)):
         if not start <= position < end:
             take_out(f"{list_name}.{position}", PassThrough(f"decoder layer {position}"))
+    def name_of(part: nn.Module | None, what: str, getter: str, stage: str) -> str:
+        if part is None or id(part) not in names:
+            raise PipelineSplitError(f"{type(model).__name__}: no {what} ({getter}) to leave to the {stage} "
+                                     f"pipeline stage")
+        return names[id(part)]
+
     if not info_first:
-        embeddings = input_embeddings(model)
-        if embeddings is None or id(embeddings) not in names:
-            raise PipelineSplitError(f"{type(model).__name__}: no input embeddings (get_input_embeddings) to leave "
-                                     f"to the first pipeline stage")
-        take_out(names[id(embeddings)], PrunedModule("the input embeddings"))
+        take_out(name_of(input_embeddings(model), "input embeddings", "get_input_embeddings", "first"),
+                 PrunedModule("the input embeddings"))
     if not info_last:
-        head = output_embeddings(model)
-        if head is None or id(head) not in names:
-            raise PipelineSplitError(f"{type(model).__name__}: no output head (get_output_embeddings) to leave to "
-                                     f"the last pipeline stage")
-        take_out(names[id(head)], PrunedModule("the output head"))
+        take_out(name_of(output_embeddings(model), "output head", "get_output_embeddings", "last"),
+                 PrunedModule("the output head"))
         take_out(_final_norm_name(model), PassThrough("the final norm"))
     info = StageInfo(index, len(boundaries), (start, end), tuple(pruned))
     model.__dict__[STAGE_ATTRIBUTE] = info

@@ -41,10 +41,11 @@ def add_rounding_noise(parameters, generator: torch.Generator) -> None:
             param.grad.add_(scale * torch.randn(param.grad.shape, generator=generator, dtype=param.grad.dtype))
 
 
-def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list[dict]:
+def reference_training(recipe: str | Path, rounding_noise: bool = False, gradients: bool = False) -> list[dict]:
     """``[{"loss", "grad_norm", "lr"(, "eval_loss")}]`` per step of single-process HF training of ``recipe``;
     with ``rounding_noise`` each step's gradients are perturbed (``add_rounding_noise``)
-    after the step's record is taken, so only later steps feel it."""
+    after the step's record is taken, so only later steps feel it; with ``gradients`` each
+    record also holds ``"grads"``: every parameter's gradient before clipping and update."""
     recipe = Path(recipe)
     config = load_training_config(str(recipe))
     model = AutoModelForCausalLM.from_pretrained(recipe_model_dir(config),
@@ -80,6 +81,7 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()} if gradients else None
         if rounding_noise:
             add_rounding_noise(model.parameters(), generator)
         if training.max_grad_norm is not None:
@@ -87,7 +89,7 @@ def reference_training(recipe: str | Path, rounding_noise: bool = False) -> list
         lr = set_learning_rate(optimizer, opt.lr, step + 1, training)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        record = {"loss": total, "grad_norm": norm, "lr": lr}
+        record = {"loss": total, "grad_norm": norm, "lr": lr, **({"grads": grads} if gradients else {})}
         if due(step + 1, config):
             record["eval_loss"] = eval_loss(model, evaluation, dp_rank=0, dp_size=1,
                                             micro_batch_size=training.micro_batch_size,

@@ -11,8 +11,7 @@ import yaml
 from safetensors.torch import save_file
 
 from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
-from hyper_parallel.config import load_training_config
-from hyper_parallel.trainer.data import global_batch, micro_batches
+from hyper_parallel.trainer.reference import reference_training
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO, TINY_RECIPE
 
@@ -26,6 +25,7 @@ LAYOUTS = {
     "pp2_tp2_gpipe": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2, "pipeline": {"schedule": "gpipe"}},
     "pp2_dp2_fsdp2": {"nproc_per_node": 4, "pp_size": 2, "dp_size": 2, "tp_size": 1},
     "pp2_dp2_ep2": {"nproc_per_node": 4, "pp_size": 2, "dp_size": 2, "tp_size": 1, "ep_size": 2},
+    "pp2_tp2_lp": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2, "loss_parallel": True},
 }
 
 
@@ -44,31 +44,6 @@ def _recipe(project, layout: str):
     return recipe
 
 
-def _reference(recipe) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """One process, the whole HF model: each step's loss and gradients before the update."""
-    config = load_training_config(recipe)
-    model_dir = recipe.parent / config.model.pretrained_model_name_or_path
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
-                                                              dtype=torch.float32)
-    opt = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                  weight_decay=opt.weight_decay, foreach=False)
-    losses, grads = [], []
-    for step in range(STEPS):
-        batch = global_batch(step, config.training, config.dataset, model.config.vocab_size)
-        parts = list(micro_batches(batch, 0, 1, config.training.micro_batch_size, "reference"))
-        total = 0.0
-        for micro in parts:
-            loss = model(input_ids=micro, labels=micro).loss / len(parts)
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        grads.append({name: param.grad.detach().clone() for name, param in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses, grads
-
-
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_pipeline_training_matches_one_process_in_loss_and_every_gradient(project, tmp_path, layout):
     recipe = _recipe(project, layout)
@@ -82,7 +57,8 @@ def test_pipeline_training_matches_one_process_in_loss_and_every_gradient(projec
     modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
     assert '"pipeline": {"stages": [[0, 1], [1, 2]]},' in modeling
     ranks = [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
-    want_losses, want_grads = _reference(recipe)
+    reference = reference_training(recipe, gradients=True)  # one process, the whole HF model
+    want_losses, want_grads = [r["loss"] for r in reference], [r["grads"] for r in reference]
     # the stages split the layers and hold each parameter once between them
     stages = sorted({rank["stage"] for rank in ranks})
     assert stages == [(0, 0, 1), (1, 1, 2)], stages

@@ -150,7 +150,7 @@ def _build_generated(recipe: Recipe, *, mesh_context: MeshContext | None, with_w
     model = mb.build_generated_model(model_class, hf_config, config, with_weights=with_weights)
     model = model.to(mb.target_device(config))
     if mesh_context is not None:
-        mb.prune_for_pipeline(model, config, mesh_context, mb.recorded_pipeline_stages(module) if planned else None)
+        mb.prune_for_pipeline(model, config, mesh_context, bundle=module if planned else None)
         if planned:
             check_plan_covers(model, module, bundle_dir, fix)
             module.hyper_parallelize(model, mesh_context)

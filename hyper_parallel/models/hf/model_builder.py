@@ -148,7 +148,7 @@ def build_generated_model_sharded(model_class: type, hf_config: Any, config: Tra
     with init_empty_weights(include_buffers=False):
         model = model_class(hf_config)
     tied = tie_like_transformers(model)
-    prune_for_pipeline(model, config, mesh_context, recorded_pipeline_stages(module))
+    prune_for_pipeline(model, config, mesh_context, bundle=module)
     module.hyper_parallelize(model, mesh_context)
     with parameters_keep_identity():
         materialize_and_load(model, recipe_model_dir(config), device=target_device(config), weight_map=weight_map)
@@ -165,10 +165,10 @@ def recorded_pipeline_stages(module: ModuleType) -> tuple[tuple[int, int], ...] 
 
 
 def prune_for_pipeline(model: nn.Module, config: TrainerConfig, mesh_context: Any,
-                       boundaries: tuple[tuple[int, int], ...] | None = None) -> None:
+                       bundle: ModuleType | None = None) -> None:
     """With ``pp_size > 1``: take out of ``model`` what the other pipeline stages run
-    (distributed/pipeline.py), keeping this rank's stage (its pp coordinate), split as
-    ``boundaries`` (a bundle's recorded split) or, without them, as ``accelerator.pipeline``
+    (distributed/pipeline.py), keeping this rank's stage (its pp coordinate), split as the
+    ``bundle``'s frozen plan records or, without a bundle, as ``accelerator.pipeline``
     says. Tied input and output embeddings would live on two stages and train apart:
     refused, naming the key."""
     from hyper_parallel.config.pipeline import PipelineError, stage_split
@@ -182,6 +182,7 @@ def prune_for_pipeline(model: nn.Module, config: TrainerConfig, mesh_context: An
                               f"embeddings (config.json tie_word_embeddings: true), which would sit on the first and "
                               f"the last pipeline stage; pipeline parallel does not sum their gradients yet: set "
                               f"model.config_overrides.tie_word_embeddings: false (unties them), or pp_size 1")
+    boundaries = recorded_pipeline_stages(bundle) if bundle is not None else None
     if boundaries is None:
         try:
             boundaries = stage_split(layout.pipeline, layout.pp, decoder_layer_weights(model))
