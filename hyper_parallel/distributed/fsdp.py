@@ -44,8 +44,8 @@ def fully_shard_over_dp(model: nn.Module, dp_mesh, expert_dp_mesh=None, mp_polic
                                  "expert mesh's edp axis (expert_dp_mesh)")
             fully_shard(experts, mesh=expert_dp_mesh, **options).set_gradient_divide_factor(float(dp_size))
         fully_shard(layer, mesh=dp_mesh, **options)
-    base = getattr(model, "base_model", None)
-    if model.__dict__.get(STAGE_ATTRIBUTE) is not None and isinstance(base, nn.Module) and base is not model:
+    base, stage = getattr(model, "base_model", None), model.__dict__.get(STAGE_ATTRIBUTE)
+    if stage is not None and not stage.is_last and isinstance(base, nn.Module) and base is not model:
         # A pipeline stage before the last runs the base model, not the head model's
         # forward (distributed/pipeline.py): the base model is then the unit FSDP2
         # gathers and reduces from, so it is one of its own.

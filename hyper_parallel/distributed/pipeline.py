@@ -111,12 +111,17 @@ def prune_to_stage(model: nn.Module, boundaries: tuple[tuple[int, int], ...], in
                                      f"pipeline stage")
         return names[id(part)]
 
-    if not info_first:
+    # Tied embeddings stay on both end stages: one matrix, so keeping its other module
+    # costs nothing, the names stay the whole model's (loading, checkpoints), and the
+    # trainer sums the two stages' gradients (TiedEmbeddingGradients).
+    tied = tied_embeddings(model)
+    if not info_first and not (tied and info_last):
         take_out(name_of(input_embeddings(model), "input embeddings", "get_input_embeddings", "first"),
                  PrunedModule("the input embeddings"))
     if not info_last:
-        take_out(name_of(output_embeddings(model), "output head", "get_output_embeddings", "last"),
-                 PrunedModule("the output head"))
+        if not (tied and info_first):
+            take_out(name_of(output_embeddings(model), "output head", "get_output_embeddings", "last"),
+                     PrunedModule("the output head"))
         take_out(_final_norm_name(model), PassThrough("the final norm"))
     info = StageInfo(index, len(boundaries), (start, end), tuple(pruned))
     model.__dict__[STAGE_ATTRIBUTE] = info
@@ -178,3 +183,56 @@ def build_schedule(model: nn.Module, *, schedule: str, microbatches: int, pp_gro
 
     schedule_class = getattr(pipelining, SCHEDULE_CLASSES[schedule])
     return schedule_class(stage, n_microbatches=microbatches, loss_fn=micro_batch_loss, scale_grads=False)
+
+
+def tied_embeddings(model: nn.Module) -> bool:
+    """The model's head reuses its input embedding matrix (``tie_word_embeddings``)."""
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+class TiedEmbeddingGradients:
+    """Input and output embeddings that are one matrix (``tie_word_embeddings``) sit on
+    the first and the last pipeline stage (``prune_to_stage`` keeps both modules there),
+    each stage with its own copy: the first uses it to embed, the last as its head. Their gradients
+    are summed across the two (``sum``: one all-reduce between the first- and last-stage
+    ranks of each dp/cp/tp coordinate), so both copies take the same update the one
+    matrix takes in the whole model, and the gradient norm counts the matrix once
+    (``counted``: every parameter but the last stage's copy)."""
+
+    def __init__(self, model: nn.Module, device_mesh: Any):
+        import torch.distributed as dist
+
+        self.model, self.info = model, model.__dict__[STAGE_ATTRIBUTE]
+        ranks = device_mesh.mesh.reshape(device_mesh.mesh.shape[0], -1)  # pp outermost, the rest flat
+        self.group = None
+        for column in range(ranks.shape[1]):  # every rank creates every group, in one order
+            pair = [int(ranks[0, column]), int(ranks[-1, column])]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                self.group = group
+        self.copy = None
+        if self.info.is_first:
+            self.copy = input_embeddings(model).weight
+        elif self.info.is_last:
+            self.copy = output_embeddings(model).weight
+
+    def sum(self) -> None:
+        import torch.distributed as dist
+
+        if self.copy is None:
+            return  # a middle stage: neither copy is here
+        if self.copy.grad is None:  # the other end stage sums in its gradient all the same
+            self.copy.grad = torch.zeros_like(self.copy)
+        grad = self.copy.grad
+        placements = getattr(self.copy, "placements", None)
+        if placements is not None and grad.placements != placements:
+            # the embedding's backward may leave its gradient replicated where the matrix
+            # is sharded (the head's is sharded): both stages sum the same local pieces
+            grad = grad.redistribute(placements=placements)
+            self.copy.grad = grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(local, group=self.group)
+
+    def counted(self) -> list[nn.Parameter]:
+        """The parameters a gradient norm sums over: the last stage leaves its copy out."""
+        return [p for p in self.model.parameters() if not (self.info.is_last and p is self.copy)]

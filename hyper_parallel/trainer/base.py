@@ -17,6 +17,7 @@ from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TOKENIZED_KINDS, TrainerConfig
 from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
+from hyper_parallel.distributed.pipeline import TiedEmbeddingGradients, tied_embeddings
 from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
 from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_device_type, target_device
@@ -67,6 +68,9 @@ class BaseTrainer:
         torch.manual_seed(config.training.seed)
         self.model = self._build_model()
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
+        self.tied = None  # the embeddings a pipeline split across its first and last stage
+        if self.pipeline is not None and tied_embeddings(self.model):
+            self.tied = TiedEmbeddingGradients(self.model, self.mesh_context.device_mesh)
         self.optimizer = self._build_optimizer()
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, config.where)
 
@@ -173,7 +177,8 @@ class BaseTrainer:
             seed_step(step, training.seed)
             parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
             total = self._forward_backward(parts)
-            grad_norm = global_grad_norm(self.model.parameters(), pp=self.dims.pp)
+            counted = self.tied.counted() if self.tied is not None else self.model.parameters()
+            grad_norm = global_grad_norm(counted, pp=self.dims.pp)
             if training.max_grad_norm is not None:
                 clip_grads_to(self.model.parameters(), grad_norm, training.max_grad_norm)
             lr = self._optimizer_step(step + 1)
@@ -217,6 +222,8 @@ class BaseTrainer:
         with compute_context(self.config, fsdp_casts=self.dims.dp > 1):
             self.pipeline.step(*inputs, target=rows if info.is_last else None,
                                losses=losses if info.is_last else None, return_outputs=False)
+        if self.tied is not None:
+            self.tied.sum()
         total = torch.zeros((), dtype=torch.float32)
         if info.is_last:
             total = sum((loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())

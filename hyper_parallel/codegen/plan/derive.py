@@ -198,19 +198,13 @@ def trace_dataflow(spec: CodegenSpec):
 
 def pipeline_stages(spec: CodegenSpec, model) -> tuple[tuple[int, int], ...] | None:
     """Where pp > 1, the decoder layers each pipeline stage runs (config/pipeline.py's
-    split, which the trainer runs as the plan records it). A model whose input and output
-    embeddings are one tensor is refused: they would sit on two stages."""
+    split, which the trainer runs as the plan records it)."""
     from hyper_parallel.config.pipeline import PipelineError, stage_split
     from hyper_parallel.distributed.pipeline import PipelineSplitError, decoder_layer_weights
 
     layout = spec.layout
     if layout.pp == 1:
         return None
-    if getattr(model.config, "tie_word_embeddings", False):
-        raise DeriveError(f"{spec.recipe_path}: accelerator.pp_size {layout.pp}: {spec.model_dir / 'config.json'} "
-                          f"ties the input and output embeddings (tie_word_embeddings: true), which would sit on the "
-                          f"first and the last pipeline stage; pipeline parallel does not sum their gradients yet: "
-                          f"set model.config_overrides.tie_word_embeddings: false, or pp_size 1")
     try:
         return stage_split(layout.pipeline, layout.pp, decoder_layer_weights(model))
     except (PipelineError, PipelineSplitError) as exc:

@@ -169,19 +169,14 @@ def prune_for_pipeline(model: nn.Module, config: TrainerConfig, mesh_context: An
     """With ``pp_size > 1``: take out of ``model`` what the other pipeline stages run
     (distributed/pipeline.py), keeping this rank's stage (its pp coordinate), split as the
     ``bundle``'s frozen plan records or, without a bundle, as ``accelerator.pipeline``
-    says. Tied input and output embeddings would live on two stages and train apart:
-    refused, naming the key."""
+    says. Tied input and output embeddings end up as one copy on the first and one on the
+    last stage; the trainer sums their gradients (``TiedEmbeddingGradients``)."""
     from hyper_parallel.config.pipeline import PipelineError, stage_split
     from hyper_parallel.distributed.pipeline import decoder_layer_weights, prune_to_stage
 
     layout = config.accelerator.layout
     if layout.pp == 1:
         return
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        raise ModelBuildError(f"{config.where}: accelerator.pp_size {layout.pp}: the model ties its input and output "
-                              f"embeddings (config.json tie_word_embeddings: true), which would sit on the first and "
-                              f"the last pipeline stage; pipeline parallel does not sum their gradients yet: set "
-                              f"model.config_overrides.tie_word_embeddings: false (unties them), or pp_size 1")
     boundaries = recorded_pipeline_stages(bundle) if bundle is not None else None
     if boundaries is None:
         try:
