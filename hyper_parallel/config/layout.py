@@ -21,7 +21,7 @@ from hyper_parallel.protocols.axes import SIZE_AXES
 
 _FLAGS = ("sequence_parallel", "loss_parallel")
 _CP_KEYS = ("cp_algorithm", "cp_load_balance")
-_PP_KEYS = ("pp_schedule", "pp_split_points")
+_PP_KEYS = ("pp_schedule", "pp_split_points", "pp_virtual_stages")
 
 
 class LayoutError(ValueError, HyperParallelError):
@@ -51,7 +51,7 @@ class Layout:
         return cls(dims=accelerator.parallel_dims, sequence_parallel=accelerator.sequence_parallel,
                    loss_parallel=accelerator.loss_parallel,
                    context_parallel=ContextParallel(chosen.algorithm, chosen.load_balance),
-                   pipeline=PipelineSettings(pipeline.schedule, points))
+                   pipeline=PipelineSettings(pipeline.schedule, points, pipeline.virtual_stages))
 
     dp = property(lambda self: self.dims.dp)
     cp = property(lambda self: self.dims.cp)
@@ -73,7 +73,8 @@ class Layout:
             self.context_parallel.algorithm != "gather_sequence") else {}
         points = self.pipeline.split_points
         pp_keys = {"pp_schedule": self.pipeline.schedule,
-                   "pp_split_points": list(points) if points is not None else None} if self.pp > 1 else {}
+                   "pp_split_points": list(points) if points is not None else None,
+                   "pp_virtual_stages": self.pipeline.virtual_stages} if self.pp > 1 else {}
         return {**{axis: getattr(self.dims, axis) for axis in SIZE_AXES},
                 "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel, **cp_keys,
                 **pp_keys}
@@ -89,7 +90,8 @@ class Layout:
         missing = [key for key in (*SIZE_AXES, *_FLAGS) if key not in data]
         if unknown or missing:
             raise LayoutError(f"{where}: expected the keys {', '.join((*SIZE_AXES, *_FLAGS))} (and cp_algorithm, "
-                              f"cp_load_balance where cp splits attention; pp_schedule, pp_split_points where pp "
+                              f"cp_load_balance where cp splits attention; pp_schedule, pp_split_points, "
+                              f"pp_virtual_stages where pp "
                               f"splits the model); "
                               f"{'missing ' + ', '.join(missing) if missing else ''}"
                               f"{'; ' if unknown and missing else ''}{'unknown ' + ', '.join(unknown) if unknown else ''}")
@@ -102,7 +104,8 @@ class Layout:
                                      bool(data.get("cp_load_balance", False)))
             points = data.get("pp_split_points")
             pipeline = PipelineSettings(data.get("pp_schedule", PipelineSettings.schedule),
-                                        tuple(points) if isinstance(points, list) else points)
+                                        tuple(points) if isinstance(points, list) else points,
+                                        data.get("pp_virtual_stages", 1))
         except (ValueError, TypeError) as exc:
             raise LayoutError(f"{where}: {exc}") from None
         return cls(dims=dims, sequence_parallel=data["sequence_parallel"], loss_parallel=data["loss_parallel"],

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 from hyper_parallel.errors import HyperParallelError
 
-# accelerator.pipeline.schedule: torch.distributed.pipelining's single-stage schedules.
+# accelerator.pipeline.schedule: torch.distributed.pipelining's schedules.
 #   gpipe: every micro-batch's forward, then every backward (most activation memory);
-#   1f1b: one forward, one backward in steady state (activations of at most pp micro-batches).
-PP_SCHEDULES = ("1f1b", "gpipe")
+#   1f1b: one forward, one backward in steady state (activations of at most pp micro-batches);
+#   interleaved_1f1b: 1F1B over virtual_stages >= 2 stages per rank (stage s on rank s % pp),
+#     a smaller bubble for more point-to-point traffic.
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b",)
 DEFAULT_PP_SCHEDULE = "1f1b"
 
 
@@ -28,12 +31,22 @@ class PipelineError(ValueError, HyperParallelError):
 @dataclass(frozen=True)
 class PipelineSettings:
     schedule: str = DEFAULT_PP_SCHEDULE
-    split_points: tuple[int, ...] | None = None  # first layer of stages 1..pp-1; None: balanced
+    split_points: tuple[int, ...] | None = None  # first layer of every stage but the first; None: balanced
+    virtual_stages: int = 1  # stages per rank
 
     def __post_init__(self) -> None:
         if self.schedule not in PP_SCHEDULES:
             raise PipelineError(f"accelerator.pipeline.schedule: expected one of {', '.join(PP_SCHEDULES)}, "
                                 f"got {self.schedule!r}")
+        virtual = self.virtual_stages
+        if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+            raise PipelineError(f"accelerator.pipeline.virtual_stages: expected an integer >= 1, got {virtual!r}")
+        if (self.schedule in MULTI_STAGE_SCHEDULES) != (virtual > 1):
+            raise PipelineError(
+                f"accelerator.pipeline.virtual_stages: {self.schedule} runs "
+                f"{'two or more stages' if self.schedule in MULTI_STAGE_SCHEDULES else 'one stage'} per rank, got "
+                f"{virtual}; use schedule {MULTI_STAGE_SCHEDULES[0]} with virtual_stages >= 2, or "
+                f"{' / '.join(s for s in PP_SCHEDULES if s not in MULTI_STAGE_SCHEDULES)} with virtual_stages 1")
         points = self.split_points
         if points is not None:
             if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in points) or \
@@ -42,21 +55,32 @@ class PipelineSettings:
                                     f"(the first layer of each stage after the first), got {list(points)}")
             object.__setattr__(self, "split_points", tuple(points))
 
+    def stages(self, pp: int) -> int:
+        """The number of pipeline stages over ``pp`` ranks."""
+        return pp * self.virtual_stages
 
-def stage_split(settings: PipelineSettings, stages: int, layer_weights: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """``[start, end)`` decoder layer ranges, one per stage, covering every layer once in
-    order, each non-empty: from the split points when the recipe gives them, else
-    balanced by ``layer_weights`` (a parameter count per layer)."""
-    layers = len(layer_weights)
+    def stages_of_rank(self, rank: int, pp: int) -> tuple[int, ...]:
+        """The stages pp rank ``rank`` runs: stage s lives on rank s % pp (the loop order
+        torch's interleaved schedules expect)."""
+        return tuple(rank + round_ * pp for round_ in range(self.virtual_stages))
+
+
+def stage_split(settings: PipelineSettings, pp: int, layer_weights: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``[start, end)`` decoder layer ranges, one per stage (``pp`` ranks times the virtual
+    stages), covering every layer once in order, each non-empty: from the split points
+    when the recipe gives them, else balanced by ``layer_weights`` (a parameter count per
+    layer)."""
+    layers, stages = len(layer_weights), settings.stages(pp)
     if stages > layers:
-        raise PipelineError(f"accelerator.pp_size: {stages} stages need at least {stages} decoder layers, the model "
-                            f"has {layers}; use a pp_size of at most {layers}")
+        what = f"pp_size {pp} x virtual_stages {settings.virtual_stages} = " if settings.virtual_stages > 1 else ""
+        raise PipelineError(f"accelerator.pp_size: {what}{stages} stages need at least {stages} decoder layers, "
+                            f"the model has {layers}; use fewer stages")
     points = settings.split_points
     if points is None:
         return balanced_split(layer_weights, stages)
     if len(points) != stages - 1 or points[-1] >= layers:
         raise PipelineError(f"accelerator.pipeline.split_points: expected {stages - 1} increasing layer indices "
-                            f"in 1..{layers - 1} (pp_size {stages}, {layers} decoder layers), got {list(points)}")
+                            f"in 1..{layers - 1} ({stages} stages, {layers} decoder layers), got {list(points)}")
     bounds = (0, *points, layers)
     return tuple(zip(bounds[:-1], bounds[1:]))
 

@@ -60,11 +60,13 @@ class ContextParallelConfig:
 class PipelineConfig:
     """``accelerator.pipeline`` (``pp_size > 1``): the schedule (config/pipeline.py's
     ``PP_SCHEDULES``) and, optionally, ``split_points``: the first decoder layer of each
-    stage after the first (default: stages balanced by parameter count). The number of
+    stage after the first (default: stages balanced by parameter count); ``virtual_stages``
+    per rank for the interleaved schedule. The number of
     micro-batches is the recipe's (``global_batch_size / (dp_size * micro_batch_size)``)."""
 
     schedule: str = DEFAULT_PP_SCHEDULE
     split_points: list[int] | None = None
+    virtual_stages: int = 1  # stages per rank; 2 or more with schedule interleaved_1f1b
 
 
 @dataclass

@@ -63,18 +63,28 @@ class PassThrough(PrunedModule):
 
 @dataclass(frozen=True)
 class StageInfo:
-    index: int
+    """The pipeline stages one rank runs (one, or ``virtual_stages`` for an interleaved
+    schedule) and what the rank's model took out."""
+
+    stages: tuple[int, ...]  # the stage indices, in order
     num_stages: int
-    layers: tuple[int, int]  # [start, end) of the decoder layers this stage runs
+    boundaries: tuple[tuple[int, int], ...]  # [start, end) decoder layers of every stage of the run
     pruned: tuple[str, ...]  # the module names (and their submodules') taken out
 
     @property
     def is_first(self) -> bool:
-        return self.index == 0
+        """The rank runs the first stage (it embeds the tokens)."""
+        return 0 in self.stages
 
     @property
     def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
+        """The rank runs the last stage (its logits meet the loss)."""
+        return self.num_stages - 1 in self.stages
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The decoder layers the rank runs, over all its stages."""
+        return tuple(i for stage in self.stages for i in range(*self.boundaries[stage]))
 
 
 def decoder_layer_weights(model: nn.Module) -> list[int]:
@@ -86,15 +96,15 @@ def decoder_layer_weights(model: nn.Module) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in found[1]]
 
 
-def prune_to_stage(model: nn.Module, boundaries: tuple[tuple[int, int], ...], index: int) -> StageInfo:
-    """Take out of ``model`` (in place) what stages other than ``index`` run; record and
-    return the stage (``STAGE_ATTRIBUTE``)."""
+def prune_to_stage(model: nn.Module, boundaries: tuple[tuple[int, int], ...], stages: tuple[int, ...]) -> StageInfo:
+    """Take out of ``model`` (in place) what the stages other than ``stages`` (this rank's)
+    run; record and return them (``STAGE_ATTRIBUTE``)."""
     found = decoder_layers(model)
     if found is None:
         raise PipelineSplitError(f"{type(model).__name__}: no decoder layer list to split into pipeline stages")
     list_name, layers = found
-    start, end = boundaries[index]
-    info_first, info_last = index == 0, index == len(boundaries) - 1
+    held = {i for stage in stages for i in range(*boundaries[stage])}
+    info_first, info_last = 0 in stages, len(boundaries) - 1 in stages
     names = dict((id(module), name) for name, module in model.named_modules())
     pruned: list[str] = []
 
@@ -102,15 +112,15 @@ def prune_to_stage(model: nn.Module, boundaries: tuple[tuple[int, int], ...], in
         pruned.extend(n for n, _ in model.get_submodule(name).named_modules(prefix=name))
         model.set_submodule(name, replacement)
 
-    for position in range(len(layers)):
-        if not start <= position < end:
-            take_out(f"{list_name}.{position}", PassThrough(f"decoder layer {position}"))
     def name_of(part: nn.Module | None, what: str, getter: str, stage: str) -> str:
         if part is None or id(part) not in names:
             raise PipelineSplitError(f"{type(model).__name__}: no {what} ({getter}) to leave to the {stage} "
                                      f"pipeline stage")
         return names[id(part)]
 
+    for position in range(len(layers)):
+        if position not in held:
+            take_out(f"{list_name}.{position}", PassThrough(f"decoder layer {position}"))
     # Tied embeddings stay on both end stages: one matrix, so keeping its other module
     # costs nothing, the names stay the whole model's (loading, checkpoints), and the
     # trainer sums the two stages' gradients (TiedEmbeddingGradients).
@@ -123,7 +133,7 @@ def prune_to_stage(model: nn.Module, boundaries: tuple[tuple[int, int], ...], in
             take_out(name_of(output_embeddings(model), "output head", "get_output_embeddings", "last"),
                      PrunedModule("the output head"))
         take_out(_final_norm_name(model), PassThrough("the final norm"))
-    info = StageInfo(index, len(boundaries), (start, end), tuple(pruned))
+    info = StageInfo(tuple(stages), len(boundaries), tuple(boundaries), tuple(pruned))
     model.__dict__[STAGE_ATTRIBUTE] = info
     return info
 
@@ -150,39 +160,60 @@ def names_only_pruned(key: str, pruned: tuple[str, ...]) -> bool:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage of a causal LM: token ids or hidden states in, hidden states or
-    (last stage) logits out. Holds the pruned model as ``model``."""
+    """Pipeline stage ``stage`` of a causal LM: token ids or hidden states in, hidden
+    states or (last stage) logits out. Holds the rank's pruned model as ``model``; where
+    the rank runs other stages too (an interleaved schedule), their layers, and the final
+    norm for a stage before the last, pass the hidden states through during this stage's
+    forward."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, stage: int):
         super().__init__()
         self.model = model
-        self.info: StageInfo = model.__dict__[STAGE_ATTRIBUTE]
+        info: StageInfo = model.__dict__[STAGE_ATTRIBUTE]
+        self.first, self.last = stage == 0, stage == info.num_stages - 1
+        start, end = info.boundaries[stage]
+        list_name, layers = decoder_layers(model)
+        self.others = [layers[i] for i in info.layers if not start <= i < end]
+        if not self.last and info.is_last:  # the rank holds the real final norm for the last stage
+            self.others.append(model.get_submodule(_final_norm_name(model)))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        given = {"input_ids": inputs} if self.info.is_first else {"inputs_embeds": inputs}
-        if self.info.is_last:
-            return self.model(**given, use_cache=False).logits
-        return self.model.base_model(**given, use_cache=False).last_hidden_state
+        given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
+        for module in self.others:  # an instance attribute: module.__call__ finds it first
+            module.forward = _hand_on
+        try:
+            if self.last:
+                return self.model(**given, use_cache=False).logits
+            return self.model.base_model(**given, use_cache=False).last_hidden_state
+        finally:
+            for module in self.others:
+                del module.forward
 
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+def _hand_on(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return hidden_states
+
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
 def build_schedule(model: nn.Module, *, schedule: str, microbatches: int, pp_group: Any,
                    device: torch.device, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
-    """torch's schedule ``schedule`` over this rank's stage of the pruned ``model``;
+    """torch's schedule ``schedule`` over this rank's stages of the pruned ``model``;
     ``loss(logits, labels)``: one micro-batch's mean loss (divided here by the number of
     micro-batches, with the schedule's own gradient scaling off)."""
     from torch.distributed import pipelining
 
     info: StageInfo = model.__dict__[STAGE_ATTRIBUTE]
-    stage = pipelining.PipelineStage(StageModule(model), info.index, info.num_stages, device, group=pp_group)
+    stages = [pipelining.PipelineStage(StageModule(model, stage), stage, info.num_stages, device, group=pp_group)
+              for stage in info.stages]
 
     def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return loss(logits, labels) / microbatches
 
     schedule_class = getattr(pipelining, SCHEDULE_CLASSES[schedule])
-    return schedule_class(stage, n_microbatches=microbatches, loss_fn=micro_batch_loss, scale_grads=False)
+    return schedule_class(stages if len(stages) > 1 else stages[0], n_microbatches=microbatches,
+                          loss_fn=micro_batch_loss, scale_grads=False)
 
 
 def tied_embeddings(model: nn.Module) -> bool:

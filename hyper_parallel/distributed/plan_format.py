@@ -126,11 +126,12 @@ def _pipeline_stages(document: Mapping, layout: Layout, where: str) -> tuple[tup
     stages = record.get("stages") if isinstance(record, Mapping) else None
     pairs = [tuple(pair) for pair in stages] if isinstance(stages, list) and all(
         isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair) for pair in stages) else None
-    if pairs is None or len(pairs) != layout.pp or pairs[0][0] != 0 or any(
+    stages_wanted = layout.pipeline.stages(layout.pp)
+    if pairs is None or len(pairs) != stages_wanted or pairs[0][0] != 0 or any(
             a >= b for a, b in pairs) or any(pairs[i][1] != pairs[i + 1][0] for i in range(len(pairs) - 1)):
-        raise PlanFormatError(f"{where}.pipeline: expected {{'stages': [[start, end], ...]}} with {layout.pp} "
-                              f"contiguous non-empty layer ranges from 0 (the layout's pp is {layout.pp}), "
-                              f"got {record!r}")
+        raise PlanFormatError(f"{where}.pipeline: expected {{'stages': [[start, end], ...]}} with {stages_wanted} "
+                              f"contiguous non-empty layer ranges from 0 (the layout's pp {layout.pp} x virtual "
+                              f"stages {layout.pipeline.virtual_stages}), got {record!r}")
     return tuple(pairs)
 
 

@@ -51,7 +51,8 @@ def test_split_points_are_the_recipes_and_bad_ones_are_refused_naming_the_key():
     with pytest.raises(PipelineError, match="accelerator.pp_size: 3 stages need at least 3 decoder layers, the model "
                                             "has 2"):
         stage_split(PipelineSettings(), 3, [1, 1])
-    with pytest.raises(PipelineError, match=r"accelerator.pipeline.schedule: expected one of 1f1b, gpipe, got 'zb'"):
+    with pytest.raises(PipelineError, match=r"accelerator.pipeline.schedule: expected one of 1f1b, gpipe, "
+                                            r"interleaved_1f1b, got 'zb'"):
         PipelineSettings(schedule="zb")
 
 
@@ -99,8 +100,8 @@ def test_the_stages_run_in_turn_give_the_whole_models_logits_and_gradients(famil
     parts = []
     for index in range(stages):
         part = copy.deepcopy(whole)
-        prune_to_stage(part, boundaries, index)
-        parts.append(StageModule(part))
+        prune_to_stage(part, boundaries, (index,))
+        parts.append(StageModule(part, index))
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     want = whole(input_ids=ids, labels=ids)
     hidden = ids
@@ -120,8 +121,8 @@ def test_the_stages_run_in_turn_give_the_whole_models_logits_and_gradients(famil
 
 def test_a_stage_keeps_its_layers_names_and_records_what_it_took_out():
     model = _tiny("qwen3")
-    info = prune_to_stage(model, ((0, 1), (1, 3), (3, 4)), 1)
-    assert (info.index, info.num_stages, info.layers, info.is_first, info.is_last) == (1, 3, (1, 3), False, False)
+    info = prune_to_stage(model, ((0, 1), (1, 3), (3, 4)), (1,))
+    assert (info.stages, info.num_stages, info.layers, info.is_first, info.is_last) == ((1,), 3, (1, 2), False, False)
     assert isinstance(model.model.layers[0], PassThrough) and isinstance(model.model.layers[3], PassThrough)
     assert isinstance(model.model.embed_tokens, PrunedModule) and isinstance(model.lm_head, PrunedModule)
     assert isinstance(model.model.norm, PassThrough)
@@ -133,3 +134,34 @@ def test_a_stage_keeps_its_layers_names_and_records_what_it_took_out():
     assert not names_only_pruned("model.layers.1.mlp", taken) and not names_only_pruned("model.nothing", taken)
     with pytest.raises(Exception, match="the input embeddings runs on another pipeline stage"):
         model.model.embed_tokens(torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_virtual_stages_loop_over_the_ranks_and_each_stage_runs_only_its_layers():
+    """Interleaved: 2 ranks x 2 virtual stages of 1 layer; rank r holds stages r and r + 2.
+    The stages run in order, each through its rank's model, give the whole model's logits
+    and gradients (a rank's other stage's layers and, before the last stage, the final
+    norm hand the hidden states on)."""
+    settings = PipelineSettings("interleaved_1f1b", virtual_stages=2)
+    whole = _tiny("qwen3").train()
+    boundaries = stage_split(settings, 2, decoder_layer_weights(whole))
+    assert boundaries == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert settings.stages_of_rank(0, 2) == (0, 2) and settings.stages_of_rank(1, 2) == (1, 3)
+    ranks = []
+    for rank in range(2):
+        part = copy.deepcopy(whole)
+        info = prune_to_stage(part, boundaries, settings.stages_of_rank(rank, 2))
+        assert info.layers == (rank, rank + 2) and info.is_first == (rank == 0) and info.is_last == (rank == 1)
+        ranks.append(part)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = whole(input_ids=ids, labels=ids)
+    hidden = ids
+    for stage in range(4):
+        hidden = StageModule(ranks[stage % 2], stage)(hidden)
+    assert torch.allclose(hidden, want.logits, rtol=1e-5, atol=1e-6)
+    ranks[1].loss_function(logits=hidden, labels=ids, vocab_size=96).backward()
+    want.loss.backward()
+    held = {name: p for part in ranks for name, p in part.named_parameters()}
+    assert set(held) == {name for name, _ in whole.named_parameters()}
+    for name, param in whole.named_parameters():
+        assert torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6), name
+    assert all("forward" not in layer.__dict__ for part in ranks for layer in part.model.layers)  # put back

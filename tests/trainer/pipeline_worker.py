@@ -42,7 +42,7 @@ def main() -> None:
     record = {"stage": None, "losses": [], "grads": []}
     info = trainer.model.__dict__.get(STAGE_ATTRIBUTE)
     if info is not None:
-        record["stage"] = (info.index, *info.layers)
+        record["stage"] = (info.stages, info.layers)
     trainer.model.train()
     for step in range(args.steps):
         batch = global_batch(step, training, config.dataset, vocab)

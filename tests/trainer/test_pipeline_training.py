@@ -32,6 +32,10 @@ LAYOUTS = {
     "pp2_tp2_lp": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2, "loss_parallel": True},
     # one embedding matrix for input and head: a copy on each end stage, gradients summed
     "pp2_tp2_tied": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2, "tied": True},
+    # two virtual stages per rank (4 layers: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3)
+    "pp2_interleaved": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1, "layers": 4,
+                        "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
+                        "stages": [((0, 2), (0, 2)), ((1, 3), (1, 3))]},
 }
 
 
@@ -39,7 +43,8 @@ def _recipe(project, layout: str):
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
     accelerator = dict(LAYOUTS[layout])
-    tied = accelerator.pop("tied", False)
+    tied, layers = accelerator.pop("tied", False), accelerator.pop("layers", None)
+    accelerator.pop("stages", None)
     data["accelerator"].update(accelerator)
     data["model"]["init"] = "pretrained"
     data["training"].update(steps=STEPS, global_batch_size=4, micro_batch_size=1, seq_len=12)
@@ -47,6 +52,7 @@ def _recipe(project, layout: str):
     model_dir = recipe.parent / data["model"]["pretrained_model_name_or_path"]
     config = transformers.AutoConfig.from_pretrained(model_dir)
     config.tie_word_embeddings = tied
+    config.num_hidden_layers = layers or config.num_hidden_layers
     torch.manual_seed(2024)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.save_pretrained(model_dir)  # config.json too; a tied head is stored once, as transformers does
@@ -64,19 +70,20 @@ def test_pipeline_training_matches_one_process_in_loss_and_every_gradient(projec
     assert_ran(proc)
     # the bundle's plan records the split the stages ran (and the review diff shows it)
     modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
-    assert '"pipeline": {"stages": [[0, 1], [1, 2]]},' in modeling
+    one_layer_stages = ", ".join(f"[{i}, {i + 1}]" for i in range(LAYOUTS[layout].get("layers", 2)))
+    assert f'"pipeline": {{"stages": [{one_layer_stages}]}},' in modeling
     ranks = [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
     reference = reference_training(recipe, gradients=True)  # one process, the whole HF model
     want_losses, want_grads = [r["loss"] for r in reference], [r["grads"] for r in reference]
     # the stages split the layers and hold each parameter once between them
-    stages = sorted({rank["stage"] for rank in ranks})
-    assert stages == [(0, 0, 1), (1, 1, 2)], stages
+    stages = sorted({(tuple(rank["stage"][0]), tuple(rank["stage"][1])) for rank in ranks})
+    assert stages == LAYOUTS[layout].get("stages", [((0,), (0,)), ((1,), (1,))]), stages
     # a tied head is the embedding matrix: the last stage's copy must match its gradient
     alias = {"lm_head.weight": "model.embed_tokens.weight"} if LAYOUTS[layout].get("tied") else {}
     held = {}
     for rank in ranks:
         for name in rank["grads"][0]:
-            held.setdefault(alias.get(name, name), set()).add(rank["stage"][0])
+            held.setdefault(alias.get(name, name), set()).add(tuple(rank["stage"][0]))
     assert set(held) == set(want_grads[0]), set(want_grads[0]) ^ set(held)
     assert all(len(on) == 1 or name in alias.values() for name, on in held.items()), held
     for rank in ranks:

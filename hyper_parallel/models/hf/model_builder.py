@@ -183,7 +183,8 @@ def prune_for_pipeline(model: nn.Module, config: TrainerConfig, mesh_context: An
             boundaries = stage_split(layout.pipeline, layout.pp, decoder_layer_weights(model))
         except PipelineError as exc:
             raise ModelBuildError(f"{config.where}: {exc}") from None
-    prune_to_stage(model, boundaries, mesh_context.device_mesh.get_local_rank("pp"))
+    prune_to_stage(model, boundaries, layout.pipeline.stages_of_rank(mesh_context.device_mesh.get_local_rank("pp"),
+                                                                     layout.pp))
 
 
 def tie_like_transformers(model: nn.Module) -> dict[str, str]:
