@@ -287,9 +287,6 @@ def _validate_schedule_and_eval(config: TrainerConfig, where: str) -> None:
     if config.dataset.kind == "bytes":
         raise RecipeError(f"{where}: training.eval: dataset.kind bytes (a smoke test on a file's bytes) has no "
                           f"held-out split; remove training.eval, or train on kind text, jsonl or parquet")
-    if config.accelerator.pp_size > 1:
-        raise RecipeError(f"{where}: training.eval: the held-out loss is not computed through pipeline stages yet "
-                          f"(accelerator.pp_size {config.accelerator.pp_size}); remove training.eval, or pp_size 1")
 
 
 def _validate_metrics(config: TrainerConfig, where: str) -> None:

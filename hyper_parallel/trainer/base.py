@@ -125,8 +125,16 @@ class BaseTrainer:
         def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
 
-        return build_schedule(model, schedule=self.config.accelerator.pipeline.schedule,
-                              microbatches=training.global_batch_size // (self.dims.dp * training.micro_batch_size),
+        from hyper_parallel.distributed.pipeline import STAGE_ATTRIBUTE
+
+        pipeline = self.config.accelerator.pipeline
+        microbatches = training.global_batch_size // (self.dims.dp * training.micro_batch_size)
+        if self.rank == 0:
+            info = model.__dict__[STAGE_ATTRIBUTE]
+            _LOG.info(f"pipeline: {info.num_stages} stages over pp {self.dims.pp} ({pipeline.schedule}, {microbatches} "
+                      f"micro-batches per step); decoder layers by stage: "
+                      f"{' '.join(f'[{a}, {b})' for a, b in info.boundaries)}")
+        return build_schedule(model, schedule=pipeline.schedule, microbatches=microbatches,
                               pp_group=self.mesh_context.device_mesh.get_group("pp"),
                               device=target_device(self.config), loss=loss)
 
@@ -211,25 +219,29 @@ class BaseTrainer:
         return total
 
     def _pipeline_forward_backward(self, rows: torch.Tensor) -> torch.Tensor:
-        """One step through the pipeline schedule: the first stage feeds this dp rank's
-        rows, the last compares its logits with them (the loss shifts the labels); every
-        stage gets the step's mean loss from the last."""
+        """One step through the pipeline schedule (forward and backward of every micro-batch
+        of this dp rank's rows); the step's mean loss on every stage."""
+        total = self._through_pipeline(rows, self.pipeline.step, return_outputs=False)
+        if self.tied is not None:
+            self.tied.sum()
+        return total
+
+    def _through_pipeline(self, rows: torch.Tensor, run, **options) -> torch.Tensor:
+        """``run`` (the schedule's ``step`` or ``eval``) over ``rows``: the first stage feeds
+        them, the last compares its logits with them (the loss shifts the labels); every
+        stage gets the mean of the micro-batch losses from the last."""
         from hyper_parallel.distributed.pipeline import STAGE_ATTRIBUTE
 
         info = self.model.__dict__[STAGE_ATTRIBUTE]
         losses: list[torch.Tensor] = []
-        inputs = (rows,) if info.is_first else ()
         with compute_context(self.config, fsdp_casts=self.dims.dp > 1):
-            self.pipeline.step(*inputs, target=rows if info.is_last else None,
-                               losses=losses if info.is_last else None, return_outputs=False)
-        if self.tied is not None:
-            self.tied.sum()
+            run(*((rows,) if info.is_first else ()), target=rows if info.is_last else None,
+                losses=losses if info.is_last else None, **options)
         total = torch.zeros((), dtype=torch.float32)
         if info.is_last:
             total = sum((loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
                         for loss in losses).float().cpu()
-        group = self.mesh_context.device_mesh.get_group("pp")
-        dist.broadcast(total, group=group, group_src=self.dims.pp - 1)
+        dist.broadcast(total, group=self.mesh_context.device_mesh.get_group("pp"), group_src=self.dims.pp - 1)
         return total
 
     def _optimizer_step(self, update: int) -> float:
@@ -241,8 +253,21 @@ class BaseTrainer:
         return float(lr)
 
     def _eval_loss(self, batches: list[torch.Tensor], dp_rank: int, dp_size: int) -> float:
-        """training.eval's loss on its held-out batches (trainer/evaluation.py)."""
+        """training.eval's loss on its held-out batches (trainer/evaluation.py; through the
+        schedule's forward-only ``eval`` under pipeline parallel)."""
         group = self.mesh_context.device_mesh.get_group("dp") if dp_size > 1 else None
+        if self.pipeline is not None:
+            self.model.eval()
+            total = torch.zeros(())
+            for batch in batches:
+                rows = torch.cat(list(micro_batches(batch, dp_rank, dp_size, self.config.training.micro_batch_size,
+                                                    "training.eval")))
+                total += self._through_pipeline(rows, self.pipeline.eval)
+            self.model.train()
+            if dp_size > 1:
+                dist.all_reduce(total, group=group)
+                total /= dp_size
+            return float(total.item()) / len(batches)
         return eval_loss(self.model, batches, dp_rank=dp_rank, dp_size=dp_size,
                          micro_batch_size=self.config.training.micro_batch_size, dp_group=group,
                          compute=lambda: compute_context(self.config, fsdp_casts=self.dims.dp > 1))

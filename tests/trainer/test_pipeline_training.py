@@ -105,7 +105,7 @@ def _hf_recipe(project, name: str, accelerator: dict, steps: int, checkpoints: s
     data["accelerator"].update({"dp_size": 1, "tp_size": 1, "pp_size": 1, **accelerator})
     data["model"]["init"] = "pretrained"
     data["training"].update(steps=steps, global_batch_size=4, micro_batch_size=1, seq_len=12, checkpoint={
-        "dir": checkpoints, "every_steps": 2, "keep_last": 0, "async": False})
+        "dir": checkpoints, "every_steps": 2, "keep_last": 0, "async": False}, eval={"every_steps": 2, "batches": 2})
     path = (project / TINY_RECIPE).with_name(f"{name}.yaml")
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -120,15 +120,17 @@ def _train(project, recipe, metrics, nproc: int):
 
 def test_a_checkpoint_resumes_across_a_pp_change_and_exports(project, tmp_path):
     """pp2 saves, one process resumes it; one process saves, pp2 resumes it: each resumed
-    run's steps equal the uninterrupted run's. A pp2 checkpoint exports to an HF folder
+    run's steps equal the uninterrupted run's; pp2 and one process evaluate alike. A pp2 checkpoint exports to an HF folder
     whose logits are those of the one-process run's export of the same step."""
     _recipe(project, "pp2_1f1b")  # the saved weights (the recipe itself is not used below)
     pp2 = _hf_recipe(project, "pp2", {"nproc_per_node": 2, "pp_size": 2}, 4, "pp2_checkpoints")
     one = _hf_recipe(project, "one", {"nproc_per_node": 1}, 4, "one_checkpoints")
     _, whole_pp2 = _train(project, pp2, tmp_path / "pp2.json", 2)
     _, whole_one = _train(project, one, tmp_path / "one.json", 1)
-    for a, b in zip(whole_pp2, whole_one):  # the two layouts train alike
+    for a, b in zip(whole_pp2, whole_one):  # the two layouts train alike, and evaluate alike (pp: the schedule's eval)
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (whole_pp2, whole_one)
+        assert (a["eval_loss"] is None) == (b["eval_loss"] is None) == (a["step"] % 2 == 1), (whole_pp2, whole_one)
+        assert a["eval_loss"] is None or math.isclose(a["eval_loss"], b["eval_loss"], rel_tol=1e-5), (a, b)
     folder = pp2.parent
     for source, resumer, nproc in (("pp2_checkpoints", one, 1), ("one_checkpoints", pp2, 2)):
         target = folder / f"from_{source}"

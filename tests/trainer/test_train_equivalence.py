@@ -118,6 +118,9 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
                     nproc=world, env={MAX_PROCS_ENV: "1"}, preload=(QWEN3_MOE_MODELING,))
     assert_ran(proc)
     assert f"step {STEPS}/{STEPS}" in proc.stdout
+    if accelerator.get("pp_size", 1) > 1:  # the split the stages run, said at start
+        assert ("pipeline: 2 stages over pp 2 (1f1b, 2 micro-batches per step); decoder layers by stage: [0, 1) [1, 2)"
+                in proc.stdout), proc.stdout[-2000:]
     if "plan_overrides" in data:  # the generated model applies the replacements
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
         assert "replace_qwen3_moe_grouped_experts" in modeling and "replace_qwen3_moe_flash_attention" in modeling
