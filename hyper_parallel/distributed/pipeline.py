@@ -1,7 +1,8 @@
-"""Pipeline parallel on ``torch.distributed.pipelining``: one stage of a causal LM per pp rank.
+"""Pipeline parallel on ``torch.distributed.pipelining``: the stages of a causal LM a pp rank runs
+(one, or ``virtual_stages`` of them for an interleaved schedule).
 
-A stage is the whole model object with what other stages run taken out
-(``prune_to_stage``): decoder layers outside the stage's range become ``PassThrough``s,
+A rank's model is the whole model object with what other ranks' stages run taken out
+(``prune_to_stage``): decoder layers outside its stages' ranges become ``PassThrough``s,
 which hand their input on, so the remaining layers keep their indices (HF models look
 up per-layer settings, such as sliding or full attention, by the index in the layer
 loop); stages after the first drop the input embeddings, stages before the last drop
@@ -14,8 +15,8 @@ states the stage before sent; the last returns logits, which the schedule hands 
 loss. The model's own forward does the work (rotary embeddings, the causal mask), so
 every family whose forward accepts ``inputs_embeds`` runs unchanged.
 
-``build_schedule`` wraps the stage in torch's ``PipelineStage`` and one of its
-schedules. The loss of each micro-batch is the model's loss (``loss_function``, the
+``build_schedule`` wraps each of the rank's stages in torch's ``PipelineStage`` and hands
+them to one of its schedules. The loss of each micro-batch is the model's loss (``loss_function``, the
 sharded one under loss parallel) divided by the number of micro-batches, and the
 schedule does not rescale gradients, so a step's gradients are those of the mean of
 the micro-batch losses, as gradient accumulation without pipelining gives.
