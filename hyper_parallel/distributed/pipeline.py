@@ -22,6 +22,7 @@ schedule does not rescale gradients, so a step's gradients are those of the mean
 the micro-batch losses, as gradient accumulation without pipelining gives.
 """
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,15 @@ class PrunedModule(nn.Module):
 
 class PassThrough(PrunedModule):
     """A decoder layer (or the final norm) another stage runs: the hidden states pass
-    through unchanged."""
+    through unchanged. It keeps the plain settings of the module it stands for (such as a
+    layer's ``attention_type``), which the base model's forward reads to pick each layer's
+    mask."""
+
+    def __init__(self, what: str, like: nn.Module | None = None):
+        super().__init__(what)
+        for key, value in vars(like or nn.Module()).items():
+            if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool, type(None))):
+                setattr(self, key, value)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return hidden_states
@@ -121,7 +130,7 @@ def prune_to_stage(model: nn.Module, boundaries: tuple[tuple[int, int], ...], st
 
     for position in range(len(layers)):
         if position not in held:
-            take_out(f"{list_name}.{position}", PassThrough(f"decoder layer {position}"))
+            take_out(f"{list_name}.{position}", PassThrough(f"decoder layer {position}", like=layers[position]))
     # Tied embeddings stay on both end stages: one matrix, so keeping its other module
     # costs nothing, the names stay the whole model's (loading, checkpoints), and the
     # trainer sums the two stages' gradients (TiedEmbeddingGradients).
@@ -133,7 +142,8 @@ def prune_to_stage(model: nn.Module, boundaries: tuple[tuple[int, int], ...], st
         if not (tied and info_first):
             take_out(name_of(output_embeddings(model), "output head", "get_output_embeddings", "last"),
                      PrunedModule("the output head"))
-        take_out(_final_norm_name(model), PassThrough("the final norm"))
+        norm = _final_norm_name(model)
+        take_out(norm, PassThrough("the final norm", like=model.get_submodule(norm)))
     info = StageInfo(tuple(stages), len(boundaries), tuple(boundaries), tuple(pruned))
     model.__dict__[STAGE_ATTRIBUTE] = info
     return info
@@ -147,6 +157,126 @@ def _final_norm_name(model: nn.Module) -> str:
             return f"{prefix}.{name}" if prefix else name
     raise PipelineSplitError(f"{type(base).__name__}: no final norm among {', '.join(FINAL_NORM_NAMES)} to leave to "
                              f"the last pipeline stage; this family cannot be split into pipeline stages yet")
+
+
+HANDOFF_TOKENS = 8  # the sequence length of check_stage_handoff's forward
+
+
+def check_stage_handoff(model: nn.Module) -> None:
+    """Refuse (``PipelineSplitError``, naming the family and what it does) a model whose
+    stages, run in turn, would not compute what the whole model does.
+
+    A stage after the first gives the hidden states it received to its base model as
+    ``inputs_embeds``, and a stage before the last hands on its last layer's output. That is
+    the whole model's computation only where the base model's forward passes
+    ``inputs_embeds`` to decoder layer 0 untouched (no position embeddings, scaling,
+    dropout or norm of the embeddings there: GPT-2 adds ``wpe``), each layer's output to
+    the next layer, the last layer's to the final norm, and the final norm's out as
+    ``last_hidden_state``; each layer once, in order. The check runs that forward with every
+    layer and the final norm handing on (no layer math, so it runs on the meta device too)
+    and follows the one tensor it gave in."""
+    found = decoder_layers(model)
+    if found is None:
+        raise PipelineSplitError(f"{type(model).__name__}: no decoder layer list to split into pipeline stages")
+    layers = list(found[1])
+    norm = model.get_submodule(_final_norm_name(model))
+    base = getattr(model, "base_model", model)
+    embedding = input_embeddings(model)
+    weight = getattr(embedding, "weight", None)
+    if weight is None or weight.dim() != 2:
+        raise PipelineSplitError(f"{type(model).__name__}: no input embedding matrix to size the hidden states a "
+                                 f"pipeline stage hands on")
+    # On the meta device position ids built from the input would meet data-dependent
+    # checks (the packed-sequence test calls .item()); the buffers they meet are real.
+    device = weight.device if weight.device.type != "meta" else torch.device("cpu")
+    # Values no embedding row holds: a family that reads token ids back from its input
+    # (Gemma 4's per-layer embeddings) fails here as it would on a later stage.
+    width = weight.shape[1]
+    given = torch.linspace(-1, 1, HANDOFF_TOKENS * width, dtype=weight.dtype, device=device).reshape(1, -1, width)
+    events: list[tuple[str, Any]] = []  # (what ran, the hidden states it received)
+
+    running: list[str] = []  # the base model's other children entered and not yet left
+
+    def note(out: Any, name: str) -> None:
+        running.remove(name)
+        if isinstance(out, torch.Tensor) and out.shape[-1:] == given.shape[-1:]:  # a hidden-state-wide result
+            events.append((name, None))
+
+    hooks, stand_ins = [], {}
+    for name, child in base.named_children():
+        if child is not found[1] and child is not norm and child is not embedding:
+            hooks.append(child.register_forward_pre_hook(lambda module, args, name=name: running.append(name)))
+            hooks.append(child.register_forward_hook(lambda module, args, out, name=name: note(out, name)))
+            # meta tensors of what runs between the layers (GPT-2's wpe): CPU stand-ins for
+            # this one call (their values do not matter, only what the forward does with them)
+            stand_ins.update({f"{name}.{key}": torch.empty(tensor.shape, dtype=tensor.dtype)
+                              for key, tensor in itertools.chain(child.named_parameters(), child.named_buffers())
+                              if tensor.device.type == "meta"})
+
+    def recorder(what: str) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            events.append((what, hidden))
+            return hidden
+        return forward
+
+    parts = [(f"decoder layer {i}", layer) for i, layer in enumerate(layers)] + [("the final norm", norm)]
+    for what, module in parts:
+        module.forward = recorder(what)  # an instance attribute: module.__call__ finds it first
+    modes = {module: module.training for module in model.modules()}
+    model.train()  # as the stages run: embedding dropout is a change too
+    try:
+        with torch.no_grad():
+            output = torch.func.functional_call(base, stand_ins, (), {"inputs_embeds": given, "use_cache": False},
+                                                strict=False)
+    except Exception as exc:
+        where = f" in {running[-1]}" if running else ""
+        raise PipelineSplitError(_handoff_refusal(model, f"its forward fails{where} with the decoder layers handing "
+                                                         f"the hidden states on ({type(exc).__name__}: "
+                                                         f"{' '.join(str(exc).split())[:200]})")) from None
+    finally:
+        for _, module in parts:
+            del module.forward
+        for hook in hooks:
+            hook.remove()
+        for module, training in modes.items():
+            module.training = training
+    _check_handoff_events(model, events, given, output, [what for what, _ in parts])
+
+
+def _check_handoff_events(model: nn.Module, events: list[tuple[str, Any]], given: torch.Tensor, output: Any,
+                          expected: list[str]) -> None:
+    """``check_stage_handoff``'s verdict on what the base model's forward did with ``given``."""
+    ran = [what for what, hidden in events if what in expected]
+    if ran != expected:
+        raise PipelineSplitError(_handoff_refusal(model, f"its forward runs {', '.join(ran) or 'no decoder layer'} "
+                                                         f"where a split needs each decoder layer once, in order, "
+                                                         f"then the final norm"))
+    between: list[str] = []
+    before = "the input embeddings"
+    for what, hidden in events:
+        if what not in expected:
+            between.append(what)
+            continue
+        if hidden is not given:
+            ran_between = f" (it runs {', '.join(between)} there)" if between else ""
+            raise PipelineSplitError(_handoff_refusal(
+                model, f"its forward changes the hidden states between {before} and {what}{ran_between}, so "
+                       f"the stages would not compute what the whole model does"))
+        between, before = [], what
+    last = getattr(output, "last_hidden_state", None)
+    if last is None and isinstance(output, tuple) and output:
+        last = output[0]
+    same = last is given or (isinstance(last, torch.Tensor) and last._base is given and last.shape == given.shape)
+    if not same:
+        raise PipelineSplitError(_handoff_refusal(model, "its forward changes the final norm's output before "
+                                                         "returning it as last_hidden_state"))
+
+
+def _handoff_refusal(model: nn.Module, what: str) -> str:
+    base = getattr(model, "base_model", model)
+    return (f"{type(base).__name__} cannot be split into pipeline stages: {what}; set accelerator.pp_size: 1 "
+            f"for this family (model_type {getattr(getattr(model, 'config', None), 'model_type', '?')})")
 
 
 def pruned_names(model: nn.Module) -> tuple[str, ...]:

@@ -19,7 +19,9 @@ from hyper_parallel.distributed.pipeline import (
     SCHEDULE_CLASSES,
     PrunedModule,
     PassThrough,
+    PipelineSplitError,
     StageModule,
+    check_stage_handoff,
     decoder_layer_weights,
     names_only_pruned,
     prune_to_stage,
@@ -165,3 +167,77 @@ def test_virtual_stages_loop_over_the_ranks_and_each_stage_runs_only_its_layers(
     for name, param in whole.named_parameters():
         assert torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6), name
     assert all("forward" not in layer.__dict__ for part in ranks for layer in part.model.layers)  # put back
+
+
+def _meta_copy(model):
+    """The same family on the meta device, as the sharded load and derive build it."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return transformers.AutoModelForCausalLM.from_config(model.config, attn_implementation="eager",
+                                                             dtype=torch.float32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_whose_stages_compose_pass_the_handoff_check_on_weights_and_on_meta(family):
+    model = _tiny(family).eval()
+    check_stage_handoff(model)  # in train mode, as the stages run
+    check_stage_handoff(_meta_copy(model))
+    assert all("forward" not in m.__dict__ for m in model.modules())  # the recorders are gone again
+    assert not any(m.training for m in model.modules())  # and each module's mode is as it was
+
+
+TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+REFUSED = {
+    # position embeddings added to the input embeddings inside the base model's forward
+    "gpt2": (lambda: transformers.GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=96, n_positions=64,
+                                             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+             r"GPT2Model cannot be split into pipeline stages: its forward changes the hidden states between the "
+             r"input embeddings and decoder layer 0 \(it runs wpe, drop there\)"),
+    # the input embeddings scaled there (Granite's embedding_multiplier)
+    "granite": (lambda: transformers.GraniteConfig(**TINY, intermediate_size=48, num_key_value_heads=2,
+                                                   embedding_multiplier=12.0),
+                "GraniteModel cannot be split .* between the input embeddings and decoder layer 0"),
+    # embedding dropout: a later stage would drop out its input again
+    "phi_dropout": (lambda: transformers.PhiConfig(**TINY, intermediate_size=48, embd_pdrop=0.1),
+                    r"PhiModel .* between the input embeddings and decoder layer 0 \(it runs embed_dropout there\)"),
+    # layers that return a tuple, of which the base model's loop takes item 0
+    "falcon": (lambda: transformers.FalconConfig(**TINY),
+               "FalconModel cannot be split into pipeline stages: its forward "),
+}
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_a_family_whose_forward_changes_the_hidden_states_is_refused_naming_where(family):
+    config, message = REFUSED[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="eager", dtype=torch.float32)
+    for copy_ in (model, _meta_copy(model)):
+        with pytest.raises(PipelineSplitError, match=message + ".*set accelerator.pp_size: 1"):
+            check_stage_handoff(copy_)
+
+
+def test_the_handoff_check_refuses_what_would_train_silently_wrong():
+    """The fault it is named after: GPT-2's two stages run in turn give other logits than
+    the whole model (the second stage adds the position embeddings again)."""
+    whole = transformers.AutoModelForCausalLM.from_config(REFUSED["gpt2"][0](), dtype=torch.float32).eval()
+    parts = []
+    for index in range(2):
+        part = copy.deepcopy(whole)
+        prune_to_stage(part, ((0, 2), (2, 4)), (index,))
+        parts.append(StageModule(part, index))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert not torch.allclose(parts[1](parts[0](ids)), whole(input_ids=ids).logits, atol=1e-3)
+    with pytest.raises(PipelineSplitError):
+        check_stage_handoff(whole)
+
+
+def test_a_pass_through_keeps_the_plain_settings_the_base_model_reads_of_its_layers():
+    model = _tiny("qwen3_sliding")
+    layer = model.model.layers[3]
+    layer.attention_type = "sliding_attention"  # as families that pick each layer's mask by it have
+    prune_to_stage(model, ((0, 2), (2, 4)), (0,))
+    stand_in = model.model.layers[3]
+    assert isinstance(stand_in, PassThrough) and stand_in.attention_type == "sliding_attention"
+    assert not list(stand_in.parameters()) and not hasattr(stand_in, "mlp")  # settings, not submodules

@@ -198,14 +198,16 @@ def trace_dataflow(spec: CodegenSpec):
 
 def pipeline_stages(spec: CodegenSpec, model) -> tuple[tuple[int, int], ...] | None:
     """Where pp > 1, the decoder layers each pipeline stage runs (config/pipeline.py's
-    split, which the trainer runs as the plan records it)."""
+    split, which the trainer runs as the plan records it); a family whose stages would
+    not compute what the whole model does is refused here, at generate time."""
     from hyper_parallel.config.pipeline import PipelineError, stage_split
-    from hyper_parallel.distributed.pipeline import PipelineSplitError, decoder_layer_weights
+    from hyper_parallel.distributed.pipeline import PipelineSplitError, check_stage_handoff, decoder_layer_weights
 
     layout = spec.layout
     if layout.pp == 1:
         return None
     try:
+        check_stage_handoff(model)
         return stage_split(layout.pipeline, layout.pp, decoder_layer_weights(model))
     except (PipelineError, PipelineSplitError) as exc:
         raise DeriveError(f"{spec.recipe_path}: {exc}") from None

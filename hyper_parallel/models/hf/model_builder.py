@@ -170,13 +170,20 @@ def prune_for_pipeline(model: nn.Module, config: TrainerConfig, mesh_context: An
     (distributed/pipeline.py), keeping this rank's stage (its pp coordinate), split as the
     ``bundle``'s frozen plan records or, without a bundle, as ``accelerator.pipeline``
     says. Tied input and output embeddings end up as one copy on the first and one on the
-    last stage; the trainer sums their gradients (``TiedEmbeddingGradients``)."""
+    last stage; the trainer sums their gradients (``TiedEmbeddingGradients``). A family
+    whose stages would not compute the whole model is refused (``check_stage_handoff``:
+    the hf backend has no generate step to refuse it earlier)."""
     from hyper_parallel.config.pipeline import PipelineError, stage_split
-    from hyper_parallel.distributed.pipeline import decoder_layer_weights, prune_to_stage
+    from hyper_parallel.distributed.pipeline import PipelineSplitError, check_stage_handoff, decoder_layer_weights
+    from hyper_parallel.distributed.pipeline import prune_to_stage
 
     layout = config.accelerator.layout
     if layout.pp == 1:
         return
+    try:
+        check_stage_handoff(model)
+    except PipelineSplitError as exc:
+        raise ModelBuildError(f"{config.where}: {exc}") from None
     boundaries = recorded_pipeline_stages(bundle) if bundle is not None else None
     if boundaries is None:
         try:
