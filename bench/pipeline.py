@@ -114,9 +114,7 @@ def run_rank(args) -> None:
     for position in info.layers:
         work.install(model.model.layers[position])
     schedule = build_schedule(model, schedule=args.schedule, microbatches=args.microbatches,
-                              pp_group=dist.group.WORLD, device=torch.device("cpu"),
-                              loss=lambda logits, labels: model.loss_function(logits=logits, labels=labels,
-                                                                              vocab_size=VOCAB))
+                              pp_group=dist.group.WORLD, device=torch.device("cpu"))
     rows = torch.randint(0, VOCAB, (args.microbatches * ROWS_PER_MICROBATCH, SEQ),
                          generator=torch.Generator().manual_seed(1))
     saved = SavedBytes(model.parameters())

@@ -67,6 +67,24 @@ def verify_report(project: Path, recipe: Path) -> dict:
     return json.loads((Path(project) / "generated" / rid / "verify.json").read_text())["report"]
 
 
+def verify_in_both_modes(project: Path, recipe: Path) -> dict[str, tuple[str, dict, dict]]:
+    """Generate ``recipe`` with verify's ranks as torchrun processes, then as threads of one
+    process (the process cap forced to 1); per mode the output, verify's figures and what
+    codegen_meta.json says of verify. Each run must pass and say the mode it ran in."""
+    from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
+
+    verified = {}
+    for mode, cap in (("torchrun", "64"), ("threads", "1")):
+        proc = cli(project, "--verbose", "generate", "--force", "--skip-preflight", "--config", str(recipe),
+                   env={MAX_PROCS_ENV: cap})
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out
+        assert f"({mode})" in out, out
+        meta = json.loads((Path(recipe).parent / "generated" / "codegen_meta.json").read_text())
+        verified[mode] = out, verify_report(project, recipe), meta["verified"]
+    return verified
+
+
 def bundle_bytes(bundle: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(bundle.iterdir()) if p.is_file()}
 

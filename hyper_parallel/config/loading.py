@@ -181,19 +181,6 @@ def _refuse_keys_without_effect(config: TrainerConfig, where: str) -> None:
     if cp_keys and acc.cp_size == 1:
         raise RecipeError(f"{where}: {cp_keys[0]}: has no effect with cp_size 1 (no sequence is split); "
                           f"set accelerator.cp_size > 1, or remove accelerator.context_parallel")
-    if acc.pp_size > 1 and acc.sequence_parallel:
-        raise RecipeError(f"{where}: accelerator.sequence_parallel: not composed with pipeline parallel yet "
-                          f"(pp_size {acc.pp_size}): a stage would hand on hidden states split along the sequence, "
-                          f"and the next stage would place its rotary positions and mask on its share; set "
-                          f"sequence_parallel: false, or pp_size 1")
-    if acc.pp_size > 1 and acc.cp_size > 1:
-        raise RecipeError(f"{where}: accelerator.cp_size: context parallel is not composed with pipeline parallel yet "
-                          f"(pp_size {acc.pp_size}): the sequence is split where the whole model starts, which later "
-                          f"stages do not run; set cp_size 1, or pp_size 1")
-    if acc.pp_size > 1 and acc.pipeline.virtual_stages > 1 and acc.dp_size > 1:
-        raise RecipeError(f"{where}: accelerator.pipeline.virtual_stages: several stages per rank are not composed "
-                          f"with FSDP2 over dp yet (dp_size {acc.dp_size}); set dp_size 1, or schedule 1f1b with "
-                          f"virtual_stages 1")
     pp_keys = sorted(k for k in written if k.startswith("accelerator.pipeline."))
     if pp_keys and acc.pp_size == 1:
         raise RecipeError(f"{where}: {pp_keys[0]}: has no effect with pp_size 1 (the model is not split into "

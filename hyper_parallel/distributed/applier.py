@@ -56,7 +56,12 @@ from hyper_parallel.distributed.boundary_collectives import (
     output_shares,
 )
 from hyper_parallel.distributed.context_parallel import SequenceOrder, install_context_parallel
-from hyper_parallel.distributed.pipeline import PrunedModule, names_only_pruned, pruned_names
+from hyper_parallel.distributed.pipeline import (
+    PrunedModule,
+    names_only_pruned,
+    pruned_names,
+    whole_sequence_between_stages,
+)
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
@@ -187,7 +192,8 @@ def _resolve_targets(model: nn.Module, modules: Mapping) -> dict[str, ShardingCo
         configs[key] = _as_config(config, key)
         if not matches.hits[key] and not names_only_pruned(key, pruned):
             raise PlanApplyError(f"plan key {key!r} matches no module of {type(model).__name__}")
-    return {name: configs[key] for name, key in matches.applied.items()
+    resolved = whole_sequence_between_stages(model, {name: configs[key] for name, key in matches.applied.items()})
+    return {name: config for name, config in resolved.items()
             if not isinstance(model.get_submodule(name), PrunedModule)}
 
 

@@ -45,10 +45,17 @@ def fully_shard_over_dp(model: nn.Module, dp_mesh, expert_dp_mesh=None, mp_polic
             fully_shard(experts, mesh=expert_dp_mesh, **options).set_gradient_divide_factor(float(dp_size))
         fully_shard(layer, mesh=dp_mesh, **options)
     base, stage = getattr(model, "base_model", None), model.__dict__.get(STAGE_ATTRIBUTE)
-    if stage is not None and not stage.is_last and isinstance(base, nn.Module) and base is not model:
+    before_last = stage is not None and any(index < stage.num_stages - 1 for index in stage.stages)
+    if before_last and isinstance(base, nn.Module) and base is not model:
         # A pipeline stage before the last runs the base model, not the head model's
         # forward (distributed/pipeline.py): the base model is then the unit FSDP2
         # gathers and reduces from, so it is one of its own.
         fully_shard(base, mesh=dp_mesh, **options)
     fully_shard(model, mesh=dp_mesh, **options)
+    if stage is not None:
+        # FSDP2 makes the first unit to run forward the root; a stage before the last runs
+        # the base model first, and a rank that also runs the last stage (interleaved)
+        # then calls the whole model, which would find its units claimed. The model is the
+        # root from the start.
+        model._get_fsdp_state()._lazy_init()
     return model

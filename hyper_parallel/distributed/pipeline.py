@@ -22,6 +22,7 @@ schedule does not rescale gradients, so a step's gradients are those of the mean
 the micro-batch losses, as gradient accumulation without pipelining gives.
 """
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from torch import nn
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.name_match import name_matches
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.protocols.sharding import ShardingConfig
 
 # Set on a pruned model: its StageInfo.
 STAGE_ATTRIBUTE = "hyper_pipeline_stage"
@@ -290,6 +292,39 @@ def names_only_pruned(key: str, pruned: tuple[str, ...]) -> bool:
     return any(name_matches(name, key) for name in pruned)
 
 
+def whole_sequence_between_stages(model: nn.Module, targets: dict[str, ShardingConfig]) -> dict[str, ShardingConfig]:
+    """A pipeline stage's plan (``targets``: module name -> its entry, the applier's) where
+    the plan splits the residual stream over the sequence (sequence or context parallel:
+    the first decoder layer's entry takes its input whole and keeps the rank's piece):
+    a later stage's first layer splits its input the same way, and a stage before the
+    last gathers its last layer's output back to the whole sequence before handing it on.
+    So every stage's base model gets the whole sequence, and the positions and causal
+    mask it makes from it are the whole model's; the price is one gather per stage
+    boundary. Other models and plans come back as they are."""
+    info = model.__dict__.get(STAGE_ATTRIBUTE)
+    found = decoder_layers(model)
+    if info is None or found is None:
+        return targets
+    list_name = found[0]
+    split = targets.get(f"{list_name}.0")
+    if split is None or not split.in_src or not split.in_dst or split.in_src[0] == split.in_dst[0]:
+        return targets
+    whole, piece = split.in_src[0], split.in_dst[0]
+    out = dict(targets)
+    for stage in info.stages:
+        start, end = info.boundaries[stage]
+        if stage > 0:
+            name = f"{list_name}.{start}"
+            config = out.get(name) or ShardingConfig()
+            out[name] = dataclasses.replace(config, in_src=(whole, *(config.in_src or ())[1:]),
+                                            in_dst=(piece, *(config.in_dst or ())[1:]), local_map=True)
+        if stage < info.num_stages - 1:
+            name = f"{list_name}.{end - 1}"
+            config = out.get(name) or ShardingConfig(local_map=True)
+            out[name] = dataclasses.replace(config, out_src=(piece,), out_dst=(whole,), local_map=True)
+    return out
+
+
 class StageModule(nn.Module):
     """Pipeline stage ``stage`` of a causal LM: token ids or hidden states in, hidden
     states or (last stage) logits out. Holds the rank's pruned model as ``model``; where
@@ -329,13 +364,18 @@ SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleav
 
 
 def build_schedule(model: nn.Module, *, schedule: str, microbatches: int, pp_group: Any,
-                   device: torch.device, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
-    """torch's schedule ``schedule`` over this rank's stages of the pruned ``model``;
-    ``loss(logits, labels)``: one micro-batch's mean loss (divided here by the number of
-    micro-batches, with the schedule's own gradient scaling off)."""
+                   device: torch.device) -> Any:
+    """torch's schedule ``schedule`` over this rank's stages of the pruned ``model``. A
+    micro-batch's loss is the model's own (``loss_function``: the sharded one under loss
+    parallel) divided here by the number of micro-batches, with the schedule's own
+    gradient scaling off."""
     from torch.distributed import pipelining
 
     info: StageInfo = model.__dict__[STAGE_ATTRIBUTE]
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
+
     stages = [pipelining.PipelineStage(StageModule(model, stage), stage, info.num_stages, device, group=pp_group)
               for stage in info.stages]
 
@@ -345,6 +385,27 @@ def build_schedule(model: nn.Module, *, schedule: str, microbatches: int, pp_gro
     schedule_class = getattr(pipelining, SCHEDULE_CLASSES[schedule])
     return schedule_class(stages if len(stages) > 1 else stages[0], n_microbatches=microbatches,
                           loss_fn=micro_batch_loss, scale_grads=False)
+
+
+def through_pipeline(model: nn.Module, run: Callable[..., Any], rows: torch.Tensor, pp_group: Any,
+                     **options: Any) -> torch.Tensor:
+    """``run`` (a schedule's ``step`` or ``eval``) over this dp rank's ``rows``: the first
+    stage feeds them, the last compares its logits with them (the loss shifts the labels);
+    returns the sum of the micro-batch losses (each already divided by their number: the
+    step's mean loss) on every stage of ``pp_group``, broadcast from the last. The trainer
+    and verify run a pipeline step through this one function."""
+    import torch.distributed as dist
+
+    info: StageInfo = model.__dict__[STAGE_ATTRIBUTE]
+    losses: list[torch.Tensor] = []
+    run(*((rows,) if info.is_first else ()), target=rows if info.is_last else None,
+        losses=losses if info.is_last else None, **options)
+    total = torch.zeros((), dtype=torch.float32)
+    if info.is_last:
+        total = sum((loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+                    for loss in losses).float().cpu()
+    dist.broadcast(total, group=pp_group, group_src=dist.get_world_size(pp_group) - 1)
+    return total
 
 
 def tied_embeddings(model: nn.Module) -> bool:

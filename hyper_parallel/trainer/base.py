@@ -119,13 +119,10 @@ class BaseTrainer:
         micro-batch per ``training.micro_batch_size`` rows of the rank's share."""
         from hyper_parallel.distributed.pipeline import build_schedule
 
+        from hyper_parallel.distributed.pipeline import STAGE_ATTRIBUTE
+
         training = self.config.training
         model = self.model
-
-        def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
-
-        from hyper_parallel.distributed.pipeline import STAGE_ATTRIBUTE
 
         pipeline = self.config.accelerator.pipeline
         microbatches = training.global_batch_size // (self.dims.dp * training.micro_batch_size)
@@ -136,7 +133,7 @@ class BaseTrainer:
                       f"{' '.join(f'[{a}, {b})' for a, b in info.boundaries)}")
         return build_schedule(model, schedule=pipeline.schedule, microbatches=microbatches,
                               pp_group=self.mesh_context.device_mesh.get_group("pp"),
-                              device=target_device(self.config), loss=loss)
+                              device=target_device(self.config))
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW (optimizer.name is checked at recipe load) over the master parameters."""
@@ -227,22 +224,13 @@ class BaseTrainer:
         return total
 
     def _through_pipeline(self, rows: torch.Tensor, run, **options) -> torch.Tensor:
-        """``run`` (the schedule's ``step`` or ``eval``) over ``rows``: the first stage feeds
-        them, the last compares its logits with them (the loss shifts the labels); every
-        stage gets the mean of the micro-batch losses from the last."""
-        from hyper_parallel.distributed.pipeline import STAGE_ATTRIBUTE
+        """``run`` (the schedule's ``step`` or ``eval``) over ``rows`` in the recipe's
+        precision (distributed/pipeline.py's ``through_pipeline``): the step's mean loss on
+        every stage."""
+        from hyper_parallel.distributed.pipeline import through_pipeline
 
-        info = self.model.__dict__[STAGE_ATTRIBUTE]
-        losses: list[torch.Tensor] = []
         with compute_context(self.config, fsdp_casts=self.dims.dp > 1):
-            run(*((rows,) if info.is_first else ()), target=rows if info.is_last else None,
-                losses=losses if info.is_last else None, **options)
-        total = torch.zeros((), dtype=torch.float32)
-        if info.is_last:
-            total = sum((loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
-                        for loss in losses).float().cpu()
-        dist.broadcast(total, group=self.mesh_context.device_mesh.get_group("pp"), group_src=self.dims.pp - 1)
-        return total
+            return through_pipeline(self.model, run, rows, self.mesh_context.device_mesh.get_group("pp"), **options)
 
     def _optimizer_step(self, update: int) -> float:
         """Update ``update`` (1-based) from the accumulated gradients, which it then clears,

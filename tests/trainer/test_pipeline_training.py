@@ -30,9 +30,18 @@ LAYOUTS = {
     "pp2_dp2_fsdp2": {"nproc_per_node": 4, "pp_size": 2, "dp_size": 2, "tp_size": 1},
     "pp2_dp2_ep2": {"nproc_per_node": 4, "pp_size": 2, "dp_size": 2, "tp_size": 1, "ep_size": 2},
     "pp2_tp2_lp": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2, "loss_parallel": True},
+    # the residual stream split over the sequence: the stages hand on the whole sequence
+    "pp2_tp2_sp_lp": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2, "sequence_parallel": True,
+                      "loss_parallel": True},
+    "pp2_cp2": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 1, "cp_size": 2},
+    "pp2_cp2_allgather_kv": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 1, "cp_size": 2,
+                             "context_parallel": {"algorithm": "allgather_kv"}},
     # one embedding matrix for input and head: a copy on each end stage, gradients summed
     "pp2_tp2_tied": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2, "tied": True},
     # two virtual stages per rank (4 layers: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3)
+    "pp2_dp2_interleaved": {"nproc_per_node": 4, "pp_size": 2, "dp_size": 2, "tp_size": 1, "layers": 4,
+                            "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
+                            "stages": [((0, 2), (0, 2)), ((1, 3), (1, 3))]},
     "pp2_interleaved": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1, "layers": 4,
                         "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
                         "stages": [((0, 2), (0, 2)), ((1, 3), (1, 3))]},

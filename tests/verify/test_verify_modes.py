@@ -2,13 +2,10 @@
 (the mode above the process cap), on the tiny recipe, at world 4 with tp, cp, ep,
 sequence and loss parallel, and at dp2+ep2 with FSDP2; and the verified figures reach codegen_meta.json."""
 
-import json
-
 import pytest
 import yaml
 
-from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
-from tests.project_fixtures import TINY_RECIPE, cli, verify_report
+from tests.project_fixtures import TINY_RECIPE, verify_in_both_modes
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -32,15 +29,9 @@ def test_threads_and_torchrun_give_the_same_verdict_and_figures(project, layout)
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     world = data["accelerator"]["nproc_per_node"]
     verified = {}
-    for mode, cap in (("torchrun", "64"), ("threads", "1")):
-        proc = cli(project, "--verbose", "generate", "--force", "--skip-preflight", "--config", str(recipe),
-                   env={MAX_PROCS_ENV: cap})
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out
-        assert f"({mode})" in out, out
-        meta = json.loads((recipe.parent / "generated" / "codegen_meta.json").read_text())
-        assert meta["verified"] == {"mode": mode, "world": world, "steps": 2}
-        verified[mode] = verify_report(project, recipe)
+    for mode, (_, report, recorded) in verify_in_both_modes(project, recipe).items():
+        assert recorded == {"mode": mode, "world": world, "steps": 2}
+        verified[mode] = report
     torchrun, threads = verified["torchrun"], verified["threads"]
     assert torchrun["max_loss_rel"] <= 1e-5 and torchrun["max_grad_rel"] <= 1e-4
     # Same collectives on the same data: the same figures up to reduction order.

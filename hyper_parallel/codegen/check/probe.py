@@ -55,16 +55,20 @@ class ProbeError(ValueError, HyperParallelError):
 
 @dataclass(frozen=True)
 class ProbeShape:
-    """How the probe is run: one sequence of ``seq_len`` tokens per data-parallel rank."""
+    """How the probe is run: ``microbatches`` sequences of ``seq_len`` tokens per
+    data-parallel rank (one each, but one per pipeline stage under pp)."""
 
     seq_len: int
     batch: int
+    microbatches: int = 1
 
 
-def probe_shape(dp: int, cp: int, tp: int) -> ProbeShape:
+def probe_shape(dp: int, cp: int, tp: int, stages: int = 1) -> ProbeShape:
     """The sequence splits evenly over cp (in 2*cp load-balancing chunks) and tp (sequence
-    parallel): 4*cp*tp tokens, at least 8."""
-    return ProbeShape(seq_len=max(8, 4 * cp * tp), batch=dp)
+    parallel): 4*cp*tp tokens, at least 8. Under pipeline parallel each dp rank runs as many
+    micro-batches as there are stages, so every schedule fills its pipeline and a micro-batch
+    loss scaled wrong shows."""
+    return ProbeShape(seq_len=max(8, 4 * cp * tp), batch=dp * stages, microbatches=stages)
 
 
 def _round_up(value: int, multiple: int) -> int:

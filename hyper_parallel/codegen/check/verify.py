@@ -67,6 +67,7 @@ class Probe:
     weights: dict[str, Any]
     tokens: Any
     tied: dict[str, tuple[str, ...]]  # parameter name -> every name of the same tensor
+    pipeline: dict[str, Any] | None = None  # under pp: the probe's stage split and micro-batches per dp rank
 
 
 def verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: dict[str, str],
@@ -89,9 +90,12 @@ def _verify_bundle(spec: CodegenSpec, bundle_dir: Path, bundle_key: str, files: 
     with scratch_dir("verify") as tmp:
         probe = build_probe(spec, Path(tmp) / "probe")
         _refuse_if_stochastic(spec, probe)
-        job = _job(spec, bundle_dir, bundle_key, files, model_class, Path(tmp), diagnose=False)
+        job = _job(spec, bundle_dir, bundle_key, files, model_class, Path(tmp), diagnose=False,
+                   pipeline=probe.pipeline)
+        split = (f"; pipeline stages {' '.join(f'[{a}, {b})' for a, b in probe.pipeline['stages'])}, "
+                 f"{probe.pipeline['microbatches']} micro-batches" if probe.pipeline else "")
         _LOG.info(f"[verify] probe: {probe.depth} of {probe.full_depth} layer(s), hidden {probe.config.hidden_size}, "
-                  f"{probe.seq_len} tokens x {spec.layout.dp} sequence(s); {world} ranks as {mode}")
+                  f"{probe.seq_len} tokens x {probe.tokens.shape[0]} sequence(s){split}; {world} ranks as {mode}")
         with _launch(job, mode, world) as proc:
             expected = reference_run(spec, probe)  # while the ranks start and run
             _finish(proc, job, mode, world, spec)
@@ -129,13 +133,15 @@ def build_probe(spec: CodegenSpec, probe_dir: Path) -> Probe:
     p = spec.layout
     overrides = f" with {spec.recipe_path.name}'s model.config_overrides" if spec.config_overrides else ""
     where = f"{spec.model_dir / 'config.json'}{overrides} (verify probe)"
-    shape = probe_shape(p.dp, p.cp, p.tp)
+    stages = p.pipeline.stages(p.pp) if p.pp > 1 else 1
+    shape = probe_shape(p.dp, p.cp, p.tp, stages)
     config = build_hf_config(spec)
     config._attn_implementation = spec.attn_implementation
     wide = shrink_widths(config, tp=p.tp, ep=p.ep, seq_len=shape.seq_len, where=where)
     remote = trusts_remote_code(spec)
     probe_config, depth, kinds = faithful_probe_config(wide, remote=remote, where=where,
-                                                       min_depth=2 if p.cp > 1 or p.sequence_parallel else 1)
+                                                       min_depth=max(stages, 2 if p.cp > 1 or p.sequence_parallel
+                                                                     else 1))
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(probe_config, trust_remote_code=remote, dtype=torch.float32)
     if layer_kinds(reference, probe_config) != kinds[:depth]:
@@ -153,7 +159,23 @@ def build_probe(spec: CodegenSpec, probe_dir: Path) -> Probe:
     probe_dir.mkdir(parents=True)
     probe_config.save_pretrained(probe_dir)
     torch.save({"weights": weights, "tokens": tokens}, probe_dir / "probe.pt")
-    return Probe(probe_config, depth, len(kinds), shape.seq_len, weights, tokens, tied)
+    return Probe(probe_config, depth, len(kinds), shape.seq_len, weights, tokens, tied,
+                 probe_pipeline(spec, reference, shape.microbatches))
+
+
+def probe_pipeline(spec: CodegenSpec, reference, microbatches: int) -> dict[str, Any] | None:
+    """Under pp: the probe's decoder layers split into the recipe's number of stages,
+    balanced (the recorded split is the full model's; its layer indices and the recipe's
+    ``split_points`` point past the probe's few layers), and the micro-batches per dp rank."""
+    from hyper_parallel.config.pipeline import PipelineSettings, stage_split
+    from hyper_parallel.distributed.pipeline import decoder_layer_weights
+
+    p = spec.layout
+    if p.pp == 1:
+        return None
+    settings = PipelineSettings(p.pipeline.schedule, virtual_stages=p.pipeline.virtual_stages)
+    stages = stage_split(settings, p.pp, decoder_layer_weights(reference))
+    return {"stages": [list(stage) for stage in stages], "microbatches": microbatches}
 
 
 def reference_model(spec: CodegenSpec, probe: Probe):
@@ -331,7 +353,11 @@ def _failure_message(spec: CodegenSpec, failure: dict, divergence: str, bundle_d
         body = (f"gradient of {failure['name']}{_tied_note(failure['name'], probe)} differs from one device's (max rel err {failure['rel']:.2g}; "
                 f"rtol {GRAD_RTOL}, atol {GRAD_ATOL} + {GRAD_SCALE_ATOL} x the largest element): norm {_fmt(failure['got_norm'])}, expected "
                 f"{_fmt(failure['want_norm'])}; plan entry {key!r}: {entry}")
-    return (head + body + f"\n  first module whose forward output diverges: {divergence}"
+    stages = ("\n  under pipeline parallel: where the layout without pp verifies, this family's stages do not "
+              "compute the whole model (a later stage, fed hidden states, computes something from them that the "
+              "whole model computes from the embeddings; or a module outside the decoder layers runs on several "
+              "stages); set accelerator.pp_size: 1" if spec.layout.pp > 1 else "")
+    return (head + body + f"\n  first module whose forward output diverges: {divergence}{stages}"
             f"\n  the previous bundle is left as it was; fix the plan_overrides (or the planner) and run "
             f"`doit generate config={spec.recipe_path}`")
 
@@ -361,7 +387,7 @@ def _first_divergence(spec, probe, run_job: dict, tmp: Path, mode: str, world: i
     import torch
 
     job = _job(spec, Path(run_job["bundle_dir"]), run_job["bundle_key"], run_job["files"], run_job["model_class"],
-               tmp, diagnose=True)
+               tmp, diagnose=True, pipeline=run_job["pipeline"])
     try:
         with _launch(job, mode, world) as proc:
             expected = _reference_outputs(spec, probe)
@@ -374,17 +400,29 @@ def _first_divergence(spec, probe, run_job: dict, tmp: Path, mode: str, world: i
 
     mesh = build_offline_mesh(Layout.from_dict(job["layout"], where="verify job").dims)
     coords = [dict(zip(mesh.axis_names, mesh.coordinates(rank))) for rank in range(world)]
+    views = _pipeline_views(ranks, coords)
     for name, want in expected.items():
-        have = _reassemble(name, want, ranks, coords)
-        if have is None:
-            continue
-        if not torch.allclose(have, want, rtol=OUTPUT_RTOL, atol=OUTPUT_ATOL):
-            summed = _partial_sum(name, want, ranks, coords)
+        for label, view in views:
+            have = _reassemble(name, want, view, coords)
+            if have is None or torch.allclose(have, want, rtol=OUTPUT_RTOL, atol=OUTPUT_ATOL):
+                continue
+            summed = _partial_sum(name, want, view, coords)
             if summed is not None and torch.allclose(summed, want, rtol=OUTPUT_RTOL, atol=OUTPUT_ATOL):
                 continue  # a partial sum over tp (a rowwise projection's output, reduced further on)
             err = (have - want).abs().max().item()
-            return f"{name or '<model>'} (max abs err {err:.3g}, output shape {list(want.shape)})"
+            return f"{name or '<model>'}{label} (max abs err {err:.3g}, output shape {list(want.shape)})"
     return "none: every comparable forward output agrees, so the error is in backward (a gradient reduction)"
+
+
+def _pipeline_views(ranks: list[dict], coords: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The ranks' outputs once per pipeline rank (the others' masked out), so a module
+    that runs on several stages (one outside the decoder layers) is compared on each:
+    a later stage may compute it from other inputs than the first. One view without pp."""
+    pps = sorted({c.get("pp", 0) for c in coords})
+    if len(pps) == 1:
+        return [("", ranks)]
+    return [(f" on pipeline rank {v}", [outputs if c["pp"] == v else {} for outputs, c in zip(ranks, coords)])
+            for v in pps]
 
 
 def _reference_outputs(spec: CodegenSpec, probe: Probe) -> dict[str, Any]:
@@ -393,15 +431,22 @@ def _reference_outputs(spec: CodegenSpec, probe: Probe) -> dict[str, Any]:
     return module_outputs(reference_model(spec, probe), probe.tokens[:1])
 
 
+def _holders(name: str, ranks: list[dict]) -> list[int]:
+    """The ranks that report ``name``'s output: every rank, or under pipeline parallel the
+    ranks of the stage that runs it (the first such stage where two do: tied embeddings)."""
+    return [r for r, outputs in enumerate(ranks) if name in outputs]
+
+
 def _reassemble(name: str, want, ranks: list[dict], coords: list[dict]):
-    """Rank 0's output, or the pieces of the ranks that differ from rank 0 only on the
-    axes it is split over (tp; cp and tp; cp), concatenated in mesh order."""
+    """The first holder's output, or the pieces of the ranks that differ from it only on
+    the axes it is split over (tp; cp and tp; cp), concatenated in mesh order."""
     import torch
 
-    locals_ = [outputs.get(name) for outputs in ranks]
-    if any(value is None for value in locals_) or want.dim() < 3:
+    holders = _holders(name, ranks)
+    if not holders or want.dim() < 3:
         return None  # 2-D: token rows in routing order (experts), not (batch, sequence, ...)
-    first = locals_[0]
+    locals_ = [outputs.get(name) for outputs in ranks]
+    first, home = locals_[holders[0]], coords[holders[0]]
     if first.shape == want.shape:
         return first
     if first.dim() != want.dim():
@@ -414,8 +459,10 @@ def _reassemble(name: str, want, ranks: list[dict], coords: list[dict]):
         sizes = [max(c[a] for c in coords) + 1 for a in axes]
         if _product(sizes) != pieces:
             continue
-        others = {a: v for a, v in coords[0].items() if a not in axes}
+        others = {a: v for a, v in home.items() if a not in axes}
         group = [r for r, c in enumerate(coords) if all(c[a] == v for a, v in others.items())]
+        if any(locals_[r] is None for r in group):
+            continue
         group.sort(key=lambda r: tuple(coords[r][a] for a in axes))
         whole = torch.cat([locals_[r] for r in group], dim=dim)
         if whole.shape == want.shape:
@@ -427,9 +474,10 @@ def _partial_sum(name: str, want, ranks: list[dict], coords: list[dict]):
     """The sum of rank 0's tp group's outputs when each has the reference's full shape: a
     module whose output is a partial sum over tp (``rowwise`` projections, packed experts,
     the blocks around them) hands on a term of the output, not the output."""
-    if "tp" not in coords[0] or max(c["tp"] for c in coords) == 0:
+    holders = _holders(name, ranks)
+    if not holders or "tp" not in coords[0] or max(c["tp"] for c in coords) == 0:
         return None
-    others = {a: v for a, v in coords[0].items() if a != "tp"}
+    others = {a: v for a, v in coords[holders[0]].items() if a != "tp"}
     group = [r for r, c in enumerate(coords) if all(c[a] == v for a, v in others.items())]
     values = [ranks[r].get(name) for r in group]
     if any(value is None or value.shape != want.shape for value in values):
@@ -447,11 +495,11 @@ def _product(values) -> int:
 # --- launching the ranks -------------------------------------------------------------------------
 
 def _job(spec, bundle_dir: Path, bundle_key: str, files: dict[str, str], model_class: str, tmp: Path, *,
-         diagnose: bool) -> dict:
+         diagnose: bool, pipeline: dict[str, Any] | None) -> dict:
     p = spec.layout
     tag = "diagnose" if diagnose else "run"
     job = {"bundle_dir": str(bundle_dir), "bundle_key": bundle_key, "files": files, "modeling_file": spec.modeling_file,
-           "model_class": model_class, "probe_dir": str(tmp / "probe"),
+           "model_class": model_class, "probe_dir": str(tmp / "probe"), "pipeline": pipeline,
            "attn_implementation": spec.attn_implementation,
            "layout": p.as_dict(),
            "diagnose": diagnose, "mode": verify_mode(p.world_size), "timeout_s": spec.check_timeout_s,

@@ -24,8 +24,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.launch.ranks import RankFiles
+from hyper_parallel.codegen.check import threaded_p2p
 from hyper_parallel.codegen.check.verify_mode import STEPS
+from hyper_parallel.launch.ranks import RankFiles
 from hyper_parallel.distributed.rank_exit import exit_rank
 
 LR = 1e-3
@@ -103,10 +104,11 @@ def run_threads(job: dict[str, Any], world: int) -> int:
             ProcessLocalGroup.exception_handle(RuntimeError(error))
 
     threads = [threading.Thread(target=worker, args=(rank,), daemon=True) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=job["timeout_s"])
+    with threaded_p2p.installed():  # pipeline stages send to each other
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=job["timeout_s"])
     silent = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
     _uninstall_threaded_pg()
     if silent:
@@ -249,6 +251,9 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
     context = MeshContext(device_mesh=mesh, layout=layout)
     progress(job, "building the probe model")
     module, model, tokens = build_probe_model(job)
+    whole = {name: (tuple(param.shape), param.dtype) for name, param in model.named_parameters()}
+    if job["pipeline"]:
+        _keep_this_ranks_stages(job, model, layout, mesh)
     progress(job, "applying hyper_parallelize")
     module.HYPER_PARALLEL_PLAN = probe_plan(module.HYPER_PARALLEL_PLAN, model)
     module.hyper_parallelize(model, context)
@@ -260,9 +265,10 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
         fully_shard_over_dp(model, mesh["dp"], expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None)
         if job["mode"] == "threads":
             _sum_then_divide(model)
+    pipeline = PipelineRun(job, model, layout, mesh) if job["pipeline"] else None
     dp_rank = mesh.get_local_rank("dp") if dims.dp > 1 else 0
     if job["diagnose"]:
-        outputs = module_outputs(model, tokens[:1])
+        outputs = module_outputs(model, tokens[:1], pipeline=pipeline)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, outputs)
         if rank == 0:
@@ -270,26 +276,23 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
         return
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     record: dict[str, list] = {"losses": [], "norms": [], "grads": [], "spreads": []}
+    per_rank = job["pipeline"]["microbatches"] if pipeline else 1
     for step in range(STEPS):
         progress(job, f"step {step + 1}")
-        batch = tokens[dp_rank:dp_rank + 1]
+        batch = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         seed_step(step)
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+        if pipeline is not None:
+            value = pipeline.step(batch)
+        else:
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
         if dims.dp > 1:
             dist.all_reduce(value, group=mesh.get_group("dp"))
             value = value / dims.dp
-        grads, spreads = {}, {}
-        for name, param in model.named_parameters():
-            if param.grad is None:
-                grads[name] = None
-                continue
-            try:
-                grads[name], spreads[name] = _gather(param.grad)
-            except RuntimeError as exc:
-                raise RuntimeError(f"gathering the gradient of {name}: {exc}") from exc
-        record["norms"].append(global_grad_norm(model.parameters()))
+        grads, spreads = gathered_grads(model, whole, pipelined=pipeline is not None)
+        counted = pipeline.counted() if pipeline is not None else model.parameters()
+        record["norms"].append(global_grad_norm(counted, pp=dims.pp))
         record["losses"].append(value.item())
         record["spreads"].append(spreads)
         record["grads"].append(grads)
@@ -299,10 +302,85 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
         torch.save(record, job["result"])
 
 
-def _gather(tensor) -> tuple[Any, float]:
-    """The whole tensor, rebuilt on every rank from each rank's local piece (where each
-    piece sits: ``local_elements`` on an index grid; a plain tensor is one piece every rank
-    holds), and how far the ranks' copies of the same element disagree: replicas that
+def _keep_this_ranks_stages(job: dict[str, Any], model, layout, mesh) -> None:
+    """Under pp: take out of the probe model what other pipeline stages run, as training
+    does (distributed/pipeline.py), on the probe's split; first refuse, as derive does, a
+    generated model whose stages would not compute the whole model."""
+    from hyper_parallel.distributed.pipeline import check_stage_handoff, prune_to_stage
+
+    check_stage_handoff(model)
+    stages = tuple(tuple(stage) for stage in job["pipeline"]["stages"])
+    prune_to_stage(model, stages, layout.pipeline.stages_of_rank(mesh.get_local_rank("pp"), layout.pp))
+
+
+class PipelineRun:
+    """This rank's stages run by the recipe's schedule, as the trainer runs them: the
+    schedule (``build_schedule``), a step's loss (``through_pipeline``), tied embeddings'
+    gradients summed across the end stages (``TiedEmbeddingGradients``)."""
+
+    def __init__(self, job: dict[str, Any], model, layout, mesh):
+        import torch
+
+        from hyper_parallel.distributed.pipeline import TiedEmbeddingGradients, build_schedule, tied_embeddings
+
+        self.model, self.group = model, mesh.get_group("pp")
+        self.microbatches = job["pipeline"]["microbatches"]
+        self.schedule = build_schedule(model, schedule=layout.pipeline.schedule, microbatches=self.microbatches,
+                                       pp_group=self.group, device=torch.device("cpu"))
+        self.tied = TiedEmbeddingGradients(model, mesh) if tied_embeddings(model) else None
+
+    def step(self, rows):
+        """Forward and backward of ``rows`` (one micro-batch each); this dp rank's mean loss."""
+        from hyper_parallel.distributed.pipeline import through_pipeline
+
+        total = through_pipeline(self.model, self.schedule.step, rows, self.group, return_outputs=False)
+        if self.tied is not None:
+            self.tied.sum()
+        return total
+
+    def forward(self, batch) -> None:
+        """A forward-only run of ``batch`` once per micro-batch (each stage's modules run
+        once per micro-batch, on the same tokens)."""
+        from hyper_parallel.distributed.pipeline import through_pipeline
+
+        through_pipeline(self.model, self.schedule.eval, batch.repeat(self.microbatches, 1), self.group)
+
+    def counted(self):
+        """The parameters the gradient norm sums over (the tied matrix once)."""
+        return self.tied.counted() if self.tied is not None else self.model.parameters()
+
+
+def gathered_grads(model, whole: dict[str, tuple], *, pipelined: bool) -> tuple[dict, dict]:
+    """Every parameter's whole gradient (``_gather``) and its replicas' spread, by the whole
+    model's names (``whole``: name -> (shape, dtype)): under pp each rank holds only its
+    stages' parameters and gives nothing for the others, but every rank takes part in every
+    gather, in one order."""
+    import torch.distributed as dist
+
+    held = dict(model.named_parameters())
+    with_grad = {name for name, param in held.items() if param.grad is not None}
+    if pipelined:  # which names have a gradient somewhere
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, sorted(with_grad))
+        with_grad = set().union(*map(set, found))
+    grads, spreads = {}, {}
+    for name, (shape, dtype) in whole.items():
+        if name not in with_grad:
+            grads[name] = None
+            continue
+        param = held.get(name)
+        try:
+            grads[name], spreads[name] = _gather(None if param is None else param.grad, shape, dtype)
+        except RuntimeError as exc:
+            raise RuntimeError(f"gathering the gradient of {name}: {exc}") from exc
+    return grads, spreads
+
+
+def _gather(tensor, shape: tuple[int, ...], dtype) -> tuple[Any, float]:
+    """The whole tensor of ``shape``, rebuilt on every rank from each rank's local piece
+    (where each piece sits: ``local_elements`` on an index grid; a plain tensor is one
+    piece every rank holds; None: a rank that holds none of it, another pipeline stage's
+    parameter), and how far the ranks' copies of the same element disagree: replicas that
     differ would train different weights, so averaging them must not hide it. (DTensor's
     ``full_tensor`` cannot undo FSDP2's strided shard over edp on expert weights that are
     sharded over ep as well.)"""
@@ -310,19 +388,22 @@ def _gather(tensor) -> tuple[Any, float]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial
 
-    index = torch.arange(tensor.numel()).reshape(tensor.shape)
-    if isinstance(tensor, DTensor):
+    index = torch.arange(math.prod(shape)).reshape(shape)
+    if tensor is None:
+        index, local = index.reshape(-1)[:0], torch.zeros(0, dtype=dtype)
+    elif isinstance(tensor, DTensor):
         if any(isinstance(p, Partial) for p in tensor.placements):
-            return tensor.full_tensor(), 0.0  # a sum still pending: DTensor reduces it
-        mesh = tensor.device_mesh
-        index = local_elements(index, tensor.placements, [mesh.size(dim) for dim in range(mesh.ndim)],
-                               mesh.get_coordinate())
-        local = tensor.to_local()
+            local = tensor.full_tensor()  # a sum still pending: DTensor reduces it
+        else:
+            mesh = tensor.device_mesh
+            index = local_elements(index, tensor.placements, [mesh.size(dim) for dim in range(mesh.ndim)],
+                                   mesh.get_coordinate())
+            local = tensor.to_local()
     else:
         local = tensor
     index, local = index.reshape(-1), local.detach().reshape(-1)
-    values = torch.zeros(tensor.numel(), dtype=local.dtype)
-    count = torch.zeros(tensor.numel(), dtype=local.dtype)
+    values = torch.zeros(math.prod(shape), dtype=local.dtype)
+    count = torch.zeros_like(values)
     values[index] = local
     count[index] = 1
     dist.all_reduce(values)
@@ -330,10 +411,10 @@ def _gather(tensor) -> tuple[Any, float]:
     if bool((count == 0).any()):
         raise RuntimeError("no rank holds some elements of the tensor")
     whole = values / count
-    spread = (local - whole[index]).abs().max() if local.numel() else torch.zeros(())
+    spread = (local - whole[index]).abs().max() if local.numel() else torch.zeros((), dtype=local.dtype)
     spread = spread.reshape(1).to(local.dtype)
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-    return whole.reshape(tensor.shape), 2 * spread.item()
+    return whole.reshape(shape), 2 * spread.item()
 
 
 def local_elements(index, placements, sizes: list[int], coords: list[int]):
@@ -381,14 +462,25 @@ def _sum_then_divide(model) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def module_outputs(model, batch) -> dict[str, Any]:
+def module_outputs(model, batch, pipeline: PipelineRun | None = None) -> dict[str, Any]:
     """Each module's first output tensor as it leaves the module (after the plan's output
     conversion; DTensors gathered), in the order they were made. Modules that ran more
-    than once (an expert loop's activation) are left out: their last output says little."""
+    often than once a micro-batch (an expert loop's activation) are left out: one output
+    says little of them. Under pp, ``pipeline`` runs the batch once per micro-batch and a
+    rank reports only the modules of its own stages: not what it took out, and before the
+    last stage not the model or its base model (their output there is a stage's, not the
+    model's)."""
     import torch
 
+    from hyper_parallel.distributed.pipeline import STAGE_ATTRIBUTE, pruned_names
+
+    skip = set(pruned_names(model))
+    info = model.__dict__.get(STAGE_ATTRIBUTE)
+    if info is not None and not info.is_last:
+        skip |= {name for name, module in model.named_modules() if module is model or module is model.base_model}
+    runs = pipeline.microbatches if pipeline is not None else 1
     outputs: dict[str, Any] = {}
-    repeated: set[str] = set()
+    counts: dict[str, int] = {}
     handles = []
 
     def hook(name):
@@ -396,20 +488,28 @@ def module_outputs(model, batch) -> dict[str, Any]:
             value = _first_tensor(output)
             if value is None:
                 return
+            counts[name] = counts.get(name, 0) + 1
             if name in outputs:
-                repeated.add(name)
+                return
             if hasattr(value, "full_tensor"):
                 value = value.full_tensor()
             outputs[name] = value.detach().clone()
         return record
 
+    if pipeline is not None:
+        with torch.no_grad():
+            pipeline.forward(batch)  # the stages' first run infers their shapes: not the model's outputs
     for name, module in model.named_modules():
-        handles.append(module.register_forward_hook(hook(name)))
+        if name not in skip:
+            handles.append(module.register_forward_hook(hook(name)))
     with torch.no_grad():
-        model(input_ids=batch, labels=batch)
+        if pipeline is not None:
+            pipeline.forward(batch)
+        else:
+            model(input_ids=batch, labels=batch)
     for handle in handles:
         handle.remove()
-    return {name: value for name, value in outputs.items() if name not in repeated}
+    return {name: value for name, value in outputs.items() if counts[name] == runs}
 
 
 def _first_tensor(output):
