@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from hyper_parallel.config.parallel_dims import ParallelDimsError
-from hyper_parallel.config.pipeline import PipelineError
+from hyper_parallel.config.pipeline import ZERO_BUBBLE_SCHEDULES, PipelineError
 from hyper_parallel.config.plan_override import PlanOverride, PlanOverrideError, parse_plan_overrides, trusted_packages
 from hyper_parallel.config.schema import (
     CP_ALGORITHMS,
@@ -191,6 +191,28 @@ def _refuse_keys_without_effect(config: TrainerConfig, where: str) -> None:
                           f"load_balance, or set algorithm: allgather_kv")
 
 
+def _validate_pipeline_schedule(config: TrainerConfig, where: str) -> None:
+    """What torch's schedules ask of the run: zero-bubble schedules take each stage's
+    backward apart (the input's gradient first, the weights' later, by the autograd graph
+    of each parameter), which FSDP2's gathered parameters do not have; DualPipeV needs as
+    many micro-batches as stages."""
+    acc, training = config.accelerator, config.training
+    schedule = acc.pipeline.schedule
+    if acc.pp_size == 1:
+        return
+    if schedule in ZERO_BUBBLE_SCHEDULES and acc.dp_size > 1:
+        raise RecipeError(f"{where}: accelerator.pipeline.schedule: {schedule} computes the weights' gradients apart "
+                          f"from the inputs', which FSDP2 over dp (dp_size {acc.dp_size}) does not allow yet; use "
+                          f"interleaved_1f1b (or 1f1b), or dp_size 1")
+    microbatches = training.global_batch_size // (training.micro_batch_size * acc.dp_size)
+    stages = acc.layout.pipeline.stages(acc.pp_size)
+    if schedule == "dualpipev" and microbatches < stages:
+        raise RecipeError(f"{where}: training.global_batch_size: dualpipev needs at least as many micro-batches per "
+                          f"step as stages ({stages}), got global_batch_size {training.global_batch_size} / "
+                          f"(micro_batch_size {training.micro_batch_size} x dp_size {acc.dp_size}) = {microbatches}; "
+                          f"set global_batch_size >= {stages * training.micro_batch_size * acc.dp_size}")
+
+
 def _plan_overrides(data: Any, model: ModelConfig, where: str) -> tuple[PlanOverride, ...]:
     """The entries typed and checked, once (config/plan_override.py does every check);
     ``model.trusted_modules`` decides which replace_module targets may run."""
@@ -214,6 +236,7 @@ def _validate_training(config: TrainerConfig, where: str) -> None:
         raise RecipeError(f"{where}: training.global_batch_size: expected a multiple of micro_batch_size * dp_size "
                           f"= {training.micro_batch_size} * {config.accelerator.dp_size} = {per_step}, got "
                           f"{training.global_batch_size}")
+    _validate_pipeline_schedule(config, where)
     if training.max_grad_norm is not None and not training.max_grad_norm > 0:
         raise RecipeError(f"{where}: training.max_grad_norm: expected a number > 0 (or null: no clipping), "
                           f"got {training.max_grad_norm}")

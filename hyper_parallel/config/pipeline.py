@@ -19,8 +19,13 @@ from hyper_parallel.errors import HyperParallelError
 #   1f1b: one forward, one backward in steady state (activations of at most pp micro-batches);
 #   interleaved_1f1b: 1F1B over virtual_stages >= 2 stages per rank (stage s on rank s % pp),
 #     a smaller bubble for more point-to-point traffic.
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b",)
+#   interleaved_zero_bubble: interleaved_1f1b with each backward split into the input's gradient
+#     (on the critical path) and the weights' (filling the bubble);
+#   zbv, dualpipev: two stages per rank in a V (rank r runs stages r and 2*pp-1-r), zero-bubble.
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, in a V
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")  # backward split: inputs', weights' gradients
 DEFAULT_PP_SCHEDULE = "1f1b"
 
 
@@ -47,6 +52,10 @@ class PipelineSettings:
                 f"{'two or more stages' if self.schedule in MULTI_STAGE_SCHEDULES else 'one stage'} per rank, got "
                 f"{virtual}; use schedule {MULTI_STAGE_SCHEDULES[0]} with virtual_stages >= 2, or "
                 f"{' / '.join(s for s in PP_SCHEDULES if s not in MULTI_STAGE_SCHEDULES)} with virtual_stages 1")
+        if self.schedule in V_SCHEDULES and virtual != 2:
+            raise PipelineError(f"accelerator.pipeline.virtual_stages: {self.schedule} runs two stages per rank in a "
+                                f"V (rank r runs stages r and 2 x pp_size - 1 - r), got {virtual}; set "
+                                f"virtual_stages: 2")
         points = self.split_points
         if points is not None:
             if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in points) or \
@@ -61,8 +70,15 @@ class PipelineSettings:
 
     def stages_of_rank(self, rank: int, pp: int) -> tuple[int, ...]:
         """The stages pp rank ``rank`` runs: stage s lives on rank s % pp (the loop order
-        torch's interleaved schedules expect)."""
+        torch's interleaved schedules expect), or for a V schedule stages r and
+        2 * pp - 1 - r (the first and the last on rank 0)."""
+        if self.schedule in V_SCHEDULES:
+            return (rank, 2 * pp - 1 - rank)
         return tuple(rank + round_ * pp for round_ in range(self.virtual_stages))
+
+    def rank_of_stage(self, stage: int, pp: int) -> int:
+        """The pp rank that runs ``stage`` (``stages_of_rank`` read the other way)."""
+        return next(rank for rank in range(pp) if stage in self.stages_of_rank(rank, pp))
 
 
 def stage_split(settings: PipelineSettings, pp: int, layer_weights: Sequence[int]) -> tuple[tuple[int, int], ...]:

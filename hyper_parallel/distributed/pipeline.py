@@ -328,9 +328,11 @@ def whole_sequence_between_stages(model: nn.Module, targets: dict[str, ShardingC
 class StageModule(nn.Module):
     """Pipeline stage ``stage`` of a causal LM: token ids or hidden states in, hidden
     states or (last stage) logits out. Holds the rank's pruned model as ``model``; where
-    the rank runs other stages too (an interleaved schedule), their layers, and the final
-    norm for a stage before the last, pass the hidden states through during this stage's
-    forward."""
+    the rank runs other stages too (interleaved and V schedules), their layers, and the
+    final norm for a stage before the last, are swapped for pass-throughs during this
+    stage's forward: the modules themselves are not called, so none of their hooks (the
+    plan's input and output conversions, FSDP2's gathers) runs for a stage that is not
+    theirs."""
 
     def __init__(self, model: nn.Module, stage: int):
         super().__init__()
@@ -339,28 +341,30 @@ class StageModule(nn.Module):
         self.first, self.last = stage == 0, stage == info.num_stages - 1
         start, end = info.boundaries[stage]
         list_name, layers = decoder_layers(model)
-        self.others = [layers[i] for i in info.layers if not start <= i < end]
+        # (name, stand-in): a plain list, so the stand-ins are not this module's submodules
+        self.stand_ins = [(f"{list_name}.{i}", PassThrough(f"decoder layer {i} (another stage's)", like=layers[i]))
+                          for i in info.layers if not start <= i < end]
         if not self.last and info.is_last:  # the rank holds the real final norm for the last stage
-            self.others.append(model.get_submodule(_final_norm_name(model)))
+            norm = _final_norm_name(model)
+            self.stand_ins.append((norm, PassThrough("the final norm", like=model.get_submodule(norm))))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
-        for module in self.others:  # an instance attribute: module.__call__ finds it first
-            module.forward = _hand_on
+        held = [(name, self.model.get_submodule(name)) for name, _ in self.stand_ins]
+        for name, stand_in in self.stand_ins:
+            self.model.set_submodule(name, stand_in)
         try:
             if self.last:
                 return self.model(**given, use_cache=False).logits
             return self.model.base_model(**given, use_cache=False).last_hidden_state
         finally:
-            for module in self.others:
-                del module.forward
+            for name, module in held:
+                self.model.set_submodule(name, module)
 
 
-def _hand_on(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return hidden_states
-
-
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                    "dualpipev": "ScheduleDualPipeV"}
 
 
 def build_schedule(model: nn.Module, *, schedule: str, microbatches: int, pp_group: Any,
@@ -392,7 +396,7 @@ def through_pipeline(model: nn.Module, run: Callable[..., Any], rows: torch.Tens
     """``run`` (a schedule's ``step`` or ``eval``) over this dp rank's ``rows``: the first
     stage feeds them, the last compares its logits with them (the loss shifts the labels);
     returns the sum of the micro-batch losses (each already divided by their number: the
-    step's mean loss) on every stage of ``pp_group``, broadcast from the last. The trainer
+    step's mean loss) on every stage of ``pp_group``, from the rank that runs the last. The trainer
     and verify run a pipeline step through this one function."""
     import torch.distributed as dist
 
@@ -404,7 +408,7 @@ def through_pipeline(model: nn.Module, run: Callable[..., Any], rows: torch.Tens
     if info.is_last:
         total = sum((loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
                     for loss in losses).float().cpu()
-    dist.broadcast(total, group=pp_group, group_src=dist.get_world_size(pp_group) - 1)
+    dist.all_reduce(total, group=pp_group)  # from the one rank that runs the last stage, wherever it sits
     return total
 
 
@@ -422,18 +426,21 @@ class TiedEmbeddingGradients:
     matrix takes in the whole model, and the gradient norm counts the matrix once
     (``counted``: every parameter but the last stage's copy)."""
 
-    def __init__(self, model: nn.Module, device_mesh: Any):
+    def __init__(self, model: nn.Module, device_mesh: Any, settings: Any):
         import torch.distributed as dist
 
         self.model, self.info = model, model.__dict__[STAGE_ATTRIBUTE]
-        ranks = device_mesh.mesh.reshape(device_mesh.mesh.shape[0], -1)  # pp outermost, the rest flat
-        self.group = None
+        self.group, self.copy = None, None
+        pp = device_mesh.mesh.shape[0]
+        first, last = settings.rank_of_stage(0, pp), settings.rank_of_stage(self.info.num_stages - 1, pp)
+        if first == last:  # a V schedule: both ends on one rank, the one matrix there
+            return
+        ranks = device_mesh.mesh.reshape(pp, -1)  # pp outermost, the rest flat
         for column in range(ranks.shape[1]):  # every rank creates every group, in one order
-            pair = [int(ranks[0, column]), int(ranks[-1, column])]
+            pair = [int(ranks[first, column]), int(ranks[last, column])]
             group = dist.new_group(pair)
             if dist.get_rank() in pair:
                 self.group = group
-        self.copy = None
         if self.info.is_first:
             self.copy = input_embeddings(model).weight
         elif self.info.is_last:

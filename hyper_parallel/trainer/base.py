@@ -70,7 +70,8 @@ class BaseTrainer:
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
         self.tied = None  # the embeddings a pipeline split across its first and last stage
         if self.pipeline is not None and tied_embeddings(self.model):
-            self.tied = TiedEmbeddingGradients(self.model, self.mesh_context.device_mesh)
+            self.tied = TiedEmbeddingGradients(self.model, self.mesh_context.device_mesh,
+                                               config.accelerator.layout.pipeline)
         self.optimizer = self._build_optimizer()
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, config.where)
 

@@ -42,6 +42,25 @@ LAYOUTS = {
     "pp2_dp2_interleaved": {"nproc_per_node": 4, "pp_size": 2, "dp_size": 2, "tp_size": 1, "layers": 4,
                             "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
                             "stages": [((0, 2), (0, 2)), ((1, 3), (1, 3))]},
+    # zero-bubble schedules: each backward split into the input's and the weights' gradients
+    "pp2_izb": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1, "layers": 4,
+                "pipeline": {"schedule": "interleaved_zero_bubble", "virtual_stages": 2},
+                "stages": [((0, 2), (0, 2)), ((1, 3), (1, 3))]},
+    "pp2_zbv": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1, "layers": 4,
+                "pipeline": {"schedule": "zbv", "virtual_stages": 2},
+                "stages": [((0, 3), (0, 3)), ((1, 2), (1, 2))]},
+    # a V: the first and the last stage on rank 0, so a tied matrix is one parameter there
+    "pp2_tp2_zbv_tied": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2, "layers": 4, "tied": True,
+                         "pipeline": {"schedule": "zbv", "virtual_stages": 2},
+                         "stages": [((0, 3), (0, 3)), ((1, 2), (1, 2))]},
+    # a rank's other stage's modules are swapped out while one stage runs (their hooks, which split
+    # and gather the sequence, do not run)
+    "pp2_cp2_i1f1b": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 1, "cp_size": 2, "layers": 4,
+                      "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
+                      "stages": [((0, 2), (0, 2)), ((1, 3), (1, 3))]},
+    "pp2_dualpipev": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1, "layers": 4,
+                      "pipeline": {"schedule": "dualpipev", "virtual_stages": 2},
+                      "stages": [((0, 3), (0, 3)), ((1, 2), (1, 2))]},
     "pp2_interleaved": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1, "layers": 4,
                         "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
                         "stages": [((0, 2), (0, 2)), ((1, 3), (1, 3))]},
@@ -101,8 +120,20 @@ def test_pipeline_training_matches_one_process_in_loss_and_every_gradient(projec
                 step, rank["losses"], want_losses)
             for name, got in rank["grads"][step].items():
                 want = want_grads[step][alias.get(name, name)]
-                assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (
-                    layout, step, name, (got - want).abs().max().item())
+                assert _grads_agree(got, want, step), (layout, step, name, (got - want).abs().max().item(),
+                                                       want.abs().max().item())
+
+
+def _grads_agree(got: torch.Tensor, want: torch.Tensor, step: int) -> bool:
+    """Element by element at the first step (rtol 1e-4, atol 1e-6); after it at each
+    tensor's scale (largest difference within 1e-6 + 1e-4 x its largest element), as verify
+    compares: AdamW moves every weight by about lr * sign(g), so float noise in a gradient
+    element near zero at step 1 (another reduction order) becomes a weight difference of
+    order lr there, and an element-wise check later would call it an error. A wrong
+    reduction is off by the gradient's own size at every step."""
+    if step == 0:
+        return torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+    return (got - want).abs().max().item() <= 1e-6 + 1e-4 * want.abs().max().item()
 
 
 def _hf_recipe(project, name: str, accelerator: dict, steps: int, checkpoints: str):

@@ -327,7 +327,7 @@ class PipelineRun:
         self.microbatches = job["pipeline"]["microbatches"]
         self.schedule = build_schedule(model, schedule=layout.pipeline.schedule, microbatches=self.microbatches,
                                        pp_group=self.group, device=torch.device("cpu"))
-        self.tied = TiedEmbeddingGradients(model, mesh) if tied_embeddings(model) else None
+        self.tied = TiedEmbeddingGradients(model, mesh, layout.pipeline) if tied_embeddings(model) else None
 
     def step(self, rows):
         """Forward and backward of ``rows`` (one micro-batch each); this dp rank's mean loss."""
