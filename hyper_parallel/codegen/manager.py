@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hyper_parallel.codegen.bundle_folder import check_owned, remove_stale_staging_dirs
+from hyper_parallel.codegen.bundle_share import share_bundle
 from hyper_parallel.codegen.spec.project import project_codegen_spec, signature_from_spec
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
 from hyper_parallel.codegen.stages import run_stage, stage_is_current
@@ -95,9 +96,12 @@ def ensure_codegen_artifact(config: TrainerConfig, *, rank: int | None = None,
 
     Rank 0 reuses a current bundle as is (no planning at training start) or runs the
     stages through install (the torchrun preflight is not nested inside a training job).
-    Other ranks wait, at most ``timeout_s`` seconds, for a meta whose signature equals
-    theirs, or for rank 0's failure record of this launch. Then, when a process group is
-    up, every rank meets at a barrier, so nobody reads the bundle while rank 0 writes it."""
+    With a process group of several ranks up, rank 0 then sends the bundle's bytes to
+    every rank and each node's local rank 0 installs them where its node's copy is
+    missing or stale (``bundle_share.py``: no shared filesystem needed), every rank waiting
+    at most ``timeout_s`` seconds. Without one, the other ranks wait as long for a meta
+    whose signature equals theirs in the one folder, or for rank 0's failure record of
+    this launch."""
     spec = project_codegen_spec(config, workspace_root=workspace_root)
     ensure_bundle(spec, rank=rank, timeout_s=timeout_s, poll_s=poll_s)
     return spec
@@ -110,28 +114,34 @@ def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: floa
 
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     signature = signature_from_spec(spec)
+
+    def build() -> None:
+        if installed_bundle_problems(spec):
+            run_pipeline(spec, STAGES[:-1])
+        else:
+            _LOG.info(f"reusing {spec.bundle_dir} (signature {signature[:12]})")
+
+    if _group_of_several():  # the bytes travel over the process group: no shared folder needed
+        share_bundle(spec, signature, build, rank=rank, timeout_s=timeout_s)
+        return
     if rank == 0:
         marker = _failure_marker(spec)
         marker.unlink(missing_ok=True)
-        if installed_bundle_problems(spec):
-            try:
-                run_pipeline(spec, STAGES[:-1])
-            except Exception as exc:
-                write_json(marker, {"signature": signature, "run_id": _run_id(),
-                                    "error": f"{type(exc).__name__}: {exc}"})
-                raise
-        else:
-            _LOG.info(f"reusing {spec.bundle_dir} (signature {signature[:12]})")
+        try:
+            build()
+        except Exception as exc:
+            write_json(marker, {"signature": signature, "run_id": _run_id(),
+                                "error": f"{type(exc).__name__}: {exc}"})
+            raise
     else:
         _wait_for_bundle(spec, signature, timeout_s, poll_s)
-    _barrier_if_distributed()
 
 
-def _barrier_if_distributed() -> None:
+def _group_of_several() -> bool:
+    """A process group of more than one rank is up (training under torchrun)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _wait_for_bundle(spec: CodegenSpec, signature: str, timeout_s: float, poll_s: float) -> None:

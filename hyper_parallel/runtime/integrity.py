@@ -4,9 +4,10 @@ Each says what is wrong and ends with the fix (the command that regenerates the 
 which the build tool's door, ``runtime/build.py``, words): the meta reads and lists the
 expected signature; every listed file is present with its sha256; remote-code siblings
 are carried unchanged; the plan is not empty and covers every trainable parameter; and
-every rank imports the same bytes (``check_digests_agree``). Torch-free at import.
+every rank imports the same bytes (``integrity_across_ranks``). Torch-free at import.
 """
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -113,17 +114,44 @@ def check_plan_covers(model: Any, module: Any, bundle_dir: Path, fix: str) -> No
                              f"{', '.join(uncovered[:5])}\n  fix: {fix}")
 
 
-def check_digests_agree(digest: str, bundle_dir: Path, fix: str) -> None:
-    """Every rank imports the same bytes: a rank that sees another bundle (a stale copy on
-    a node-local disk) fails the start, named."""
+def node_of_this_rank() -> str:
+    """The node this process runs on, as torchrun numbers it (``GROUP_RANK``), else its
+    host name: what a failure names beside the ranks."""
+    node = os.environ.get("GROUP_RANK")
+    return f"node {node}" if node is not None else f"host {os.uname().nodename}"
+
+
+def integrity_across_ranks(bundle_dir: Path, *, expected_signature: str, fix: str) -> dict[str, Any]:
+    """``preflight_integrity_check`` on this rank, then, with a process group of several
+    ranks, every rank's verdict and digest gathered: a rank whose copy fails its check (an
+    edited file on a node-local disk) or differs from rank 0's fails every rank's start
+    alike, named with its node (no rank is left waiting in a collective the failed one
+    never joins). Returns this rank's report."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    try:
+        report, error = preflight_integrity_check(bundle_dir, expected_signature=expected_signature, fix=fix), ""
+    except PreflightError as exc:
+        if not several:
+            raise
+        report, error = {}, str(exc)
+    if not several:
+        return report
+    entries: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, {"digest": report.get("digest"), "error": error, "node": node_of_this_rank()})
+    failed = [rank for rank, entry in enumerate(entries) if entry["error"]]
+    if failed:
+        raise PreflightError(f"{bundle_dir}: the bundle fails its integrity check on rank(s) {failed} "
+                             f"({_nodes(entries, failed)}): {entries[failed[0]]['error']}")
+    differing = [rank for rank, entry in enumerate(entries) if entry["digest"] != entries[0]["digest"]]
     if differing:
-        raise PreflightError(f"{bundle_dir}: bundle digest differs across ranks: rank 0 has {digests[0][:12]}, "
-                             f"rank(s) {differing} have {[digests[r][:12] for r in differing]}\n  fix: {fix} "
-                             f"and make the folder the same on every node")
+        raise PreflightError(f"{bundle_dir}: bundle digest differs across ranks: rank 0 ({entries[0]['node']}) has "
+                             f"{entries[0]['digest'][:12]}, rank(s) {differing} ({_nodes(entries, differing)}) have "
+                             f"{[entries[r]['digest'][:12] for r in differing]}\n  fix: {fix} and make the folder "
+                             f"the same on every node")
+    return report
+
+
+def _nodes(entries: list[dict], ranks: list[int]) -> str:
+    return ", ".join(dict.fromkeys(entries[rank]["node"] for rank in ranks))

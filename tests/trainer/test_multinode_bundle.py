@@ -1,0 +1,141 @@
+"""Two nodes without a shared filesystem: ``torchrun --nnodes=2 --nproc_per_node=2`` on one
+machine, each node started in its own copy of the project (its own disk: recipes, model
+folder, bundle folder, workspace). Rank 0 builds the bundle on node 0 and sends its bytes;
+node 1's local rank 0 installs them where node 1's copy is missing or stale, so training
+starts and both nodes hold byte-identical bundles. A node-1 copy with the current
+signature but edited bytes is not repaired: the start is refused on every rank, naming
+node 1's ranks. A recipe rank 0 cannot generate fails every rank with rank 0's message."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
+from hyper_parallel.launch.ranks import kill_tree
+from hyper_parallel.runtime.meta import META_FILE
+from tests.project_fixtures import TINY_RECIPE, bundle_bytes, make_project
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+BUNDLE = "recipes/tiny_cpu/generated"
+LAUNCH_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_node_recipe(project):
+    recipe = project / TINY_RECIPE
+    data = yaml.safe_load(recipe.read_text())
+    data["accelerator"].update(nproc_per_node=2, nnodes=2, tp_size=2, dp_size=2)
+    data["training"].update(steps=1, global_batch_size=2, micro_batch_size=1, seq_len=8)
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _run_two_nodes(nodes) -> list[subprocess.CompletedProcess]:
+    """Both nodes' torchrun at once (static rendezvous on this machine), each in its own
+    project copy; their finished processes, output captured."""
+    port = _free_port()
+    env_extra = {MAX_PROCS_ENV: "1", "OMP_NUM_THREADS": "1"}  # verify's ranks as threads inside the job
+    procs = []
+    for node, project in enumerate(nodes):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                   "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+                   "-m", "hyper_parallel.trainer", "--config", TINY_RECIPE]
+        procs.append(subprocess.Popen(command, cwd=project, env={**os.environ, **env_extra}, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:  # a hung launch ends with the test, its ranks too
+            if proc.poll() is None:
+                kill_tree(proc)
+    return done
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_nodes")
+    node0 = make_project(root / "node0")
+    _two_node_recipe(node0)
+    node1 = root / "node1"
+    shutil.copytree(node0, node1)  # the same checkout on another disk: no bundle on either
+    return node0, node1
+
+
+def _output(runs) -> str:
+    return "\n".join(run.stdout[-3000:] + run.stderr[-6000:] for run in runs)
+
+
+def test_node1_without_a_bundle_gets_rank0s_bytes_and_trains(nodes):
+    node0, node1 = nodes
+    assert not (node1 / BUNDLE).exists()
+    runs = _run_two_nodes(nodes)
+    assert all(run.returncode == 0 for run in runs), _output(runs)
+    assert bundle_bytes(node0 / BUNDLE) == bundle_bytes(node1 / BUNDLE)
+    assert not (node1 / "generated").exists()  # node 1 generated nothing: no workspace there
+    assert "node 1: installed rank 0's bundle" in _output(runs) and "copy was missing" in _output(runs)
+
+
+def test_nodes_sharing_one_folder_install_it_once(tmp_path):
+    """Both nodes started in one project folder (a shared filesystem): rank 0 installs the
+    bundle, node 1 finds it current and writes nothing."""
+    project = make_project(tmp_path / "shared")
+    _two_node_recipe(project)
+    runs = _run_two_nodes([project, project])
+    assert all(run.returncode == 0 for run in runs), _output(runs)
+    assert (project / BUNDLE / META_FILE).is_file()
+    assert "installed rank 0's bundle" not in _output(runs)
+
+
+def test_a_stale_node1_bundle_is_replaced(nodes):
+    node0, node1 = nodes
+    meta_path = node1 / BUNDLE / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["signature"] = "0" * 64  # another recipe's bundle, as a node's disk may hold
+    meta_path.write_text(json.dumps(meta))
+    runs = _run_two_nodes(nodes)
+    assert all(run.returncode == 0 for run in runs), _output(runs)
+    assert bundle_bytes(node0 / BUNDLE) == bundle_bytes(node1 / BUNDLE)
+    assert "node 1: installed rank 0's bundle" in _output(runs) and "copy was stale" in _output(runs)
+
+
+def test_an_edited_node1_copy_is_refused_naming_node1s_ranks(nodes):
+    node0, node1 = nodes
+    modeling = next((node1 / BUNDLE).glob("modeling_*.py"))
+    modeling.write_text(modeling.read_text() + "\n# edited on node 1\n")
+    edited = bundle_bytes(node1 / BUNDLE)
+    runs = _run_two_nodes(nodes)
+    out = _output(runs)
+    assert all(run.returncode != 0 for run in runs), out
+    assert "integrity check on rank(s) [2, 3] (node 1)" in out, out
+    assert bundle_bytes(node1 / BUNDLE) == edited  # refused, not silently repaired
+
+
+def test_rank0s_failure_reaches_every_rank(tmp_path):
+    nodes = []
+    for node in range(2):
+        project = make_project(tmp_path / f"node{node}")
+        _two_node_recipe(project)
+        recipe = project / TINY_RECIPE
+        data = yaml.safe_load(recipe.read_text())
+        data["plan_overrides"] = [{"match": "model.layers.0.no_such_module", "params": {"weight": {"tp": "replicate"}}}]
+        recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+        nodes.append(project)
+    runs = _run_two_nodes(nodes)
+    out = _output(runs)
+    assert all(run.returncode != 0 for run in runs), out
+    assert "rank 0 failed to generate" in runs[1].stdout + runs[1].stderr, out  # node 1 got rank 0's message
+    assert "no_such_module" in runs[1].stdout + runs[1].stderr, out
