@@ -10,12 +10,10 @@ meta file name).
 
 from dataclasses import dataclass
 
+from hyper_parallel.config.workspace import WORKSPACE_DIR, WORKSPACE_ENV  # noqa: F401 (re-exported)
 from hyper_parallel.runtime.meta import META_FILE
 
-# The pipeline workspace: per-recipe stage outputs and doit's state, a folder
-# of this name under the folder doit runs in, unless ``$HYPER_PARALLEL_WORKSPACE`` moves it.
-WORKSPACE_DIR = "generated"
-WORKSPACE_ENV = "HYPER_PARALLEL_WORKSPACE"
+# The pipeline workspace: per-recipe stage outputs and doit's state (config/workspace.py).
 STAGED_DIR = "staged"  # the staged bundle, inside a recipe's workspace
 SIGNATURES_FILE = "signatures.json"  # stage -> the signature its record was built from
 IN_BUNDLE = "<bundle>"  # an output written into the installed bundle, not into the workspace

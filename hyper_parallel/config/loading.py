@@ -347,14 +347,16 @@ def _validate_dataset(config: TrainerConfig, where: str) -> None:
     if dataset.sample_by not in TEXT_SAMPLE_BY:
         raise RecipeError(f"{where}: dataset.sample_by: expected one of {', '.join(TEXT_SAMPLE_BY)}, "
                           f"got {dataset.sample_by!r}")
-    unused = [key for key, default in (("text_column", "text"), ("sample_by", "line"), ("shuffle", True))
+    unused = [key for key, default in (("text_column", "text"), ("sample_by", "line"), ("shuffle", True),
+                                       ("cache_dir", None))
               if getattr(dataset, key) != default and not _dataset_reads(dataset.kind, key)]
     if unused:
         raise RecipeError(f"{where}: dataset.{unused[0]}: has no effect with dataset.kind {dataset.kind!r}; "
                           f"remove it (it applies to kind {', '.join(_KEY_KINDS[unused[0]])})")
 
 
-_KEY_KINDS = {"text_column": ("jsonl", "parquet"), "sample_by": ("text",), "shuffle": TOKENIZED_KINDS}
+_KEY_KINDS = {"text_column": ("jsonl", "parquet"), "sample_by": ("text",), "shuffle": TOKENIZED_KINDS,
+              "cache_dir": TOKENIZED_KINDS}
 
 
 def _dataset_reads(kind: str, key: str) -> bool:

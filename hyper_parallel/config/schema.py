@@ -201,6 +201,9 @@ class DatasetConfig:
     text_column: str = "text"  # jsonl and parquet: the field holding each document's text
     sample_by: str = "line"  # text: one document per line, per paragraph (blank lines) or per file
     shuffle: bool = True  # tokenized kinds: the packed sequences in a seeded order, new each epoch
+    # tokenized kinds: where the packed rows are cached (trainer/token_cache.py), relative to
+    # the recipe's folder; None: the workspace's tokens/ folder
+    cache_dir: str | None = None
 
 
 @dataclass

@@ -47,7 +47,39 @@ writes the checkpoint as an HF model folder (alone, or under torchrun: each rank
 mfu, peak_memory_bytes per rank, eta_s, eval_loss); training.metrics: {tensorboard_dir,
 peak_flops_per_s} adds TensorBoard scalars and MFU.
 plot: python -m hyper_parallel.trainer plot METRICS --out loss.png draws loss and tokens/s.
+prepare-data: python -m hyper_parallel.trainer prepare-data --config X.yaml tokenizes and packs the
+recipe's dataset into the token cache ahead of a run (training then reads no text).
 """
+
+
+def prepare_data_main(argv: list[str]) -> int:
+    """``prepare-data``: the recipe's dataset tokenized and packed into the token cache
+    (trainer/token_cache.py) by one process, so that training starts from the cache."""
+    import time
+
+    from hyper_parallel.config.schema import TOKENIZED_KINDS
+    from hyper_parallel.models.hf.model_builder import recipe_model_dir
+    from hyper_parallel.trainer.corpus import prepare_corpus
+
+    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.trainer prepare-data",
+                                     description="Tokenize and pack a recipe's dataset into the token cache "
+                                                 "(dataset.cache_dir, default generated/tokens) ahead of training.")
+    parser.add_argument("--config", required=True, help="the training recipe (YAML)")
+    args = parser.parse_args(argv)
+    configure_console_logging(logger="hyper_parallel.trainer")  # the progress lines
+    try:
+        config = load_training_config(args.config)
+        if config.dataset.kind not in TOKENIZED_KINDS:
+            raise RecipeError(f"{config.where}: dataset.kind: {config.dataset.kind!r} is not tokenized (nothing to "
+                              f"prepare); prepare-data reads kinds {', '.join(TOKENIZED_KINDS)}")
+        started = time.perf_counter()
+        corpus = prepare_corpus(config.dataset, config.training, recipe_model_dir(config), config.where)
+    except (RecipeError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{corpus.cache}: {corpus.num_rows:,} sequences of {config.training.seq_len} tokens from "
+          f"{corpus.documents:,} documents ({time.perf_counter() - started:.1f}s)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         from hyper_parallel.trainer.plot import plot_main
 
         return plot_main(argv[1:])
+    if argv[:1] == ["prepare-data"]:  # python -m hyper_parallel.trainer prepare-data --config X.yaml
+        return prepare_data_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.trainer", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a recipe under torchrun (gloo on CPU, nccl/hccl on accelerators).",

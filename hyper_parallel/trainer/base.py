@@ -22,7 +22,12 @@ from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
 from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_device_type, target_device
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
-from hyper_parallel.trainer.corpus import PackedCorpus, check_vocabulary, corpus_batch, prepare_corpus
+from hyper_parallel.trainer.corpus import (
+    PackedCorpus,
+    check_vocabulary,
+    corpus_batch,
+    prepare_corpus_on_every_node,
+)
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
 from hyper_parallel.trainer.evaluation import due, eval_batches, eval_loss, hold_out
 from hyper_parallel.trainer.observe import StepObserver
@@ -76,13 +81,14 @@ class BaseTrainer:
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, config.where)
 
     def _prepare_corpus(self) -> PackedCorpus | None:
-        """The tokenized, packed dataset for kinds text, jsonl and parquet (every rank
-        prepares the same one; rank 0 logs the progress); None for the other kinds."""
+        """The tokenized, packed dataset for kinds text, jsonl and parquet, memory-mapped from
+        the token cache (each node's local rank 0 fills a missing entry; rank 0 logs the
+        progress); None for the other kinds."""
         self.eval_rows = None
         if self.config.dataset.kind not in TOKENIZED_KINDS:
             return None
-        corpus = prepare_corpus(self.config.dataset, self.config.training, recipe_model_dir(self.config),
-                                self.config.where, log=self.rank == 0)
+        corpus = prepare_corpus_on_every_node(self.config.dataset, self.config.training,
+                                              recipe_model_dir(self.config), self.config.where, log=self.rank == 0)
         corpus, self.eval_rows = hold_out(corpus, self.config)  # training.eval's rows, never trained on
         if self.eval_rows is not None and self.rank == 0:
             _LOG.info(f"training.eval: {self.eval_rows.shape[0]} of {self.eval_rows.shape[0] + corpus.num_rows} "

@@ -11,10 +11,13 @@ With ``shuffle`` the rows of each epoch come in a permutation seeded by
 ``training.seed`` and the epoch. The position is a row count, saved in each checkpoint, so a
 resumed run continues at the row where the checkpoint stopped.
 
-Every rank prepares the stream itself, before the model is built: it is a pure function
-of the files and the tokenizer, so the ranks agree without talking, and an error (missing
-file, no tokenizer, empty dataset, missing column) is found by every rank alike, said once
-by rank 0 (``hyper_parallel.trainer.__main__``), and every rank exits with 2.
+The packed rows are tokenized once and kept in the token cache (trainer/token_cache.py),
+keyed by the files' contents, the tokenizer and the settings; training memory-maps them.
+Under torchrun each node's local rank 0 prepares a missing entry before the model is built,
+the node's other ranks wait for it, and the rows are a pure function of the files and the
+tokenizer, so every node's entry holds the same rows (their fingerprints are compared). An
+error (missing file, no tokenizer, empty dataset, missing column) reaches every rank, is
+said once by rank 0 (``hyper_parallel.trainer.__main__``), and every rank exits with 2.
 """
 
 import hashlib
@@ -24,13 +27,16 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
 from hyper_parallel.trainer.data import DataError, existing_dataset_path
+from hyper_parallel.trainer.token_cache import cache_key, cache_root, load_entry, write_entry
 
 _LOG = logging.getLogger(__name__)
 
@@ -40,20 +46,28 @@ SUFFIXES = {"text": (".txt", ".text"), "jsonl": (".jsonl", ".json"), "parquet": 
 BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}  # datasets' packaged builder per kind
 _TOKENIZE_BATCH = 1000  # documents per tokenizer call (the fast tokenizer batches them in Rust)
 _PROGRESS_EVERY_S = 5.0
+PREPARE_TIMEOUT_S = 3600.0  # how long a rank waits for its node's local rank 0 to tokenize the corpus
 
 
 @dataclass
 class PackedCorpus:
     """The packed token rows of a dataset and what identifies them in a checkpoint."""
 
-    rows: torch.Tensor  # [num_rows, seq_len], int32 (half of int64's memory; batches are int64)
+    rows: torch.Tensor  # [rows, seq_len], int32 (half of int64's memory); memory-mapped from the cache
     documents: int
     fingerprint: str  # sha256 of the rows' bytes: a resumed run checks it trains on the same data
+    max_token: int = -1  # the largest token id (read once, when the rows were packed)
+    ids: torch.Tensor | None = None  # the rows this corpus trains on (None: all; training.eval holds some out)
+    cache: Path | None = None  # the cache entry the rows are mapped from
 
     @property
     def num_rows(self) -> int:
         """Packed sequences: the length of one epoch, in rows."""
-        return self.rows.shape[0]
+        return self.rows.shape[0] if self.ids is None else self.ids.numel()
+
+    def take(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of this corpus as int64 token ids (only those rows are read)."""
+        return self.rows[index if self.ids is None else self.ids[index]].long()
 
 
 def dataset_files(dataset: DatasetConfig, where: str) -> list[Path]:
@@ -182,31 +196,103 @@ def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def prepare_corpus(dataset: DatasetConfig, training: TrainingConfig, model_dir: Path, where: str,
-                   log: bool = True) -> PackedCorpus:
-    """Read, tokenize and pack the recipe's dataset (every rank alike; see the module
-    docstring). Enough rows for one step, else a named error."""
+                   log: bool = True, prepare: bool = True) -> PackedCorpus | None:
+    """The recipe's dataset as packed rows, memory-mapped from the token cache
+    (trainer/token_cache.py): read from there when an entry for these files, tokenizer and
+    settings exists, else (``prepare``) read, tokenized, packed and written there first;
+    None where it must be prepared and ``prepare`` is off (another rank prepares it).
+    Enough rows for one step, else a named error."""
     files = dataset_files(dataset, where)
+    key = cache_key(dataset, training.seq_len, files, model_dir)
+    folder = cache_root(dataset, where) / key
+    shown = _shown(files)
+    entry = load_entry(folder)
+    if entry is None and not prepare:
+        return None
+    how = f"from the token cache {folder}"
+    if entry is None:
+        seconds = _write_prepared(dataset, training, model_dir, where, files, folder, log)
+        entry, how = load_entry(folder), f"tokenized in {seconds:.1f}s, cached in {folder}"
+    rows, index = entry
+    if log:
+        _LOG.info(f"dataset: {index['documents']:,} documents, {index['tokens']:,} tokens, {rows.shape[0]:,} "
+                  f"sequences of {training.seq_len} ({how})")
+    if rows.shape[0] < training.global_batch_size:
+        raise DataError(f"{where}: dataset.path: {shown} packs into {rows.shape[0]} sequence(s) of seq_len "
+                        f"{training.seq_len} ({index['tokens']:,} tokens from {index['documents']} documents), one "
+                        f"step needs training.global_batch_size = {training.global_batch_size}; use more data or "
+                        f"smaller training sizes")
+    return PackedCorpus(rows, index["documents"], index["fingerprint"], index["max_token"], cache=folder)
+
+
+def _write_prepared(dataset: DatasetConfig, training: TrainingConfig, model_dir: Path, where: str, files: list[Path],
+                    folder: Path, log: bool) -> float:
+    """Read, tokenize and pack the dataset; write it as the cache entry ``folder``; the
+    seconds it took."""
     tokenizer = load_tokenizer(model_dir, where, dataset.kind)
     started = time.monotonic()
     if log:
         _LOG.info(f"dataset: reading {len(files)} {dataset.kind} file(s) from {dataset.path}, tokenizing with "
                   f"{model_dir}")
     stream, documents = token_stream(iter_documents(dataset, files, where), tokenizer, log)
-    shown = str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
     if documents == 0:
-        raise DataError(f"{where}: dataset.path: {shown} holds no documents (every {_unit(dataset)} is empty); "
+        raise DataError(f"{where}: dataset.path: {_shown(files)} holds no documents (every {_unit(dataset)} is empty); "
                         f"fix dataset.path")
     rows = pack(stream, training.seq_len)
-    if rows.shape[0] < training.global_batch_size:
-        raise DataError(f"{where}: dataset.path: {shown} packs into {rows.shape[0]} sequence(s) of seq_len "
-                        f"{training.seq_len} ({stream.numel():,} tokens from {documents} documents), one step needs "
-                        f"training.global_batch_size = {training.global_batch_size}; use more data or smaller "
-                        f"training sizes")
-    fingerprint = hashlib.sha256(rows.numpy().tobytes()).hexdigest()
-    if log:
-        _LOG.info(f"dataset: {documents:,} documents, {stream.numel():,} tokens, {rows.shape[0]:,} sequences of "
-                  f"{training.seq_len} ({time.monotonic() - started:.1f}s)")
-    return PackedCorpus(rows, documents, fingerprint)
+    index = {"rows": rows.shape[0], "seq_len": training.seq_len, "documents": documents, "tokens": stream.numel(),
+             "max_token": int(rows.max()) if rows.numel() else -1,
+             "fingerprint": hashlib.sha256(rows.numpy().tobytes()).hexdigest()}
+    write_entry(folder, rows, index)
+    return time.monotonic() - started
+
+
+def prepare_corpus_on_every_node(dataset: DatasetConfig, training: TrainingConfig, model_dir: Path, where: str,
+                                 log: bool = True) -> PackedCorpus:
+    """``prepare_corpus`` under torchrun: on each node the local rank 0 prepares a missing
+    cache entry (its own disk: no shared filesystem assumed) while the node's other ranks
+    wait, every rank's error reaches every rank, and every rank must hold the same rows
+    (their fingerprints gathered: tokenization is deterministic, so the nodes agree)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return prepare_corpus(dataset, training, model_dir, where, log)
+    preparer = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PREPARE_TIMEOUT_S))
+    try:
+        corpus, error = None, ""
+        try:
+            corpus = prepare_corpus(dataset, training, model_dir, where, log, prepare=preparer)
+        except DataError as exc:
+            error = str(exc)
+        _raise_first([error], group)
+        if corpus is None:  # this node's preparer has written it
+            corpus = prepare_corpus(dataset, training, model_dir, where, log=False, prepare=False)
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, corpus.fingerprint if corpus is not None else "", group=group)
+        differing = [rank for rank, other in enumerate(found) if other != found[0]]
+        if differing:
+            raise DataError(f"{where}: dataset.path: rank(s) {differing} hold other packed rows than rank 0 "
+                            f"(fingerprints {[str(found[r])[:12] for r in differing]}, rank 0 {found[0][:12]}): the "
+                            f"nodes' data files or tokenizers differ; give every node the same files")
+        return corpus
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _raise_first(errors: list[str], group: Any) -> None:
+    """Every rank's error gathered; the first one raised on every rank."""
+    import torch.distributed as dist
+
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, errors[0], group=group)
+    first = next((error for error in found if error), "")
+    if first:
+        raise DataError(first)
+
+
+def _shown(files: list[Path]) -> str:
+    """The dataset's files as a message names them."""
+    return str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
 
 
 def _unit(dataset: DatasetConfig) -> str:
@@ -219,7 +305,7 @@ def _unit(dataset: DatasetConfig) -> str:
 def check_vocabulary(corpus: PackedCorpus, vocab_size: int, model_dir: Path, where: str) -> None:
     """Every token id fits the model's embedding: a tokenizer larger than the model's
     vocabulary would fail inside the embedding lookup, on every rank, as a traceback."""
-    largest = int(corpus.rows.max())
+    largest = corpus.max_token
     if largest >= vocab_size:
         raise DataError(f"{where}: model.pretrained_model_name_or_path: the tokenizer in {model_dir} gives token id "
                         f"{largest}, the model's vocab_size is {vocab_size}; use the model's own tokenizer")
@@ -247,4 +333,4 @@ def corpus_batch(corpus: PackedCorpus, first_row: int, training: TrainingConfig,
     """The step's ``[global_batch_size, seq_len]`` rows (int64 token ids) starting at data
     position ``first_row``."""
     index = row_indices(first_row, training.global_batch_size, corpus.num_rows, training.seed, shuffle)
-    return corpus.rows[index].long()
+    return corpus.take(index)

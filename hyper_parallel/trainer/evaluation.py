@@ -12,6 +12,7 @@ A file's bytes (kind bytes, a smoke test) has no evaluation. The loss is the mea
 the batches of the step's loss without gradients, averaged over dp like the training loss,
 so every rank and the single-process reference compute the same number."""
 
+import dataclasses
 import hashlib
 
 import torch
@@ -39,7 +40,9 @@ def hold_out(corpus: PackedCorpus, config: TrainerConfig) -> tuple[PackedCorpus,
     chosen = torch.zeros(corpus.num_rows, dtype=torch.bool)
     chosen[torch.randperm(corpus.num_rows, generator=torch.Generator().manual_seed(HOLD_OUT_SEED))[:held]] = True
     fingerprint = hashlib.sha256(f"{corpus.fingerprint}:eval_rows={held}:random{HOLD_OUT_SEED}".encode()).hexdigest()
-    return PackedCorpus(corpus.rows[~chosen], corpus.documents, fingerprint), corpus.rows[chosen].long()
+    # the training rows by their numbers: a memory-mapped corpus is not read, let alone copied
+    train = dataclasses.replace(corpus, fingerprint=fingerprint, ids=torch.nonzero(~chosen).flatten())
+    return train, corpus.take(torch.nonzero(chosen).flatten())
 
 
 def eval_batches(config: TrainerConfig, vocab_size: int, held_rows: torch.Tensor | None) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """Two nodes without a shared filesystem: ``torchrun --nnodes=2 --nproc_per_node=2`` on one
 machine, each node started in its own copy of the project (its own disk: recipes, model
-folder, bundle folder, workspace). Rank 0 builds the bundle on node 0 and sends its bytes;
+folder, bundle folder, workspace, token cache: each node's local rank 0 tokenizes the
+corpus into its own, and the nodes' rows agree). Rank 0 builds the bundle on node 0 and sends its bytes;
 node 1's local rank 0 installs them where node 1's copy is missing or stale, so training
 starts and both nodes hold byte-identical bundles. A node-1 copy with the current
 signature but edited bytes is not repaired: the start is refused on every rank, naming
@@ -20,6 +21,7 @@ from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
 from hyper_parallel.launch.ranks import kill_tree
 from hyper_parallel.runtime.meta import META_FILE
 from tests.project_fixtures import TINY_RECIPE, bundle_bytes, make_project
+from tests.trainer.corpus_fixtures import save_tokenizer, write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -34,11 +36,16 @@ def _free_port() -> int:
 
 
 def _two_node_recipe(project):
+    """The tiny recipe on 2 nodes x 2 ranks, training on a JSON-lines corpus (the model
+    folder gets the corpus' tokenizer): each node tokenizes it into its own token cache."""
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
     data["accelerator"].update(nproc_per_node=2, nnodes=2, tp_size=2, dp_size=2)
     data["training"].update(steps=1, global_batch_size=2, micro_batch_size=1, seq_len=8)
+    data["dataset"] = {"kind": "jsonl", "path": "corpus.jsonl"}
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    save_tokenizer(recipe.parent / data["model"]["pretrained_model_name_or_path"])
+    write_jsonl(recipe.parent / "corpus.jsonl")
 
 
 def _run_two_nodes(nodes) -> list[subprocess.CompletedProcess]:
@@ -85,7 +92,10 @@ def test_node1_without_a_bundle_gets_rank0s_bytes_and_trains(nodes):
     runs = _run_two_nodes(nodes)
     assert all(run.returncode == 0 for run in runs), _output(runs)
     assert bundle_bytes(node0 / BUNDLE) == bundle_bytes(node1 / BUNDLE)
-    assert not (node1 / "generated").exists()  # node 1 generated nothing: no workspace there
+    # node 1 generated nothing (no recipe workspace there) but tokenized the corpus on its own disk
+    assert sorted(p.name for p in (node1 / "generated").iterdir()) == ["tokens"]
+    caches = [sorted((node / "generated" / "tokens").glob("*/rows.bin")) for node in nodes]
+    assert len(caches[0]) == len(caches[1]) == 1 and caches[0][0].read_bytes() == caches[1][0].read_bytes()
     assert "node 1: installed rank 0's bundle" in _output(runs) and "copy was missing" in _output(runs)
 
 

@@ -13,10 +13,11 @@ from typing import Any
 from hyper_parallel.codegen.hash import implementation_sha256, runner_parts, sha256_file, sha256_json
 from hyper_parallel.codegen.source.resolver import SourceError, SourceLocation, locate_source, read_model_config
 from hyper_parallel.codegen.spec.types import CodegenSpec
-from hyper_parallel.codegen.stage_table import WORKSPACE_DIR, WORKSPACE_ENV, stage_row
+from hyper_parallel.codegen.stage_table import WORKSPACE_ENV, stage_row
 from hyper_parallel.config.loading import RecipeError
 from hyper_parallel.config.model_files import ModelLocationError, model_location
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.config.workspace import default_workspace_root
 
 SPEC_SCHEMA = 1
 
@@ -119,12 +120,6 @@ def _check_sibling_names(location: SourceLocation, modeling_file: str, model_dir
         if name == modeling_file:
             raise SourceError(f"{model_dir / name}: a remote-code sibling has the generated modeling file's "
                               f"name {modeling_file!r}; rename it (the bundle holds both)")
-
-
-def default_workspace_root() -> Path:
-    """``$HYPER_PARALLEL_WORKSPACE``, else ``./generated`` (doit runs in the project root)."""
-    env = os.environ.get(WORKSPACE_ENV)
-    return Path(env).resolve() if env else Path.cwd().resolve() / WORKSPACE_DIR
 
 
 def _refuse_symlink(path: Path, where: str, key: str, what: str) -> None:
