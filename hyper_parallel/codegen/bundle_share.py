@@ -47,9 +47,10 @@ def bundle_payload(bundle_dir: Path) -> dict[str, Any]:
 def share_bundle(spec: Any, signature: str, build: Any, *, rank: int, timeout_s: float) -> None:
     """Rank 0 runs ``build()`` (generate, or reuse the current bundle) and sends the result;
     every rank receives it; each node's local rank 0 installs it where its copy is missing
-    or carries another signature. Every rank meets at the end, so nobody reads a bundle
-    while its node writes it. Raises on every rank alike when rank 0's build failed or a
-    rank's recipe projects to another signature than rank 0's."""
+    or carries another signature. Every rank's verdict is gathered at the end, so nobody
+    reads a bundle while its node writes it, and every rank raises alike when rank 0's
+    build failed, a rank's recipe projects to another signature than rank 0's, or a node
+    cannot write its copy."""
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # objects travel on the CPU
@@ -73,15 +74,23 @@ def share_bundle(spec: Any, signature: str, build: Any, *, rank: int, timeout_s:
         raise failure
     if "error" in received:
         raise BundleShareError(f"rank 0 failed to generate {spec.bundle_dir}: {received['error']}")
+    problem = ""
     if received["signature"] != signature:
-        raise BundleShareError(
-            f"rank {rank} ({node_of_this_rank()}): its recipe projects to bundle signature {signature[:12]}, rank "
-            f"0's to {received['signature'][:12]}: the nodes hold different recipes, model folders or "
-            f"hyper_parallel versions; give every node the same checkout")
-    if rank != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        _install_if_stale(spec.bundle_dir, received, signature)
-    dist.barrier(group=group)
+        problem = (f"rank {rank} ({node_of_this_rank()}): its recipe projects to bundle signature {signature[:12]}, "
+                   f"rank 0's to {received['signature'][:12]}: the nodes hold different recipes, model folders or "
+                   f"hyper_parallel versions; give every node the same checkout")
+    elif rank != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            _install_if_stale(spec.bundle_dir, received, signature)
+        except (OSError, HyperParallelError) as exc:
+            problem = f"rank {rank} ({node_of_this_rank()}): cannot install rank 0's bundle: {exc}"
+    # every rank's verdict, so a problem on one node stops every rank (none waits on it)
+    verdicts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, problem, group=group)
     dist.destroy_process_group(group)
+    first = next((verdict for verdict in verdicts if verdict), "")
+    if first:
+        raise BundleShareError(first)
 
 
 def _install_if_stale(bundle_dir: Path, received: dict[str, Any], signature: str) -> None:
@@ -93,4 +102,4 @@ def _install_if_stale(bundle_dir: Path, received: dict[str, Any], signature: str
     write_bundle_atomic(bundle_dir, received["files"], received["meta"])
     # said on every launch that writes a node's disk (other ranks log warnings only)
     _LOG.warning(f"{node_of_this_rank()}: installed rank 0's bundle at {bundle_dir} (signature {signature[:12]}; "
-              f"this node's copy was {'stale' if meta else 'missing'})")
+                 f"this node's copy was {'stale' if meta else 'missing'})")

@@ -149,3 +149,19 @@ def test_rank0s_failure_reaches_every_rank(tmp_path):
     assert all(run.returncode != 0 for run in runs), out
     assert "rank 0 failed to generate" in runs[1].stdout + runs[1].stderr, out  # node 1 got rank 0's message
     assert "no_such_module" in runs[1].stdout + runs[1].stderr, out
+
+
+def test_a_node_with_another_model_config_is_refused_on_every_rank(tmp_path):
+    """Node 1's config.json differs: its recipe projects to another bundle signature, and
+    every rank stops (rank 0's node too), naming node 1's ranks."""
+    nodes = []
+    for node in range(2):
+        project = make_project(tmp_path / f"node{node}")
+        _two_node_recipe(project)
+        nodes.append(project)
+    config = nodes[1] / "recipes/tiny_cpu/models/tiny-qwen3-moe/config.json"
+    config.write_text(config.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+    runs = _run_two_nodes(nodes)
+    out = _output(runs)
+    assert all(run.returncode != 0 for run in runs), out
+    assert "rank 2 (node 1): its recipe projects to bundle signature" in runs[0].stdout + runs[0].stderr, out
