@@ -26,7 +26,7 @@ from typing import Any
 from hyper_parallel.codegen.bundle_folder import write_bundle_atomic
 from hyper_parallel.codegen.workspace import read_json
 from hyper_parallel.errors import HyperParallelError
-from hyper_parallel.runtime.integrity import node_of_this_rank
+from hyper_parallel.distributed.ranks import node_of_this_rank
 from hyper_parallel.runtime.meta import META_FILE
 
 

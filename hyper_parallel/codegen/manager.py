@@ -20,6 +20,7 @@ from hyper_parallel.codegen.stages import run_stage, stage_is_current
 from hyper_parallel.codegen.workspace import check_workspace_owned, read_json, remove_orphaned_temp_files, write_json
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.distributed.ranks import group_of_several_ranks
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.runtime.meta import META_FILE
 from hyper_parallel.runtime.build import DEFAULT_WAIT_TIMEOUT_S
@@ -121,7 +122,7 @@ def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: floa
         else:
             _LOG.info(f"reusing {spec.bundle_dir} (signature {signature[:12]})")
 
-    if _group_of_several():  # the bytes travel over the process group: no shared folder needed
+    if group_of_several_ranks():  # the bytes travel over the process group: no shared folder needed
         share_bundle(spec, signature, build, rank=rank, timeout_s=timeout_s)
         return
     if rank == 0:
@@ -135,13 +136,6 @@ def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: floa
             raise
     else:
         _wait_for_bundle(spec, signature, timeout_s, poll_s)
-
-
-def _group_of_several() -> bool:
-    """A process group of more than one rank is up (training under torchrun)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _wait_for_bundle(spec: CodegenSpec, signature: str, timeout_s: float, poll_s: float) -> None:

@@ -347,16 +347,42 @@ def _validate_dataset(config: TrainerConfig, where: str) -> None:
     if dataset.sample_by not in TEXT_SAMPLE_BY:
         raise RecipeError(f"{where}: dataset.sample_by: expected one of {', '.join(TEXT_SAMPLE_BY)}, "
                           f"got {dataset.sample_by!r}")
+    if isinstance(dataset.tokenize_workers, bool) or not isinstance(dataset.tokenize_workers, int) \
+            or dataset.tokenize_workers < 0:
+        raise RecipeError(f"{where}: dataset.tokenize_workers: expected an integer >= 0 (0: one per core for large "
+                          f"data, 1: tokenize in the preparing rank), got {dataset.tokenize_workers!r}")
     unused = [key for key, default in (("text_column", "text"), ("sample_by", "line"), ("shuffle", True),
-                                       ("cache_dir", None))
+                                       ("cache_dir", None), ("tokenize_workers", 0), ("streaming", False))
               if getattr(dataset, key) != default and not _dataset_reads(dataset.kind, key)]
     if unused:
         raise RecipeError(f"{where}: dataset.{unused[0]}: has no effect with dataset.kind {dataset.kind!r}; "
                           f"remove it (it applies to kind {', '.join(_KEY_KINDS[unused[0]])})")
+    if dataset.streaming:
+        _validate_streaming(config, where)
+
+
+def _validate_streaming(config: TrainerConfig, where: str) -> None:
+    """``dataset.streaming``: the rows come in order (shuffle defaults to false, true is
+    refused), none can be held out, and no tokenizer processes run."""
+    dataset, written = config.dataset, config._written_keys
+    if "dataset.shuffle" not in written:
+        dataset.shuffle = False  # the documented default under streaming
+    fix = "set dataset.streaming: false (the token cache) or remove"
+    if dataset.shuffle:
+        raise RecipeError(f"{where}: dataset.shuffle: true cannot apply with dataset.streaming: true (a streamed "
+                          f"dataset is read in order; a shuffled order needs every row at hand); fix: {fix} "
+                          f"dataset.shuffle")
+    if "dataset.tokenize_workers" in written:
+        raise RecipeError(f"{where}: dataset.tokenize_workers: has no effect with dataset.streaming: true (each rank "
+                          f"tokenizes the stream itself); fix: {fix} dataset.tokenize_workers")
+    if config.training.eval is not None:
+        raise RecipeError(f"{where}: training.eval: holds rows out of the dataset, which a streamed dataset does not "
+                          f"have at hand; fix: {fix} training.eval")
 
 
 _KEY_KINDS = {"text_column": ("jsonl", "parquet"), "sample_by": ("text",), "shuffle": TOKENIZED_KINDS,
-              "cache_dir": TOKENIZED_KINDS}
+              "cache_dir": TOKENIZED_KINDS, "tokenize_workers": TOKENIZED_KINDS,
+              "streaming": TOKENIZED_KINDS}
 
 
 def _dataset_reads(kind: str, key: str) -> bool:

@@ -204,6 +204,12 @@ class DatasetConfig:
     # tokenized kinds: where the packed rows are cached (trainer/token_cache.py), relative to
     # the recipe's folder; None: the workspace's tokens/ folder
     cache_dir: str | None = None
+    # tokenized kinds: processes that tokenize a missing cache entry (0: one per core, up to
+    # 16, for data of 64 MB and more; below that, or 1, the preparing rank tokenizes itself)
+    tokenize_workers: int = 0
+    # tokenized kinds: read, tokenize and pack the rows as training consumes them (no token
+    # cache; for corpora that do not fit on disk twice); in order, so shuffle defaults to false
+    streaming: bool = False
 
 
 @dataclass

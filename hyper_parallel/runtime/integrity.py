@@ -7,11 +7,11 @@ are carried unchanged; the plan is not empty and covers every trainable paramete
 every rank imports the same bytes (``integrity_across_ranks``). Torch-free at import.
 """
 
-import os
 from pathlib import Path
 from typing import Any
 
 from hyper_parallel.digest import sha256_bytes, sha256_file
+from hyper_parallel.distributed.ranks import group_of_several_ranks, node_of_this_rank
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.runtime.meta import META_FILE, MetaError, load_codegen_meta
 
@@ -114,13 +114,6 @@ def check_plan_covers(model: Any, module: Any, bundle_dir: Path, fix: str) -> No
                              f"{', '.join(uncovered[:5])}\n  fix: {fix}")
 
 
-def node_of_this_rank() -> str:
-    """The node this process runs on, as torchrun numbers it (``GROUP_RANK``), else its
-    host name: what a failure names beside the ranks."""
-    node = os.environ.get("GROUP_RANK")
-    return f"node {node}" if node is not None else f"host {os.uname().nodename}"
-
-
 def integrity_across_ranks(bundle_dir: Path, *, expected_signature: str, fix: str) -> dict[str, Any]:
     """``preflight_integrity_check`` on this rank, then, with a process group of several
     ranks, every rank's verdict and digest gathered: a rank whose copy fails its check (an
@@ -129,7 +122,7 @@ def integrity_across_ranks(bundle_dir: Path, *, expected_signature: str, fix: st
     never joins). Returns this rank's report."""
     import torch.distributed as dist
 
-    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    several = group_of_several_ranks()
     try:
         report, error = preflight_integrity_check(bundle_dir, expected_signature=expected_signature, fix=fix), ""
     except PreflightError as exc:

@@ -72,6 +72,10 @@ def prepare_data_main(argv: list[str]) -> int:
         if config.dataset.kind not in TOKENIZED_KINDS:
             raise RecipeError(f"{config.where}: dataset.kind: {config.dataset.kind!r} is not tokenized (nothing to "
                               f"prepare); prepare-data reads kinds {', '.join(TOKENIZED_KINDS)}")
+        if config.dataset.streaming:
+            raise RecipeError(f"{config.where}: dataset.streaming: true reads and tokenizes the files during "
+                              f"training, with no token cache (nothing to prepare); fix: set dataset.streaming: "
+                              f"false to prepare the cache")
         started = time.perf_counter()
         corpus = prepare_corpus(config.dataset, config.training, recipe_model_dir(config), config.where)
     except (RecipeError, DataError) as exc:

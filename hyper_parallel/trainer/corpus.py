@@ -20,32 +20,28 @@ error (missing file, no tokenizer, empty dataset, missing column) reaches every 
 said once by rank 0 (``hyper_parallel.trainer.__main__``), and every rank exits with 2.
 """
 
-import hashlib
-import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
+from hyper_parallel.distributed.ranks import group_of_several_ranks
 from hyper_parallel.trainer.data import DataError, existing_dataset_path
-from hyper_parallel.trainer.token_cache import cache_key, cache_root, load_entry, write_entry
+from hyper_parallel.trainer.stream import StreamedCorpus, open_stream
+from hyper_parallel.trainer.token_cache import EntryWriter, cache_key, cache_root, load_entry
+from hyper_parallel.trainer.tokenize import Progress, iter_batches, load_tokenizer, tokenized, worker_count
 
 _LOG = logging.getLogger(__name__)
 
 # The files a folder path contributes, per kind (``datasets`` reads each file by its kind,
 # whatever its name; these only choose which files of a folder are data).
 SUFFIXES = {"text": (".txt", ".text"), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
-BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}  # datasets' packaged builder per kind
-_TOKENIZE_BATCH = 1000  # documents per tokenizer call (the fast tokenizer batches them in Rust)
-_PROGRESS_EVERY_S = 5.0
 PREPARE_TIMEOUT_S = 3600.0  # how long a rank waits for its node's local rank 0 to tokenize the corpus
 
 
@@ -86,125 +82,20 @@ def dataset_files(dataset: DatasetConfig, where: str) -> list[Path]:
     return files
 
 
-def load_tokenizer(model_dir: Path, where: str, kind: str):
-    """The model folder's tokenizer (``AutoTokenizer``, local files only). Named errors:
-    no tokenizer there, one that does not load, or one without an EOS token (it separates
-    the packed documents)."""
-    from transformers import AutoTokenizer  # the trainer has transformers loaded already
-
-    key = "model.pretrained_model_name_or_path"
-    fix = (f"save the model's tokenizer into that folder (tokenizer.save_pretrained('{model_dir}')), or use "
-           f"dataset.kind: bytes or synthetic")
-    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                        "tokenizer.model", "vocab.json", "vocab.txt")):
-        raise DataError(f"{where}: {key}: {model_dir} has no tokenizer (no tokenizer.json or "
-                        f"tokenizer_config.json), which dataset.kind {kind!r} needs; fix: {fix}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"{where}: {key}: the tokenizer in {model_dir} cannot be loaded ({first}); fix: {fix}") \
-            from None
-    if tokenizer.eos_token_id is None:
-        raise DataError(f"{where}: {key}: the tokenizer in {model_dir} has no eos_token, which separates the "
-                        f"packed documents; fix: set eos_token in its tokenizer_config.json")
-    return tokenizer
-
-
-def _import_datasets(kind: str, where: str):
-    """HF ``datasets``, imported only when a recipe reads real data (it is heavy, and an
-    optional dependency: ``pip install -e ".[data]"``). Offline: the data are local files."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(f"{where}: dataset.kind: {kind!r} reads its files with HF datasets, which is not "
-                        f"installed; fix: pip install -c constraints.txt -e \".[data]\" (in the project's "
-                        f"checkout)") from None
-    datasets.logging.set_verbosity_error()  # its own progress bars and notes would repeat on every rank
-    datasets.disable_progress_bars()
-    return datasets
-
-
-def iter_documents(dataset: DatasetConfig, files: list[Path], where: str) -> Iterator[str]:
-    """Each document's text, in file order then row order (``datasets`` streaming: rows
-    are read as they are tokenized, no Arrow copy is made). Empty documents are skipped."""
-    datasets = _import_datasets(dataset.kind, where)
-    options = {"sample_by": dataset.sample_by} if dataset.kind == "text" else {}
-    column = "text" if dataset.kind == "text" else dataset.text_column
-    for file in files:
-        try:
-            stream = datasets.load_dataset(BUILDERS[dataset.kind], data_files=[str(file)], split="train",
-                                           streaming=True, **options)
-            index = 0
-            for rows in stream.iter(batch_size=_TOKENIZE_BATCH):  # a column's values at a time: cheaper than rows
-                if column not in rows:
-                    raise DataError(f"{where}: dataset.text_column: {file} has no column {column!r} (its columns: "
-                                    f"{', '.join(sorted(rows)) or 'none'}); fix dataset.text_column")
-                for text in rows[column]:
-                    if text is not None and not isinstance(text, str):
-                        raise DataError(f"{where}: dataset.text_column: {file} row {index}: {column!r} holds "
-                                        f"{type(text).__name__}, expected text; fix dataset.text_column")
-                    index += 1
-                    if text:
-                        yield text
-        except DataError:
-            raise
-        except StopIteration:  # datasets' json reader on an empty file
-            continue
-        except Exception as exc:  # noqa: BLE001 -- a reader's error is the user's file, named in one line
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DataError(f"{where}: dataset.path: {file} cannot be read as {dataset.kind} ({first[:300]}); "
-                            f"fix the file or dataset.kind") from None
-
-
-def token_stream(documents: Iterator[str], tokenizer, log: bool) -> tuple[torch.Tensor, int]:
-    """The documents' tokens, each document followed by EOS, as one int32 tensor; and the
-    number of documents. Logs progress every few seconds when ``log``."""
-    eos = tokenizer.eos_token_id
-    chunks: list[torch.Tensor] = []
-    count, tokens, started, last = 0, 0, time.monotonic(), time.monotonic()
-    batch: list[str] = []
-
-    def flush() -> None:
-        """Tokenize the pending documents in one call (the fast tokenizer batches them)."""
-        nonlocal tokens
-        ids = tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        flat = np.fromiter(itertools.chain.from_iterable(doc + [eos] for doc in ids), dtype=np.int32)
-        chunks.append(torch.from_numpy(flat))
-        tokens += flat.size
-        batch.clear()
-
-    for text in documents:
-        batch.append(text)
-        count += 1
-        if len(batch) == _TOKENIZE_BATCH:
-            flush()
-            if log and time.monotonic() - last > _PROGRESS_EVERY_S:
-                last = time.monotonic()
-                _LOG.info(f"dataset: {count:,} documents, {tokens:,} tokens tokenized "
-                          f"({last - started:.0f}s)")
-    if batch:
-        flush()
-    return (torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int32)), count
-
-
-def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The stream cut into ``[rows, seq_len]`` (the partial last row dropped)."""
-    rows = stream.numel() // seq_len
-    return stream[:rows * seq_len].view(rows, seq_len)
-
-
 def prepare_corpus(dataset: DatasetConfig, training: TrainingConfig, model_dir: Path, where: str,
-                   log: bool = True, prepare: bool = True) -> PackedCorpus | None:
-    """The recipe's dataset as packed rows, memory-mapped from the token cache
+                   log: bool = True, prepare: bool = True) -> PackedCorpus | StreamedCorpus | None:
+    """The recipe's dataset as packed rows (``dataset.streaming``: read as training asks
+    for them, trainer/stream.py), memory-mapped from the token cache
     (trainer/token_cache.py): read from there when an entry for these files, tokenizer and
     settings exists, else (``prepare``) read, tokenized, packed and written there first;
     None where it must be prepared and ``prepare`` is off (another rank prepares it).
     Enough rows for one step, else a named error."""
     files = dataset_files(dataset, where)
-    key = cache_key(dataset, training.seq_len, files, model_dir)
-    folder = cache_root(dataset, where) / key
+    root = cache_root(dataset, where)
+    key = cache_key(dataset, training.seq_len, files, model_dir, root)
+    if dataset.streaming:
+        return open_stream(dataset, training, model_dir, where, files, key, log)
+    folder = root / key
     shown = _shown(files)
     entry = load_entry(folder)
     if entry is None and not prepare:
@@ -227,34 +118,43 @@ def prepare_corpus(dataset: DatasetConfig, training: TrainingConfig, model_dir: 
 
 def _write_prepared(dataset: DatasetConfig, training: TrainingConfig, model_dir: Path, where: str, files: list[Path],
                     folder: Path, log: bool) -> float:
-    """Read, tokenize and pack the dataset; write it as the cache entry ``folder``; the
-    seconds it took."""
+    """Read, tokenize and pack the dataset straight into the cache entry ``folder`` (memory
+    flat in the corpus size); the seconds it took."""
     tokenizer = load_tokenizer(model_dir, where, dataset.kind)
     started = time.monotonic()
+    data_bytes = sum(file.stat().st_size for file in files)
+    workers = worker_count(dataset, data_bytes)
     if log:
-        _LOG.info(f"dataset: reading {len(files)} {dataset.kind} file(s) from {dataset.path}, tokenizing with "
-                  f"{model_dir}")
-    stream, documents = token_stream(iter_documents(dataset, files, where), tokenizer, log)
-    if documents == 0:
-        raise DataError(f"{where}: dataset.path: {_shown(files)} holds no documents (every {_unit(dataset)} is empty); "
-                        f"fix dataset.path")
-    rows = pack(stream, training.seq_len)
-    index = {"rows": rows.shape[0], "seq_len": training.seq_len, "documents": documents, "tokens": stream.numel(),
-             "max_token": int(rows.max()) if rows.numel() else -1,
-             "fingerprint": hashlib.sha256(rows.numpy().tobytes()).hexdigest()}
-    write_entry(folder, rows, index)
+        how = f"{workers} tokenizer processes" if workers > 1 else "this process"
+        _LOG.info(f"dataset: reading {len(files)} {dataset.kind} file(s) ({data_bytes / 1e6:,.1f} MB) from "
+                  f"{dataset.path}, tokenizing with {model_dir} in {how}")
+    progress = Progress(data_bytes, show=log)
+    documents = 0
+    try:
+        with EntryWriter(folder, training.seq_len) as entry:
+            batches = iter_batches(dataset, files, where, progress=progress.file_done)
+            for count, chars, tokens in tokenized(batches, tokenizer, model_dir, workers):
+                entry.append(tokens)
+                documents += count
+                progress.batch_done(count, tokens.size, chars)
+            if documents == 0:
+                raise DataError(f"{where}: dataset.path: {_shown(files)} holds no documents (every {_unit(dataset)} "
+                                f"is empty); fix dataset.path")
+            entry.commit(documents)
+    finally:
+        progress.close()
     return time.monotonic() - started
 
 
 def prepare_corpus_on_every_node(dataset: DatasetConfig, training: TrainingConfig, model_dir: Path, where: str,
-                                 log: bool = True) -> PackedCorpus:
+                                 log: bool = True) -> PackedCorpus | StreamedCorpus:
     """``prepare_corpus`` under torchrun: on each node the local rank 0 prepares a missing
     cache entry (its own disk: no shared filesystem assumed) while the node's other ranks
     wait, every rank's error reaches every rank, and every rank must hold the same rows
     (their fingerprints gathered: tokenization is deterministic, so the nodes agree)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not group_of_several_ranks():
         return prepare_corpus(dataset, training, model_dir, where, log)
     preparer = int(os.environ.get("LOCAL_RANK", "0")) == 0
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PREPARE_TIMEOUT_S))
@@ -302,9 +202,12 @@ def _unit(dataset: DatasetConfig) -> str:
     return f"row's {dataset.text_column!r}"
 
 
-def check_vocabulary(corpus: PackedCorpus, vocab_size: int, model_dir: Path, where: str) -> None:
+def check_vocabulary(corpus: PackedCorpus | StreamedCorpus, vocab_size: int, model_dir: Path, where: str) -> None:
     """Every token id fits the model's embedding: a tokenizer larger than the model's
     vocabulary would fail inside the embedding lookup, on every rank, as a traceback."""
+    if isinstance(corpus, StreamedCorpus):  # its rows are checked as they are read
+        corpus.vocab_size = vocab_size
+        return
     largest = corpus.max_token
     if largest >= vocab_size:
         raise DataError(f"{where}: model.pretrained_model_name_or_path: the tokenizer in {model_dir} gives token id "
@@ -329,8 +232,11 @@ def row_indices(first_row: int, count: int, num_rows: int, seed: int, shuffle: b
     return out
 
 
-def corpus_batch(corpus: PackedCorpus, first_row: int, training: TrainingConfig, shuffle: bool) -> torch.Tensor:
+def corpus_batch(corpus: PackedCorpus | StreamedCorpus, first_row: int, training: TrainingConfig,
+                 shuffle: bool) -> torch.Tensor:
     """The step's ``[global_batch_size, seq_len]`` rows (int64 token ids) starting at data
     position ``first_row``."""
+    if isinstance(corpus, StreamedCorpus):
+        return corpus.rows_at(first_row, training.global_batch_size)
     index = row_indices(first_row, training.global_batch_size, corpus.num_rows, training.seed, shuffle)
     return corpus.take(index)

@@ -7,7 +7,9 @@ records, the same as before there was a cache). The key is the sha256 of everyth
 rows depend on: the data files' contents (sha256, not their dates), the tokenizer's
 files, the dataset keys that decide what a document is, ``seq_len`` and this format's
 version, so a changed file, tokenizer or packing setting is a new entry and an entry is
-never stale. An entry is written into a temporary sibling folder and renamed in whole.
+never stale (a file's sha256 is remembered with its size, time and inode: an unchanged file
+is not read again). An entry is written as it is tokenized, into a temporary sibling
+folder, and renamed in whole.
 
 Training memory-maps ``rows.bin``: a rank's memory holds the rows it reads, not the
 corpus, and a second start reads no text (``python -m hyper_parallel.trainer prepare-data``
@@ -19,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,11 +33,12 @@ from hyper_parallel.config.schema import DatasetConfig
 from hyper_parallel.config.workspace import default_workspace_root
 
 FORMAT = 1
-ROWS_FILE, INDEX_FILE = "rows.bin", "index.json"
+ROWS_FILE, INDEX_FILE, HASHES_FILE = "rows.bin", "index.json", "file_hashes.json"
 # The model folder's files a tokenizer is read from (AutoTokenizer's, by name).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json")
 _HASH_CHUNK = 1 << 22
+RACY_NS = 2_000_000_000
 
 
 def cache_root(dataset: DatasetConfig, where: str) -> Path:
@@ -53,12 +57,57 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def cache_key(dataset: DatasetConfig, seq_len: int, files: list[Path], model_dir: Path) -> str:
-    """The sha256 of what the packed rows depend on (see the module docstring)."""
+class KnownHashes:
+    """The data files' sha256, remembered in ``<cache>/file_hashes.json`` by path with the
+    file's size, modification time (ns) and inode: a start on unchanged files reads none
+    of their bytes (hashing costs seconds per GB, on every rank). A file written since
+    has another time or size and is hashed again: the rule make and git use. A file
+    modified in the last two seconds is not remembered (git's "racy" rule: a write in the
+    same clock tick could keep size and time)."""
+
+    def __init__(self, root: Path):
+        self.path = root / HASHES_FILE
+        try:
+            self.known = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.known = {}
+        self.changed = False
+
+    def sha256(self, file: Path) -> str:
+        stat = file.stat()
+        stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+        key = str(file.resolve())
+        seen = self.known.get(key)
+        if isinstance(seen, list) and len(seen) == 4 and seen[:3] == stamp:
+            return seen[3]
+        digest = file_sha256(file)
+        if time.time_ns() - stat.st_mtime_ns > RACY_NS:
+            self.known[key], self.changed = [*stamp, digest], True
+        return digest
+
+    def save(self) -> None:
+        """Written by rename (ranks that write at once each leave a whole file); a cache
+        folder that cannot be written only costs the next start its hashing."""
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            staging = self.path.with_name(f".{HASHES_FILE}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            staging.write_text(json.dumps(self.known, indent=1, sort_keys=True))
+            staging.replace(self.path)
+        except OSError:
+            pass
+
+
+def cache_key(dataset: DatasetConfig, seq_len: int, files: list[Path], model_dir: Path, root: Path) -> str:
+    """The sha256 of what the packed rows depend on (see the module docstring); the data
+    files' hashes remembered under ``root`` (``KnownHashes``)."""
+    hashes = KnownHashes(root)
     tokenizer = {name: file_sha256(model_dir / name) for name in TOKENIZER_FILES if (model_dir / name).is_file()}
     inputs = {"format": FORMAT, "kind": dataset.kind, "text_column": dataset.text_column,
               "sample_by": dataset.sample_by, "seq_len": seq_len,
-              "files": [file_sha256(path) for path in files], "tokenizer": tokenizer}
+              "files": [hashes.sha256(path) for path in files], "tokenizer": tokenizer}
+    hashes.save()
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
@@ -80,19 +129,53 @@ def load_entry(folder: Path) -> tuple[torch.Tensor, dict[str, Any]] | None:
     return torch.from_numpy(mapped), index
 
 
-def write_entry(folder: Path, rows: torch.Tensor, index: dict[str, Any]) -> None:
-    """Write ``rows`` and ``index`` as the entry ``folder``, whole or not at all (another
-    process writing the same entry at once is harmless: the same bytes, one rename wins)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.parent / f".{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
-        rows.contiguous().numpy().astype(np.int32, copy=False).tofile(staging / ROWS_FILE)
-        (staging / INDEX_FILE).write_text(json.dumps({"format": FORMAT, **index}, indent=1, sort_keys=True))
+class EntryWriter:
+    """Writes an entry as its tokens come: appended to ``rows.bin`` in a temporary sibling
+    folder, the rows' sha256 and largest id taken as whole rows complete (the tail that fills
+    no row is cut off at the end), then renamed into place whole. Memory holds one batch and
+    less than a row, whatever the corpus' size. A failure leaves no entry (``with``)."""
+
+    def __init__(self, folder: Path, seq_len: int):
+        self.folder, self.seq_len = folder, seq_len
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        self.staging = folder.parent / f".{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.staging.mkdir()
+        self.file = open(self.staging / ROWS_FILE, "wb")
+        self.digest = hashlib.sha256()
+        self.tail = np.empty(0, dtype=np.int32)  # tokens after the last complete row
+        self.tokens = self.rows = 0
+        self.max_token = -1
+
+    def __enter__(self) -> "EntryWriter":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.file.close()
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def append(self, tokens: np.ndarray) -> None:
+        """The next tokens of the stream (int32)."""
+        self.file.write(tokens.tobytes())
+        self.tokens += tokens.size
+        pending = np.concatenate([self.tail, tokens])
+        whole = pending.size // self.seq_len * self.seq_len
+        if whole:
+            self.digest.update(pending[:whole].tobytes())
+            self.max_token = max(self.max_token, int(pending[:whole].max()))
+            self.rows += whole // self.seq_len
+        self.tail = pending[whole:]
+
+    def commit(self, documents: int) -> None:
+        """The rows cut to whole ones, the index written, the entry renamed into place
+        (another process writing the same entry at once is harmless: the same bytes, one
+        rename wins)."""
+        self.file.truncate(self.rows * self.seq_len * 4)
+        self.file.close()
+        index = {"format": FORMAT, "rows": self.rows, "seq_len": self.seq_len, "documents": documents,
+                 "tokens": self.tokens, "max_token": self.max_token, "fingerprint": self.digest.hexdigest()}
+        (self.staging / INDEX_FILE).write_text(json.dumps(index, indent=1, sort_keys=True))
         try:
-            staging.rename(folder)
+            self.staging.rename(self.folder)
         except OSError:
-            if load_entry(folder) is None:  # not another writer's complete entry
+            if load_entry(self.folder) is None:  # not another writer's complete entry
                 raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

@@ -57,28 +57,45 @@ def _trainer(recipe):
                     preload=(QWEN3_MOE_MODELING,))
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A folder with the tiny model and its tokenizer, corpus.jsonl, the recipe, and the
-    checkpoints ``step_2`` and ``step_4`` of an uninterrupted 4-step run; its per-rank
-    results; and the per-rank results and output of the run that resumed a copy of the
-    folder without ``step_4``, in the same ranks (tests/trainer/corpus_worker.py)."""
-    folder = tmp_path_factory.mktemp("corpus_run")
+def _run_and_resume(tmp_path_factory, name: str, dataset: dict):
+    """A folder with the tiny model and its tokenizer, corpus.jsonl and the recipe on
+    ``dataset``, trained 4 steps with checkpoints ``step_2`` and ``step_4``, then, in the same
+    ranks, a copy of the folder without ``step_4`` resumed (tests/trainer/corpus_worker.py).
+    Returns the folder, the whole run's output and per-rank results, the resumed run's."""
+    folder = tmp_path_factory.mktemp(f"{name}_run")
     model_with_tokenizer(folder / "model")
     write_jsonl(folder / "corpus.jsonl")
-    recipe = corpus_recipe(folder, {"kind": "jsonl", "path": "corpus.jsonl", "shuffle": False}, training={
-        "steps": STEPS, "checkpoint": {"dir": "checkpoints", "every_steps": 2, "keep_last": 0}})
-    out, resumed_out = tmp_path_factory.mktemp("corpus_out"), tmp_path_factory.mktemp("resumed_out")
+    recipe = corpus_recipe(folder, {"kind": "jsonl", "path": "corpus.jsonl", "cache_dir": "tokens", **dataset},
+                           training={"steps": STEPS,
+                                     "checkpoint": {"dir": "checkpoints", "every_steps": 2, "keep_last": 0}})
+    out, resumed_out = tmp_path_factory.mktemp(f"{name}_out"), tmp_path_factory.mktemp(f"{name}_resumed_out")
     proc = torchrun(["-m", "tests.trainer.corpus_worker", "--config", str(recipe), "--out", str(out),
-                     "--resume-copy", str(tmp_path_factory.mktemp("resumed") / "run"),
+                     "--resume-copy", str(tmp_path_factory.mktemp(f"{name}_resumed") / "run"),
                      "--drop", "checkpoints/step_4", "--resume-out", str(resumed_out),
-                     "--marker", RESUME_MARKER], REPO,
-                    preload=(QWEN3_MOE_MODELING,))
+                     "--marker", RESUME_MARKER], REPO, preload=(QWEN3_MOE_MODELING,))
     assert_ran(proc)
     whole_stdout, marker, resumed_stdout = proc.stdout.partition(RESUME_MARKER)
     assert marker, proc.stdout
-    assert "dataset: 30 documents" in whole_stdout, proc.stdout
-    return folder, _ranks(out), (resumed_stdout, _ranks(resumed_out))
+    return folder, (whole_stdout, _ranks(out)), (resumed_stdout, _ranks(resumed_out))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The folder and per-rank results of the run on the token cache (in order), and the
+    resumed run's output and per-rank results."""
+    folder, (stdout, ranks), resumed = _run_and_resume(tmp_path_factory, "corpus", {"shuffle": False})
+    assert "dataset: 30 documents" in stdout, stdout
+    return folder, ranks, resumed
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    """The same run with ``dataset.streaming: true`` (no token cache, rows read in order),
+    and its resumed copy: per-rank results and the resumed run's output."""
+    folder, (stdout, ranks), resumed = _run_and_resume(tmp_path_factory, "streamed", {"streaming": True})
+    assert "dataset: streamed from 1 jsonl file(s)" in stdout, stdout
+    assert not any(p.is_dir() for p in (folder / "tokens").iterdir())  # no cache entry, only the files' hashes
+    return ranks, resumed
 
 
 def _direct_rows(model_dir) -> tuple[list[list[int]], int]:
@@ -117,6 +134,18 @@ def test_a_resumed_run_continues_at_the_data_position(trained):
     for rank in (0, 1):
         assert resumed[rank]["steps"] == [3, 4]
         assert resumed[rank]["inputs"] == whole[rank]["inputs"][4:]  # steps 3 and 4: the same rows
+        for got, want in zip(resumed[rank]["losses"], whole[rank]["losses"][2:]):
+            assert math.isclose(got, want, rel_tol=1e-7), (resumed[rank]["losses"], whole[rank]["losses"])
+
+
+def test_a_streamed_dataset_trains_on_the_cached_rows_and_resumes_exactly(trained, streamed):
+    _, cached, _ = trained
+    whole, (stdout, resumed) = streamed
+    assert "rows to reach data position 8" in stdout, stdout  # the resumed run reads up to its position
+    for rank in (0, 1):
+        assert whole[rank]["inputs"] == cached[rank]["inputs"]  # the cache's rows, in order
+        assert whole[rank]["losses"] == cached[rank]["losses"]
+        assert resumed[rank]["steps"] == [3, 4] and resumed[rank]["inputs"] == whole[rank]["inputs"][4:]
         for got, want in zip(resumed[rank]["losses"], whole[rank]["losses"][2:]):
             assert math.isclose(got, want, rel_tol=1e-7), (resumed[rank]["losses"], whole[rank]["losses"])
 

@@ -1,19 +1,31 @@
 """Tokenize once (trainer/token_cache.py): the packed rows are written to the token cache
 and memory-mapped; a second preparation reads no text and gives the same rows and
 fingerprint; a changed data file, tokenizer or seq_len is another entry; ``prepare-data``
-fills the cache from the command line; a training.eval hold-out keeps the rows mapped."""
+fills the cache from the command line; a training.eval hold-out keeps the rows mapped; an
+unchanged data file is not hashed again; tokenizer processes give the same rows as one
+process; the entry is written as the tokens come, whole rows only, nothing on failure."""
 
+import hashlib
+import json
+import os
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 import torch
 
 from hyper_parallel.config import load_training_config
+from hyper_parallel.config.loading import RecipeError
 from hyper_parallel.trainer import corpus as corpus_module
+from hyper_parallel.trainer import token_cache
+from hyper_parallel.trainer import tokenize as tokenize_module
 from hyper_parallel.trainer.corpus import prepare_corpus
+from hyper_parallel.trainer.data import DataError
 from hyper_parallel.trainer.evaluation import hold_out
-from hyper_parallel.trainer.token_cache import INDEX_FILE, ROWS_FILE
+from hyper_parallel.trainer.stream import StreamedCorpus
+from hyper_parallel.trainer.token_cache import HASHES_FILE, INDEX_FILE, ROWS_FILE, EntryWriter, load_entry
 from tests.project_fixtures import REPO
 from tests.trainer.corpus_fixtures import DOCUMENTS, corpus_recipe, model_with_tokenizer, write_jsonl
 
@@ -51,7 +63,7 @@ def test_a_second_preparation_reads_the_cache_not_the_text(recipe, monkeypatch):
     def no_reading(*args, **kwargs):
         raise AssertionError("the text was read again")
 
-    monkeypatch.setattr(corpus_module, "iter_documents", no_reading)
+    monkeypatch.setattr(corpus_module, "iter_batches", no_reading)
     second = _prepare(recipe)
     assert second.cache == first.cache and second.fingerprint == first.fingerprint
     assert torch.equal(second.rows, first.rows) and second.documents == len(DOCUMENTS)
@@ -94,3 +106,90 @@ def test_prepare_data_command_fills_the_cache(recipe):
                           str(REPO / "recipes/tiny_cpu/qwen3_moe_tiny.yaml")], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "dataset.kind: 'synthetic' is not tokenized" in bad.stderr, bad.stderr
+
+
+def test_an_unchanged_data_file_is_not_read_to_key_the_cache(recipe, monkeypatch):
+    data = recipe.parent / "data.jsonl"
+    os.utime(data, (time.time() - 60, time.time() - 60))  # older than the racy window
+    first = _prepare(recipe)
+    assert str(data.resolve()) in json.loads((first.cache.parent / HASHES_FILE).read_text())
+    real = token_cache.file_sha256
+
+    def only_the_tokenizer(path):
+        assert path.name != "data.jsonl", "the unchanged data file was hashed again"
+        return real(path)
+
+    monkeypatch.setattr(token_cache, "file_sha256", only_the_tokenizer)
+    assert _prepare(recipe).cache == first.cache
+    data.write_text(data.read_text())  # the same bytes, a new time: hashed again, the same entry
+    monkeypatch.setattr(token_cache, "file_sha256", real)
+    assert _prepare(recipe).cache == first.cache
+    data.write_text(data.read_text().replace("w1 ", "w2 ", 1))  # the same size, other bytes
+    assert _prepare(recipe).cache != first.cache
+
+
+def test_tokenizer_processes_give_the_rows_of_one_process(recipe, monkeypatch):
+    monkeypatch.setattr(tokenize_module, "TOKENIZE_BATCH", 4)  # several batches in flight
+    alone = _prepare(recipe)
+    recipe.write_text(recipe.read_text().replace("cache_dir: tokens", "cache_dir: tokens2\n  tokenize_workers: 2"))
+
+    def not_here(*args):
+        raise AssertionError("the preparing process tokenized: no workers ran")
+
+    monkeypatch.setattr(tokenize_module, "encode", not_here)  # the spawned workers import their own
+    pooled = _prepare(recipe)
+    assert pooled.cache.parent.name == "tokens2" and pooled.cache.name == alone.cache.name
+    assert pooled.fingerprint == alone.fingerprint and torch.equal(pooled.rows, alone.rows)
+    assert (pooled.documents, pooled.max_token) == (alone.documents, alone.max_token)
+
+
+def test_the_entry_writer_keeps_whole_rows_of_the_stream(tmp_path):
+    stream = np.random.default_rng(0).integers(0, 1000, 1003, dtype=np.int32)
+    with EntryWriter(tmp_path / "entry", 10) as writer:
+        for start, stop in ((0, 3), (3, 3), (3, 250), (250, 1003)):  # chunks that cut rows anywhere
+            writer.append(stream[start:stop])
+        writer.commit(documents=7)
+    rows, index = load_entry(tmp_path / "entry")
+    want = stream[:1000].reshape(100, 10)
+    assert np.array_equal(rows.numpy(), want) and index["tokens"] == 1003 and index["documents"] == 7
+    assert index["fingerprint"] == hashlib.sha256(want.tobytes()).hexdigest()
+    assert index["max_token"] == int(want.max()) and sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
+    with pytest.raises(RuntimeError), EntryWriter(tmp_path / "failed", 10) as writer:
+        writer.append(stream)
+        raise RuntimeError("tokenizing failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]  # nothing half written
+
+
+def test_a_streamed_dataset_gives_the_cached_rows_in_order_and_writes_no_cache(recipe):
+    cached = _prepare(recipe)
+    recipe.write_text(recipe.read_text().replace("cache_dir: tokens", "cache_dir: tokens\n  streaming: true"))
+    config = load_training_config(recipe)
+    assert config.dataset.shuffle is False  # the default under streaming
+    streamed = _prepare(recipe)
+    assert isinstance(streamed, StreamedCorpus) and streamed.fingerprint == f"stream:{cached.cache.name}"
+    entries = [p.name for p in cached.cache.parent.iterdir() if p.is_dir()]
+    assert entries == [cached.cache.name]  # none written for the stream
+    rows, step = cached.rows.long(), config.training.global_batch_size
+    wrapped = torch.cat([rows, rows, rows])  # past the end of a pass the rows start again
+    for first in (0, step, 3, rows.shape[0] - 1, 2 * rows.shape[0] + 1, 1):  # on, ahead, into epochs, back
+        got = corpus_module.corpus_batch(streamed, first, config.training, shuffle=False)
+        assert torch.equal(got, wrapped[first:first + step]), first
+    assert streamed.num_rows == rows.shape[0]  # known once a pass was read
+    corpus_module.check_vocabulary(streamed, int(rows.max()), recipe.parent / "model", config.where)
+    with pytest.raises(DataError, match=r"token id \d+, the model's vocab_size is"):
+        for first in range(0, 3 * rows.shape[0], step):
+            corpus_module.corpus_batch(streamed, first, config.training, shuffle=False)
+
+
+def test_a_streamed_dataset_refuses_what_it_cannot_apply(recipe):
+    text = recipe.read_text().replace("cache_dir: tokens", "cache_dir: tokens\n  streaming: true")
+    for extra, key in (("\n  shuffle: true", "dataset.shuffle: true cannot apply"),
+                       ("\n  tokenize_workers: 2", "dataset.tokenize_workers: has no effect")):
+        recipe.write_text(text.replace("streaming: true", "streaming: true" + extra))
+        with pytest.raises(RecipeError, match=key):
+            load_training_config(recipe)
+    recipe.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "hyper_parallel.trainer", "prepare-data", "--config", str(recipe)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "dataset.streaming: true reads and tokenizes the files during training" \
+        in proc.stderr, proc.stderr

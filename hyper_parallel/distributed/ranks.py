@@ -1,0 +1,20 @@
+"""Where this process stands among the ranks: whether a process group of several ranks is
+up, and which node this rank runs on. Torch is imported only when asked (the codegen
+manager and the bundle's integrity check import this torch-free)."""
+
+import os
+
+
+def group_of_several_ranks() -> bool:
+    """A process group of more than one rank is up (training under torchrun): the ranks
+    can, and must, agree through collectives."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def node_of_this_rank() -> str:
+    """The node this process runs on, as torchrun numbers it (``GROUP_RANK``), else its
+    host name: what a failure names beside the ranks."""
+    node = os.environ.get("GROUP_RANK")
+    return f"node {node}" if node is not None else f"host {os.uname().nodename}"
