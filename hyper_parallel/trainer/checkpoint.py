@@ -14,15 +14,20 @@ Every rank writes into ``step_<N>.tmp-<id>/``; after all ranks finished (a barri
 rank 0 writes the marker and renames the folder to ``step_<N>/``. A run killed during a
 save leaves only a ``.tmp-`` folder (or, at worst, a folder without its marker): the
 next start ignores and removes it and resumes from the newest folder with a marker.
-The folder must be one every rank sees (a shared file system across nodes).
+The folder must be one every rank sees (a shared file system across nodes): at start, with
+several ranks, rank 0 writes a probe file there and a rank that does not find it (a
+node-local disk) fails every rank's start naming its node, rather than saving checkpoints
+that hold only one node's shards (``check_shared_folder``).
 """
 
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -185,6 +190,23 @@ def _split_strided(key: str, tensor: DTensor) -> dict[str, _Part]:
     return parts
 
 
+def _contiguous_strided(tensor: DTensor) -> bool:
+    """Whether the tensor's one ``_StridedShard`` is FSDP2's over a plain ``Shard`` of the
+    same dimension on later mesh dims (dp over a tp-sharded embedding or projection):
+    its split factor is their ranks' count, so each rank's rows are one contiguous range
+    of the global tensor, which DCP saves and reshards as it is."""
+    placements = list(tensor.placements)
+    strided = [i for i, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    if len(strided) != 1:
+        return False
+    first = strided[0]
+    dim, factor = placements[first].dim, placements[first].split_factor
+    later = [j for j in range(first + 1, len(placements))
+             if isinstance(placements[j], Shard) and not isinstance(placements[j], _StridedShard)
+             and placements[j].dim == dim]
+    return factor == math.prod(tensor.device_mesh.size(j) for j in later) and factor > 1
+
+
 def _dcp_view(state: dict, prefix: str = "") -> tuple[dict, list[_Part]]:
     """``state`` as DCP saves it: the same nesting and tensors, with each strided-shard
     DTensor replaced by its blocks (``_split_strided``). Returns the view and the blocks,
@@ -195,7 +217,8 @@ def _dcp_view(state: dict, prefix: str = "") -> tuple[dict, list[_Part]]:
         if isinstance(value, dict):
             view[name], inner = _dcp_view(value, f"{key}.")
             parts.extend(inner)
-        elif isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
+        elif isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements) \
+                and not _contiguous_strided(value):
             for part_key, part in _split_strided(key, value).items():
                 view[part_key[len(prefix):]] = part.saved
                 parts.append(part)
@@ -245,6 +268,59 @@ def _publish(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+SHARED_PROBE_WAIT_S = 10.0  # a network filesystem may show another client's new file after its attribute cache
+
+
+def check_shared_folder(root: Path, where: str) -> None:
+    """Every rank sees ``root`` as rank 0 does: rank 0 writes a probe file with a fresh token,
+    every rank looks for it (up to ``SHARED_PROBE_WAIT_S``), the verdicts are gathered. DCP
+    writes each rank's shards where that rank stands and rank 0 publishes the folder, so on
+    node-local disks every save would be one node's shards only and every resume would fail;
+    that is refused at start, naming the ranks and nodes that do not share the folder."""
+    from hyper_parallel.distributed.ranks import node_of_this_rank
+
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    probe = root / f".shared-probe-{token[0]}"
+    error = ""
+    if dist.get_rank() == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token[0])
+        except OSError as exc:
+            error = f"rank 0 cannot write there ({exc.strerror or exc})"
+    dist.barrier()
+    seen = not error and _sees(probe, token[0])
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, (seen, node_of_this_rank()), group=None)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        probe.unlink(missing_ok=True)
+    blind = [rank for rank, (ok, _) in enumerate(found) if not ok]
+    if error or blind:
+        nodes = sorted({found[rank][1] for rank in blind})
+        problem = error or (f"rank(s) {blind} ({', '.join(nodes)}) do not find the file rank 0 wrote there within "
+                            f"{SHARED_PROBE_WAIT_S:.0f}s: their folder is another disk")
+        raise CheckpointError(f"{where}: training.checkpoint.dir: {root} is not one folder every rank sees: {problem}. "
+                              f"Every rank writes its shards into a checkpoint and reads them back on resume, so "
+                              f"the folder must be shared by every node (NFS, Lustre, a mounted bucket); fix: point "
+                              f"training.checkpoint.dir at such a folder, or remove it (no checkpoints)")
+
+
+def _sees(probe: Path, token: str) -> bool:
+    """The probe file holds the token, now or within ``SHARED_PROBE_WAIT_S``."""
+    deadline = time.monotonic() + SHARED_PROBE_WAIT_S
+    while True:
+        try:
+            if probe.read_text() == token:
+                return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 class Checkpointer:
     """Saves and loads one run's checkpoints; every rank holds one and calls it at the
     same points (its methods run collectives)."""
@@ -260,6 +336,8 @@ class Checkpointer:
         # the step (trainer/corpus.py: the rows consumed and the corpus fingerprint).
         self.data_state: Callable[[int], dict] | None = None
         self.rank = dist.get_rank()
+        if self.root is not None and dist.get_world_size() > 1:
+            check_shared_folder(self.root, where)
         # An async save runs its collectives in a background thread; on a group of its own
         # they never interleave with the training step's collectives on the default group.
         self._async_group = dist.new_group(backend="gloo") if self.root and self.settings.async_ else None

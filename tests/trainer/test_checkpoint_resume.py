@@ -31,14 +31,19 @@ LAYOUTS = {
     # HF config and weight map for export, and resume like the others.
     "custom_tp2": {"accelerator": {"nproc_per_node": 2, "tp_size": 2}, "async": False,
                    "recipe": {"codegen": False, "modeling_backend": "custom"}},
+    # FSDP2 over tp: dp shards the tp-sharded embedding again (_StridedShard over Shard on
+    # one dimension: each rank's rows one contiguous range, saved as DCP saves it).
+    "tp2_dp2_fsdp2": {"accelerator": {"nproc_per_node": 4, "dp_size": 2, "tp_size": 2}, "async": False,
+                      "recipe": {"codegen": False, "modeling_backend": "hf"}},
     # Pipeline stages: each rank saves and loads its own stage's part of the model.
     "pp2": {"accelerator": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1}, "async": False},
 }
 
 
 def _train(project, recipe, metrics, *args):
+    nproc = yaml.safe_load(recipe.read_text())["accelerator"]["nproc_per_node"]
     proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics", str(metrics), *args],
-                    project, nproc=2, preload=(QWEN3_MOE_MODELING,))
+                    project, nproc=nproc, preload=(QWEN3_MOE_MODELING,))
     assert_ran(proc)
     return proc, read_metrics(metrics)
 
@@ -69,7 +74,8 @@ def test_a_resumed_run_continues_exactly(tmp_path_factory, tmp_path, layout):
     assert [r["step"] for r in whole] == [1, 2, 3, 4, 5, 6]
     assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]  # keep_last 2 removed step_2
     marker = json.loads((root / "step_4" / "COMPLETE.json").read_text())
-    assert marker["step"] == 4 and marker["data"]["next_step"] == 4 and marker["world_size"] == 2
+    assert marker["step"] == 4 and marker["data"]["next_step"] == 4
+    assert marker["world_size"] == LAYOUTS[layout]["accelerator"]["nproc_per_node"]
 
     (root / "step_6" / "COMPLETE.json").unlink()  # saved but never marked complete
     (root / "step_5.tmp-0123abcd").mkdir()  # a save killed midway

@@ -48,6 +48,14 @@ def _two_node_recipe(project):
     write_jsonl(recipe.parent / "corpus.jsonl")
 
 
+def _set_checkpoint_dir(project, folder):
+    """``training.checkpoint.dir`` in the node's recipe (None: no checkpoints)."""
+    recipe = project / TINY_RECIPE
+    data = yaml.safe_load(recipe.read_text())
+    data["training"]["checkpoint"] = {"dir": folder} if folder else {}
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 def _run_two_nodes(nodes) -> list[subprocess.CompletedProcess]:
     """Both nodes' torchrun at once (static rendezvous on this machine), each in its own
     project copy; their finished processes, output captured."""
@@ -104,10 +112,29 @@ def test_nodes_sharing_one_folder_install_it_once(tmp_path):
     bundle, node 1 finds it current and writes nothing."""
     project = make_project(tmp_path / "shared")
     _two_node_recipe(project)
+    _set_checkpoint_dir(project, "checkpoints")  # one folder for both nodes: saved whole
     runs = _run_two_nodes([project, project])
     assert all(run.returncode == 0 for run in runs), _output(runs)
     assert (project / BUNDLE / META_FILE).is_file()
     assert "installed rank 0's bundle" not in _output(runs)
+    saved = project / "recipes/tiny_cpu/checkpoints/step_1"
+    assert (saved / "COMPLETE.json").is_file() and (saved / "rng" / "rank_3.pt").is_file()
+
+
+def test_a_checkpoint_folder_on_each_nodes_own_disk_is_refused_naming_node1(nodes):
+    """Node-local checkpoint folders would hold one node's shards each: refused at start."""
+    for project in nodes:
+        _set_checkpoint_dir(project, "checkpoints")
+    try:
+        runs = _run_two_nodes(nodes)
+    finally:
+        for project in nodes:
+            _set_checkpoint_dir(project, None)
+    out = _output(runs)
+    assert all(run.returncode != 0 for run in runs), out
+    assert "training.checkpoint.dir" in out and "is not one folder every rank sees: rank(s) [2, 3] (node 1)" in out, out
+    assert not (nodes[1] / "recipes/tiny_cpu/checkpoints").exists() or \
+        not any((nodes[1] / "recipes/tiny_cpu/checkpoints").glob("step_*"))
 
 
 def test_a_stale_node1_bundle_is_replaced(nodes):
