@@ -348,9 +348,10 @@ def _validate_dataset(config: TrainerConfig, where: str) -> None:
         raise RecipeError(f"{where}: dataset.sample_by: expected one of {', '.join(TEXT_SAMPLE_BY)}, "
                           f"got {dataset.sample_by!r}")
     if isinstance(dataset.tokenize_workers, bool) or not isinstance(dataset.tokenize_workers, int) \
-            or dataset.tokenize_workers < 0:
-        raise RecipeError(f"{where}: dataset.tokenize_workers: expected an integer >= 0 (0: one per core for large "
-                          f"data, 1: tokenize in the preparing rank), got {dataset.tokenize_workers!r}")
+            or not 0 <= dataset.tokenize_workers <= MAX_TOKENIZE_WORKERS:
+        raise RecipeError(f"{where}: dataset.tokenize_workers: expected an integer from 0 to {MAX_TOKENIZE_WORKERS} "
+                          f"(0: one per core for large data, 1: tokenize in the preparing rank), got "
+                          f"{dataset.tokenize_workers!r}")
     unused = [key for key, default in (("text_column", "text"), ("sample_by", "line"), ("shuffle", True),
                                        ("cache_dir", None), ("tokenize_workers", 0), ("streaming", False))
               if getattr(dataset, key) != default and not _dataset_reads(dataset.kind, key)]
@@ -379,6 +380,8 @@ def _validate_streaming(config: TrainerConfig, where: str) -> None:
         raise RecipeError(f"{where}: training.eval: holds rows out of the dataset, which a streamed dataset does not "
                           f"have at hand; fix: {fix} training.eval")
 
+
+MAX_TOKENIZE_WORKERS = 256  # processes on one node; more is a typo, not a machine
 
 _KEY_KINDS = {"text_column": ("jsonl", "parquet"), "sample_by": ("text",), "shuffle": TOKENIZED_KINDS,
               "cache_dir": TOKENIZED_KINDS, "tokenize_workers": TOKENIZED_KINDS,

@@ -49,13 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     return watch_parent(args.parent, args.scratch)
 
 
-def exec_with_parent(parent: int, command: list[str]) -> int:
-    """Die with ``parent`` (Linux; elsewhere the watcher alone covers it), then exec."""
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; a no-op
+    elsewhere): a helper process never outlives the one that started it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def exec_with_parent(parent: int, command: list[str]) -> int:
+    """Die with ``parent`` (Linux; elsewhere the watcher alone covers it), then exec."""
+    die_with_parent()
     if os.getppid() != parent:  # the parent died before the request took effect
         return 1
     os.execv(command[0], command)

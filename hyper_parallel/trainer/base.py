@@ -108,6 +108,20 @@ class BaseTrainer:
                              f"dataset (dataset.kind {data.get('kind')!r}); the dataset starts at step "
                              f"{first}'s rows as if it had been read from the start")
             return first * self.config.training.global_batch_size
+        dataset, where = self.config.dataset, self.config.where
+        was_streamed = str(data.get("fingerprint", "")).startswith("stream:")
+        if was_streamed != dataset.streaming:
+            raise CheckpointError(
+                f"{where}: dataset.streaming: checkpoint {resumed.path} was trained with dataset.streaming: "
+                f"{str(was_streamed).lower()}, this run has {str(dataset.streaming).lower()}; a resumed run keeps the "
+                f"one it started with (the two identify their data differently); fix: set dataset.streaming: "
+                f"{str(was_streamed).lower()}, or point training.checkpoint.dir elsewhere")
+        if "shuffle" in data and bool(data["shuffle"]) != dataset.shuffle:
+            raise CheckpointError(
+                f"{where}: dataset.shuffle: checkpoint {resumed.path} was trained with shuffle: "
+                f"{str(bool(data['shuffle'])).lower()}, this run has {str(dataset.shuffle).lower()}: the rows after "
+                f"its data position would be others; fix: set dataset.shuffle: {str(bool(data['shuffle'])).lower()}, "
+                f"or point training.checkpoint.dir elsewhere")
         if data.get("fingerprint") != self.corpus.fingerprint:
             raise CheckpointError(
                 f"{self.config.where}: dataset.path: the data differ from those checkpoint "

@@ -282,25 +282,29 @@ def check_shared_folder(root: Path, where: str) -> None:
     token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
     probe = root / f".shared-probe-{token[0]}"
-    error = ""
+    written = [""]
     if dist.get_rank() == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             probe.write_text(token[0])
         except OSError as exc:
-            error = f"rank 0 cannot write there ({exc.strerror or exc})"
-    dist.barrier()
-    seen = not error and _sees(probe, token[0])
+            written = [f"rank 0 cannot write there ({exc.strerror or exc})"]
+    dist.broadcast_object_list(written, src=0)  # rank 0's failure: nobody waits for a probe that is not there
+    if written[0]:
+        raise CheckpointError(f"{where}: training.checkpoint.dir: {root}: {written[0]}; fix training.checkpoint.dir "
+                              f"(relative paths start at the recipe's folder)")
     found: list = [None] * dist.get_world_size()
-    dist.all_gather_object(found, (seen, node_of_this_rank()), group=None)
-    dist.barrier()
+    dist.all_gather_object(found, (_sees(probe, token[0]), node_of_this_rank()))
     if dist.get_rank() == 0:
-        probe.unlink(missing_ok=True)
+        try:
+            probe.unlink()
+        except OSError:
+            pass
     blind = [rank for rank, (ok, _) in enumerate(found) if not ok]
-    if error or blind:
+    if blind:
         nodes = sorted({found[rank][1] for rank in blind})
-        problem = error or (f"rank(s) {blind} ({', '.join(nodes)}) do not find the file rank 0 wrote there within "
-                            f"{SHARED_PROBE_WAIT_S:.0f}s: their folder is another disk")
+        problem = (f"rank(s) {blind} ({', '.join(nodes)}) do not find the file rank 0 wrote there within "
+                   f"{SHARED_PROBE_WAIT_S:.0f}s: their folder is another disk")
         raise CheckpointError(f"{where}: training.checkpoint.dir: {root} is not one folder every rank sees: {problem}. "
                               f"Every rank writes its shards into a checkpoint and reads them back on resume, so "
                               f"the folder must be shared by every node (NFS, Lustre, a mounted bucket); fix: point "

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from hyper_parallel.config.schema import DatasetConfig, TrainingConfig
-from hyper_parallel.distributed.ranks import group_of_several_ranks
+from hyper_parallel.distributed.ranks import group_of_several_ranks, node_of_this_rank
 from hyper_parallel.trainer.data import DataError, existing_dataset_path
 from hyper_parallel.trainer.stream import StreamedCorpus, open_stream
-from hyper_parallel.trainer.token_cache import EntryWriter, cache_key, cache_root, load_entry
-from hyper_parallel.trainer.tokenize import Progress, iter_batches, load_tokenizer, tokenized, worker_count
+from hyper_parallel.trainer.token_cache import EntryWriter, cache_key, cache_root, load_entry, remove_abandoned
+from hyper_parallel.trainer.tokenize import Progress, iter_batches, load_tokenizer, shown_files, tokenized, worker_count
 
 _LOG = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def prepare_corpus(dataset: DatasetConfig, training: TrainingConfig, model_dir: 
     if dataset.streaming:
         return open_stream(dataset, training, model_dir, where, files, key, log)
     folder = root / key
-    shown = _shown(files)
+    shown = shown_files(files)
     entry = load_entry(folder)
     if entry is None and not prepare:
         return None
@@ -122,6 +122,8 @@ def _write_prepared(dataset: DatasetConfig, training: TrainingConfig, model_dir:
     flat in the corpus size); the seconds it took."""
     tokenizer = load_tokenizer(model_dir, where, dataset.kind)
     started = time.monotonic()
+    for abandoned in remove_abandoned(folder.parent):
+        _LOG.warning(f"dataset: removed {abandoned}, a preparation that stopped without finishing")
     data_bytes = sum(file.stat().st_size for file in files)
     workers = worker_count(dataset, data_bytes)
     if log:
@@ -133,13 +135,13 @@ def _write_prepared(dataset: DatasetConfig, training: TrainingConfig, model_dir:
     try:
         with EntryWriter(folder, training.seq_len) as entry:
             batches = iter_batches(dataset, files, where, progress=progress.file_done)
-            for count, chars, tokens in tokenized(batches, tokenizer, model_dir, workers):
+            for count, chars, tokens in tokenized(batches, tokenizer, model_dir, workers, where):
                 entry.append(tokens)
                 documents += count
                 progress.batch_done(count, tokens.size, chars)
             if documents == 0:
-                raise DataError(f"{where}: dataset.path: {_shown(files)} holds no documents (every {_unit(dataset)} "
-                                f"is empty); fix dataset.path")
+                raise DataError(f"{where}: dataset.path: {shown_files(files)} holds no documents (every "
+                                f"{_unit(dataset)} is empty); fix dataset.path")
             entry.commit(documents)
     finally:
         progress.close()
@@ -164,7 +166,7 @@ def prepare_corpus_on_every_node(dataset: DatasetConfig, training: TrainingConfi
             corpus = prepare_corpus(dataset, training, model_dir, where, log, prepare=preparer)
         except DataError as exc:
             error = str(exc)
-        _raise_first([error], group)
+        _raise_first([error], group, where)
         if corpus is None:  # this node's preparer has written it
             corpus = prepare_corpus(dataset, training, model_dir, where, log=False, prepare=False)
         found = [None] * dist.get_world_size()
@@ -179,20 +181,24 @@ def prepare_corpus_on_every_node(dataset: DatasetConfig, training: TrainingConfi
         dist.destroy_process_group(group)
 
 
-def _raise_first(errors: list[str], group: Any) -> None:
-    """Every rank's error gathered; the first one raised on every rank."""
+def _raise_first(errors: list[str], group: Any, where: str) -> None:
+    """Every rank's error gathered; the first one raised on every rank. The gather waits at
+    most ``PREPARE_TIMEOUT_S`` for the ranks still preparing: past it, or when a rank left,
+    a named error on this rank rather than the process group's."""
     import torch.distributed as dist
 
     found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, errors[0], group=group)
+    try:
+        dist.all_gather_object(found, errors[0], group=group)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{where}: dataset: rank {dist.get_rank()} ({node_of_this_rank()}) did not hear from every "
+                        f"rank within {PREPARE_TIMEOUT_S:.0f}s while each node's local rank 0 tokenized the dataset "
+                        f"(a preparation that takes longer, or a rank that stopped: {first}); fix: run python -m "
+                        f"hyper_parallel.trainer prepare-data --config <recipe> on every node first") from None
     first = next((error for error in found if error), "")
     if first:
         raise DataError(first)
-
-
-def _shown(files: list[Path]) -> str:
-    """The dataset's files as a message names them."""
-    return str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
 
 
 def _unit(dataset: DatasetConfig) -> str:

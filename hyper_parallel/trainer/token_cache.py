@@ -31,6 +31,7 @@ import torch
 
 from hyper_parallel.config.schema import DatasetConfig
 from hyper_parallel.config.workspace import default_workspace_root
+from hyper_parallel.trainer.data import DataError
 
 FORMAT = 1
 ROWS_FILE, INDEX_FILE, HASHES_FILE = "rows.bin", "index.json", "file_hashes.json"
@@ -39,14 +40,36 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json")
 _HASH_CHUNK = 1 << 22
 RACY_NS = 2_000_000_000
+ABANDONED_S = 600.0
 
 
 def cache_root(dataset: DatasetConfig, where: str) -> Path:
     """``dataset.cache_dir`` (relative to the recipe's folder), else the workspace's ``tokens``."""
     if dataset.cache_dir:
         path = Path(dataset.cache_dir)
-        return path if path.is_absolute() else Path(where).parent / path
-    return default_workspace_root() / "tokens"
+        path = path if path.is_absolute() else Path(where).parent / path
+    else:
+        path = default_workspace_root() / "tokens"
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{where}: dataset.cache_dir: {path} is a file; expected a folder for the token cache "
+                        f"(relative paths start at the recipe's folder); fix dataset.cache_dir")
+    return path
+
+
+def remove_abandoned(root: Path) -> list[Path]:
+    """Staging folders of writers that died (a SIGKILL, a node lost: no ``finally`` ran),
+    told by age: a live writer appends to its rows file all the time, so a staging folder
+    nothing was written into for ``ABANDONED_S`` is removed. Returns what was removed."""
+    removed = []
+    for folder in root.glob(".*-*-*") if root.is_dir() else ():
+        try:
+            newest = max([folder.stat().st_mtime, *(f.stat().st_mtime for f in folder.iterdir())])
+        except OSError:  # removed or renamed meanwhile by its writer
+            continue
+        if folder.is_dir() and time.time() - newest > ABANDONED_S:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def file_sha256(path: Path) -> str:
@@ -59,11 +82,12 @@ def file_sha256(path: Path) -> str:
 
 class KnownHashes:
     """The data files' sha256, remembered in ``<cache>/file_hashes.json`` by path with the
-    file's size, modification time (ns) and inode: a start on unchanged files reads none
-    of their bytes (hashing costs seconds per GB, on every rank). A file written since
-    has another time or size and is hashed again: the rule make and git use. A file
-    modified in the last two seconds is not remembered (git's "racy" rule: a write in the
-    same clock tick could keep size and time)."""
+    file's size, modification and status-change times (ns) and inode: a start on unchanged
+    files reads none of their bytes (hashing costs seconds per GB, on every rank). A file
+    written since has another size or time and is hashed again: git's rule (the status-change
+    time cannot be set back: ``cp -p`` or ``touch -r`` over a file keep its mtime, not it). A file
+    changed in the last two seconds is not remembered (git's "racy" rule: a write in the
+    same clock tick could keep size and times)."""
 
     def __init__(self, root: Path):
         self.path = root / HASHES_FILE
@@ -75,13 +99,13 @@ class KnownHashes:
 
     def sha256(self, file: Path) -> str:
         stat = file.stat()
-        stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+        stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
         key = str(file.resolve())
         seen = self.known.get(key)
-        if isinstance(seen, list) and len(seen) == 4 and seen[:3] == stamp:
-            return seen[3]
+        if isinstance(seen, list) and len(seen) == 5 and seen[:4] == stamp:
+            return seen[4]
         digest = file_sha256(file)
-        if time.time_ns() - stat.st_mtime_ns > RACY_NS:
+        if time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) > RACY_NS:
             self.known[key], self.changed = [*stamp, digest], True
         return digest
 
@@ -177,5 +201,7 @@ class EntryWriter:
         try:
             self.staging.rename(self.folder)
         except OSError:
-            if load_entry(self.folder) is None:  # not another writer's complete entry
-                raise
+            if load_entry(self.folder) is not None:  # another writer's complete entry: the same bytes
+                return
+            shutil.rmtree(self.folder, ignore_errors=True)  # a damaged entry (a file lost or cut short)
+            self.staging.rename(self.folder)

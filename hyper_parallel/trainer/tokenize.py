@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -31,9 +32,15 @@ _LOG = logging.getLogger(__name__)
 
 BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}  # datasets' packaged builder per kind
 TOKENIZE_BATCH = 1000  # documents per tokenizer call (the fast tokenizer batches them in Rust)
+BATCH_CHARS = 4 << 20  # ... or fewer, when they reach this many characters (long documents: memory stays flat)
 PROGRESS_EVERY_S = 5.0
 AUTO_WORKERS_FROM_BYTES = 64 << 20  # tokenize_workers 0: workers from this much data on (their start costs seconds)
 AUTO_WORKERS_MAX = 16
+
+
+def shown_files(files: list[Path]) -> str:
+    """The dataset's files as a message names them."""
+    return str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
 
 
 def load_tokenizer(model_dir: Path, where: str, kind: str):
@@ -71,23 +78,28 @@ def _import_datasets(kind: str, where: str):
         raise DataError(f"{where}: dataset.kind: {kind!r} reads its files with HF datasets, which is not "
                         f"installed; fix: pip install -c constraints.txt -e \".[data]\" (in the project's "
                         f"checkout)") from None
-    datasets.logging.set_verbosity_error()  # its own progress bars and notes would repeat on every rank
+    # its own progress bars, notes and error lines would repeat on every rank (a reader's
+    # error reaches the user as one named line, _file_documents)
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     datasets.disable_progress_bars()
     return datasets
 
 
 def iter_batches(dataset: DatasetConfig, files: list[Path], where: str,
                  progress: Callable[[int], None] | None = None) -> Iterator[list[str]]:
-    """The documents' texts in batches of ``TOKENIZE_BATCH``, in file order then row order
-    (``datasets`` streaming: rows are read as they are tokenized, no Arrow copy is made).
-    Empty documents are skipped. ``progress`` is told each file's size once it is read."""
+    """The documents' texts in batches of ``TOKENIZE_BATCH`` documents or ``BATCH_CHARS``
+    characters, whichever comes first, in file order then row order (``datasets``
+    streaming: rows are read as they are tokenized, no Arrow copy is made). Empty documents
+    are skipped. ``progress`` is told each file's size once it is read."""
     batch: list[str] = []
+    chars = 0
     for file in files:
         for text in _file_documents(dataset, file, where):
             batch.append(text)
-            if len(batch) == TOKENIZE_BATCH:
+            chars += len(text)
+            if len(batch) == TOKENIZE_BATCH or chars >= BATCH_CHARS:
                 yield batch
-                batch = []
+                batch, chars = [], 0
         if progress is not None:
             progress(file.stat().st_size)
     if batch:
@@ -141,8 +153,8 @@ def worker_count(dataset: DatasetConfig, data_bytes: int) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), AUTO_WORKERS_MAX))
 
 
-def tokenized(batches: Iterator[list[str]], tokenizer, model_dir: Path,
-              workers: int) -> Iterator[tuple[int, int, np.ndarray]]:
+def tokenized(batches: Iterator[list[str]], tokenizer, model_dir: Path, workers: int,
+              where: str) -> Iterator[tuple[int, int, np.ndarray]]:
     """(documents, characters, their tokens) per batch, in order: tokenized here, or by ``workers``
     processes (spawned: the rank's threads and process group are not forked) that each load
     the tokenizer from ``model_dir``."""
@@ -150,36 +162,69 @@ def tokenized(batches: Iterator[list[str]], tokenizer, model_dir: Path,
         for batch in batches:
             yield len(batch), sum(map(len, batch)), encode(tokenizer, batch)
         return
+    expected = (tokenizer.eos_token_id, len(tokenizer))
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
-                               initializer=_start_worker, initargs=(str(model_dir),))
+                               initializer=_start_worker, initargs=(str(model_dir), expected))
     try:
         pending: deque = deque()
         for batch in batches:
             pending.append((len(batch), sum(map(len, batch)), pool.submit(_encode_in_worker, batch)))
             if len(pending) >= 2 * workers:  # bounded: the reader runs at most this far ahead
                 count, chars, future = pending.popleft()
-                yield count, chars, future.result()
+                yield count, chars, _result(future, workers, model_dir, where)
         while pending:
             count, chars, future = pending.popleft()
-            yield count, chars, future.result()
+            yield count, chars, _result(future, workers, model_dir, where)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future, workers: int, model_dir: Path, where: str) -> np.ndarray:
+    """A worker's tokens; a worker that died, or loaded another tokenizer, is one named
+    error, not a pool's traceback."""
+    try:
+        return future.result()
+    except DataError as exc:
+        raise DataError(f"{where}: {exc}") from None
+    except BrokenProcessPool:
+        raise DataError(f"{where}: dataset.tokenize_workers: a tokenizer process ended abruptly (killed: out of "
+                        f"memory?) while tokenizing with {model_dir}; fix: fewer tokenize_workers, or 1 to tokenize in the "
+                        f"preparing rank ({workers} were running)") from None
 
 
 _WORKER_TOKENIZER = None
 
 
-def _start_worker(model_dir: str) -> None:
-    """A worker's tokenizer, loaded once; one thread each (the workers are the parallelism)."""
-    global _WORKER_TOKENIZER
+_WORKER_PROBLEM = ""
+
+
+def _start_worker(model_dir: str, expected: tuple[int, int]) -> None:
+    """A worker's tokenizer, loaded once; one thread each (the workers are the parallelism).
+    It must be the preparing rank's (EOS id and vocabulary size; a folder changed since
+    would give rows stored under the other tokenizer's key); the worker dies with its rank."""
+    global _WORKER_TOKENIZER, _WORKER_PROBLEM
+    from hyper_parallel.launch.guard import die_with_parent
+
+    die_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from transformers import AutoTokenizer
 
-    _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        found = (_WORKER_TOKENIZER.eos_token_id, len(_WORKER_TOKENIZER))
+    except Exception as exc:  # noqa: BLE001 -- said by the first batch, as one named line
+        found = (None, f"{type(exc).__name__}: {exc}")
+    if found != expected:
+        _WORKER_PROBLEM = (f"model.pretrained_model_name_or_path: a tokenizer process loaded another tokenizer from "
+                           f"{model_dir} than the preparing rank (EOS id and vocabulary size {found}, expected "
+                           f"{expected}): the folder changed during preparation; fix: leave it unchanged and prepare "
+                           f"again")
 
 
 def _encode_in_worker(texts: list[str]) -> np.ndarray:
     """``encode`` with the worker's tokenizer."""
+    if _WORKER_PROBLEM:
+        raise DataError(_WORKER_PROBLEM)
     return encode(_WORKER_TOKENIZER, texts)
 
 
@@ -218,7 +263,7 @@ class Progress:
         elif self.show and time.monotonic() - self.last > PROGRESS_EVERY_S:
             self.last = time.monotonic()
             seconds = self.last - self.started
-            _LOG.info(f"dataset: {100 * done / max(self.total, 1):.0f}% of {self.total / 1e6:,.0f} MB, "
+            _LOG.info(f"dataset: {100 * done / max(self.total, 1):.0f}% of {self.total / 1e6:,.1f} MB, "
                       f"{self.documents:,} documents, {self.tokens:,} tokens ({self.tokens / seconds / 1e6:.2f} M "
                       f"tokens/s, {seconds:.0f}s)")
 

@@ -176,6 +176,20 @@ def test_a_checkpoint_of_another_config_names_the_tensor_and_both_shapes(trained
     assert tree_state(run / "checkpoints") == before
 
 
+def test_resuming_with_streaming_or_shuffle_switched_is_refused_naming_the_key(trained, tmp_path):
+    folder, _, _ = trained
+    run = shutil.copytree(folder, tmp_path / "run")
+    recipe = run / "recipe.yaml"
+    data = yaml.safe_load(recipe.read_text())
+    data["training"]["steps"] = 6
+    for change, line in (({"streaming": True}, "dataset.streaming: checkpoint {step} was trained with "
+                                               "dataset.streaming: false, this run has true"),
+                         ({"shuffle": True}, "dataset.shuffle: checkpoint {step} was trained with shuffle: false, "
+                                             "this run has true: the rows after its data position would be others")):
+        recipe.write_text(yaml.safe_dump({**data, "dataset": {**data["dataset"], **change}}, sort_keys=False))
+        _refused(_trainer(recipe), f"error: {recipe}: " + line.format(step=run / "checkpoints" / "step_4"))
+
+
 def test_a_missing_shard_file_is_named(trained, tmp_path):
     folder, _, _ = trained
     run = shutil.copytree(folder, tmp_path / "run")

@@ -109,8 +109,8 @@ def test_prepare_data_command_fills_the_cache(recipe):
 
 
 def test_an_unchanged_data_file_is_not_read_to_key_the_cache(recipe, monkeypatch):
+    monkeypatch.setattr(token_cache, "RACY_NS", 0)  # the file was written just now; remember it anyway
     data = recipe.parent / "data.jsonl"
-    os.utime(data, (time.time() - 60, time.time() - 60))  # older than the racy window
     first = _prepare(recipe)
     assert str(data.resolve()) in json.loads((first.cache.parent / HASHES_FILE).read_text())
     real = token_cache.file_sha256
@@ -121,11 +121,60 @@ def test_an_unchanged_data_file_is_not_read_to_key_the_cache(recipe, monkeypatch
 
     monkeypatch.setattr(token_cache, "file_sha256", only_the_tokenizer)
     assert _prepare(recipe).cache == first.cache
-    data.write_text(data.read_text())  # the same bytes, a new time: hashed again, the same entry
     monkeypatch.setattr(token_cache, "file_sha256", real)
+    data.write_text(data.read_text())  # the same bytes, a new time: hashed again, the same entry
     assert _prepare(recipe).cache == first.cache
-    data.write_text(data.read_text().replace("w1 ", "w2 ", 1))  # the same size, other bytes
-    assert _prepare(recipe).cache != first.cache
+    stat = data.stat()
+    data.write_text(data.read_text().replace("w1 ", "w2 ", 1))  # the same size, other bytes...
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and the old mtime (cp -p, rsync -t)
+    assert data.stat().st_size == stat.st_size and data.stat().st_mtime_ns == stat.st_mtime_ns
+    assert _prepare(recipe).cache != first.cache  # the status-change time moved
+
+
+def test_a_damaged_or_abandoned_entry_is_replaced(recipe, monkeypatch):
+    first = _prepare(recipe)
+    (first.cache / INDEX_FILE).unlink()  # a damaged entry: rewritten, not a crash
+    again = _prepare(recipe)
+    assert again.cache == first.cache and torch.equal(again.rows, first.rows)
+    abandoned = first.cache.parent / f".{'0' * 64}-12345-deadbeef"  # a writer killed midway, long ago
+    abandoned.mkdir()
+    (abandoned / ROWS_FILE).write_bytes(b"\0" * 64)
+    old = time.time() - token_cache.ABANDONED_S - 60
+    os.utime(abandoned / ROWS_FILE, (old, old))
+    os.utime(abandoned, (old, old))
+    fresh = first.cache.parent / f".{'1' * 64}-12346-cafecafe"  # a writer at work: kept
+    fresh.mkdir()
+    recipe.write_text(recipe.read_text().replace("seq_len: 12", "seq_len: 10"))  # a missing entry: prepared
+    _prepare(recipe)
+    assert not abandoned.exists() and fresh.exists()
+
+
+def test_a_cache_dir_that_is_a_file_is_named(recipe):
+    (recipe.parent / "tokens").write_text("not a folder")
+    with pytest.raises(DataError, match=r"dataset.cache_dir: .*tokens is a file; expected a folder"):
+        _prepare(recipe)
+
+
+def test_long_documents_make_smaller_batches(recipe, monkeypatch):
+    monkeypatch.setattr(tokenize_module, "BATCH_CHARS", 50)
+    config = load_training_config(recipe)
+    batches = list(tokenize_module.iter_batches(config.dataset, [recipe.parent / "data.jsonl"], config.where))
+    assert [text for batch in batches for text in batch] == DOCUMENTS
+    assert all(sum(map(len, batch[:-1])) < 50 for batch in batches) and len(batches) > 5
+
+
+def test_a_tokenizer_process_with_another_tokenizer_is_refused(recipe):
+    config = load_training_config(recipe)
+
+    class Other:  # the preparing rank's tokenizer, as if the folder changed after it loaded it
+        eos_token_id = 12345
+
+        def __len__(self):
+            return 7
+
+    batches = tokenize_module.iter_batches(config.dataset, [recipe.parent / "data.jsonl"], config.where)
+    with pytest.raises(DataError, match="a tokenizer process loaded another tokenizer from"):
+        list(tokenize_module.tokenized(batches, Other(), recipe.parent / "model", 2, config.where))
 
 
 def test_tokenizer_processes_give_the_rows_of_one_process(recipe, monkeypatch):
@@ -175,6 +224,12 @@ def test_a_streamed_dataset_gives_the_cached_rows_in_order_and_writes_no_cache(r
         got = corpus_module.corpus_batch(streamed, first, config.training, shuffle=False)
         assert torch.equal(got, wrapped[first:first + step]), first
     assert streamed.num_rows == rows.shape[0]  # known once a pass was read
+    passes = []
+    real_pass = streamed._pass
+    streamed._pass = lambda: passes.append(1) or real_pass()
+    far = 1000 * rows.shape[0] + 5  # a resumed run many epochs in: whole passes are stepped over, not read
+    got = corpus_module.corpus_batch(streamed, far, config.training, shuffle=False)
+    assert torch.equal(got, wrapped[5:5 + step]) and len(passes) <= 2
     corpus_module.check_vocabulary(streamed, int(rows.max()), recipe.parent / "model", config.where)
     with pytest.raises(DataError, match=r"token id \d+, the model's vocab_size is"):
         for first in range(0, 3 * rows.shape[0], step):
