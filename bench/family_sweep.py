@@ -15,10 +15,10 @@ What it does (issue 11, items 1 and 2):
    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``). Kept: attention-based, decoder-only text LMs.
    Skipped, each with its reason: encoder-decoder models and the decoder halves of them,
    encoders with an LM head (attention not causal by default), multimodal or otherwise
-   composite configs (their text model is usually its own ``*_text`` type), state-space /
-   recurrent / linear-attention / short-convolution hybrids (decided from the classes the
-   family's modeling module defines), speculative-decoding assistants, and types whose tiny
-   model cannot be built offline.
+   composite configs (their text model is usually its own ``*_text`` type), speculative-decoding
+   assistants, and types whose tiny model cannot be built offline. State-space, recurrent,
+   linear-attention and short-convolution decoders (and hybrids of them with attention) are
+   swept like every decoder: each layout a pass, a refusal naming what cannot be planned, or a fail.
 2. A tiny config per family, built from its config class (``tiny_config``): hidden 64,
    4 heads with 2 kv heads where the class has ``num_key_value_heads``, head_dim 16,
    intermediate 128 (experts 32), vocabulary 256, 4 experts with top-k 2, 2-4 layers chosen
@@ -140,9 +140,6 @@ REGENERATE = "python bench/family_sweep.py"
 
 # --- which families are swept ------------------------------------------------------------------
 
-# Classes a family's modeling module defines that make it state-space / recurrent / linear-attention.
-RECURRENT_CLASS = re.compile(r"Mixer$|MambaLayer$|RwkvSelfAttention$|xLSTMLayer$|Rglru$|RecurrentBlock$|DeltaNet$|"
-                             r"DeltaAttention$|LightningAttention$|ShortConv$")
 MULTIMODAL_SUBCONFIG = re.compile(r"vision|audio|vq|speech|image|text_config|encoder|decoder|patcher")
 # Decided by reading the modeling code; no config flag says so.
 SKIP_BY_READING = {
@@ -186,9 +183,6 @@ def skip_reason(family: str) -> str | None:
     classes = module_classes(family)
     if defaults.get("is_decoder") is False and any(name.endswith("Encoder") for name in classes):
         return "encoder with an LM head (is_decoder=False by default; a bidirectional encoder stack)"
-    mixers = [name for name in classes if RECURRENT_CLASS.search(name)]
-    if mixers:
-        return f"state-space/recurrent or linear-attention layers ({', '.join(mixers)})"
     try:
         model = meta_model(tiny_config(family))
     except Exception as exc:  # recorded: the type cannot be built offline

@@ -43,8 +43,8 @@ NOISE_CAP = 1e-2
 # The project's own "cannot plan this" errors: a clean refusal when raised before emit or by
 # verify's probe, and the CLI exits EXIT_REFUSED for them. Anything else (TypeError,
 # KeyError, a VerifyError, ...) is a fault.
-REFUSAL_ERRORS = {"DeriveError", "PlanError", "FreezeError", "PlanFormatError", "PlacementTextError",
-                  "SourceError", "RecipeError", "ProbeError"}
+REFUSAL_ERRORS = {"DeriveError", "PlanError", "UnclassifiedModule", "FreezeError", "PlanFormatError",
+                  "PlacementTextError", "SourceError", "RecipeError", "ProbeError"}
 REFUSAL_STAGES = ("resolve", "derive", "freeze")
 EXIT_REFUSED = 2  # python -m hyper_parallel.codegen: bad input and the project's refusals
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\w*): ?(.*)$")

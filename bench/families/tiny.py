@@ -67,6 +67,11 @@ FAMILY_FIXES = {
     # hidden size, which no real checkpoint has and which scales float noise past the tolerances.
     "gemma4_text": {"global_head_dim": 32},
     "gemma4_unified_text": {"global_head_dim": 32},
+    # hidden_size * expand must equal num_heads * head_dim (the defaults are 128 heads of 64)
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2},
+    # layer_types has no default: convolution and attention layers, the first dense
+    "lfm2_moe": {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+                 "num_dense_layers": 1},
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
                      "layer_types": ["sliding_attention", "full_attention"] * 2},
 }

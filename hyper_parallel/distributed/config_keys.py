@@ -6,6 +6,9 @@ importing torch. The plan lint, derive's size relations and the verify probe sha
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k")
+# Group-limited routing (DeepSeek-V3 style): experts in groups, the top groups chosen first.
+EXPERT_GROUP_KEYS = ("n_group", "num_expert_group")
+TOP_GROUP_KEYS = ("topk_group",)
 
 
 def layer_views(config) -> list:

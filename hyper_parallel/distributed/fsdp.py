@@ -11,6 +11,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
+def units_of_their_own(layers: list[nn.Module]) -> list[nn.Module]:
+    """The layers that share no parameter with another layer. A block shared by several
+    layers (Zamba's shared transformer, reached from each hybrid layer) cannot be in two
+    FSDP2 units; those layers are left to the root unit, which gathers them with the rest."""
+    seen: dict[int, int] = {}
+    for layer in layers:
+        for param in layer.parameters():
+            seen[id(param)] = seen.get(id(param), 0) + 1
+    return [layer for layer in layers if all(seen[id(param)] == 1 for param in layer.parameters())]
+
+
 def expert_parallel_modules(layer: nn.Module) -> list[nn.Module]:
     """Modules whose own parameters the plan placed on the expert mesh (an ``ep`` axis)."""
     found = []
@@ -37,7 +48,7 @@ def fully_shard_over_dp(model: nn.Module, dp_mesh, expert_dp_mesh=None, mp_polic
     options = {} if mp_policy is None else {"mp_policy": mp_policy}
 
     dp_size = dp_mesh.size()
-    for layer in decoder_layers(model):
+    for layer in units_of_their_own(decoder_layers(model)):
         for experts in expert_parallel_modules(layer):
             if expert_dp_mesh is None:
                 raise ValueError(f"{type(experts).__name__} is expert parallel; fully_shard_over_dp needs the "

@@ -14,7 +14,6 @@ import logging
 import math
 import resource
 import statistics
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,9 +46,21 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
         if id(param) in skip:
             continue
         active += param.numel() * (fraction if ".experts." in f".{name}." else 1.0)
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:  # a state-space / recurrent model: no attention scores
+        return 6 * active
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 6 * active + 12 * layers * heads * head_dim * seq_len
+    return 6 * active + 12 * _attention_layers(config) * heads * head_dim * seq_len
+
+
+def _attention_layers(config) -> int:
+    """The layers that compute attention scores over the sequence: every layer, or, where
+    ``layer_types`` says, those that are not linear attention, convolution or state space
+    (hybrid decoders); a layer's sliding window is counted as full (an upper bound)."""
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or not types:
+        return config.num_hidden_layers
+    return sum(1 for kind in types if "attention" in str(kind) and "linear" not in str(kind))
 
 
 def peak_memory_bytes(device_type: str) -> int:

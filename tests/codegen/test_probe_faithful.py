@@ -142,3 +142,20 @@ def test_a_layer_setting_only_its_kv_heads_keeps_a_valid_head_ratio_and_no_dropo
     wide = shrink_widths(config, tp=1, ep=1, seq_len=8, where="test")
     assert [(layer.num_attention_heads, layer.num_key_value_heads, layer.attention_dropout)
             for layer in wide.per_layer_config] == [(2, 2, 0.0), (2, 2, 0.0), (12, 3, 0.0)]
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "bamba", "mamba", "bailing_hybrid"])
+def test_the_probe_of_a_hybrid_or_state_space_family_runs(family):
+    """What verify's one-process reference runs: a probe whose per-layer lists were cut
+    with the depth but whose pairs were not (falcon_h1's mlp_multipliers and
+    time_step_limit at depth 2), a state-space model without attention heads (its widths
+    kept), and group-limited routing with enough experts for its top-k (bailing_hybrid)."""
+    config = tiny_config(family)
+    probe = _probe(config, tp=2)
+    for key in ("mlp_multipliers", "time_step_limit"):
+        if hasattr(config, key):
+            assert list(getattr(probe, key)) == list(getattr(config, key))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(probe)
+    tokens = torch.randint(0, probe.vocab_size, (1, 8))
+    assert torch.isfinite(model(input_ids=tokens, labels=tokens).loss)

@@ -49,6 +49,21 @@ def test_each_line_is_on_disk_when_write_returns(tmp_path):
     stream.close()
 
 
+def test_flops_per_token_counts_attention_only_in_attention_layers():
+    """A hybrid decoder's linear-attention layers and a state-space model compute no
+    attention scores over the sequence: no attention term for them."""
+    hybrid = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8))
+    linear_only = flops_per_token(hybrid, seq_len=16) - 12 * 1 * 4 * 8 * 16  # one attention layer of two
+    assert linear_only == flops_per_token(hybrid, seq_len=32) - 12 * 1 * 4 * 8 * 32
+    mamba = transformers.AutoModelForCausalLM.from_config(transformers.MambaConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=4))
+    assert flops_per_token(mamba, seq_len=16) == flops_per_token(mamba, seq_len=1024) > 0
+
+
 def test_flops_per_token_is_six_n_plus_the_attention_term():
     config = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                                          moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,

@@ -27,7 +27,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS, layer_overrides
+from hyper_parallel.distributed.config_keys import (
+    EXPERT_COUNT_KEYS,
+    EXPERT_GROUP_KEYS,
+    TOP_GROUP_KEYS,
+    TOP_K_KEYS,
+    layer_overrides,
+)
 from hyper_parallel.errors import HyperParallelError
 
 HIDDEN = 64
@@ -46,6 +52,8 @@ TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id")
 KIND_ATTRIBUTES = ("sliding_window", "is_sliding", "attention_type", "use_sliding_window", "is_causal")
 # Config attributes that are dropout probabilities: "dropout" anywhere (attention_dropout,
 # hidden_dropout_prob), or ending like GPT-2's resid_pdrop, LayerDrop's layerdrop, drop_rate.
+PER_LAYER_KEY = re.compile(r"layer|block|pattern|_types?$")  # a list named per layer
+LAYER_INDEX_KEY = re.compile(r"(_ids|_idxs|_indices|_index)$")  # layer numbers, not one entry per layer
 DROPOUT_KEY = re.compile(r"dropout|pdrop$|layerdrop$|drop_(path_)?rate$")
 
 
@@ -92,12 +100,16 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
         config = copy.deepcopy(config)
         config.allow_global_per_layer_attribute_access = True
     probe = copy.deepcopy(config)
-    values: dict[str, Any] = _probe_heads(config, tp, where)
-    heads = getattr(config, "num_attention_heads")
+    values: dict[str, Any] = {}
+    heads = getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None)
-    if isinstance(head_dim, int) and head_dim > 0:
+    if heads is None and not _has_attention_heads(config):
+        pass  # no attention (a state-space model): its widths are kept, only its depth is cut
+    elif isinstance(head_dim, int) and head_dim > 0:
+        values.update(_probe_heads(config, tp, where))
         values["hidden_size"] = _round_up(HIDDEN, tp)
     else:  # head_dim derives from hidden_size / heads: keep the original head width
+        values.update(_probe_heads(config, tp, where))
         if config.hidden_size % heads:
             raise ProbeError(f"{where}: hidden_size={config.hidden_size} is not a multiple of "
                              f"num_attention_heads={heads}, and the config has no head_dim")
@@ -105,9 +117,10 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
     for key in INTERMEDIATE_KEYS:
         if isinstance(getattr(config, key, None), int) and getattr(config, key) > 0:
             values[key] = _round_up(INTERMEDIATE, tp)
-    values.update({key: values["hidden_size"] for key, value in vars(config).items()
-                   if key not in values and _same_int(value, config.hidden_size) and FOLLOWS_HIDDEN_KEY.search(key)
-                   and not NOT_HIDDEN_WIDTH.search(key)})
+    if "hidden_size" in values:  # widths that equal the hidden size follow it
+        values.update({key: values["hidden_size"] for key, value in vars(config).items()
+                       if key not in values and _same_int(value, config.hidden_size)
+                       and FOLLOWS_HIDDEN_KEY.search(key) and not NOT_HIDDEN_WIDTH.search(key)})
     if isinstance(getattr(config, "vocab_size", None), int):
         values["vocab_size"] = _round_up(VOCAB, tp)
         values.update(vocab_like(config, values["vocab_size"]))
@@ -128,6 +141,13 @@ def shrink_widths(config: Any, *, tp: int, ep: int, seq_len: int, where: str) ->
                                                                   where=f"{where} per_layer_config[{index}]")
                                              for index, own in overrides.items()}, where)
     return probe
+
+
+def _has_attention_heads(config: Any) -> bool:
+    """Whether the config names attention heads under any key (``attribute_map`` aliases
+    included): a config without is a pure state-space / recurrent model."""
+    names = {"num_attention_heads", *getattr(config, "attribute_map", {}).keys()}
+    return any(isinstance(getattr(config, name, None), int) for name in names if "attention_heads" in name)
 
 
 def _probe_heads(config: Any, tp: int, where: str) -> dict[str, int]:
@@ -222,11 +242,16 @@ def _expert_counts(config: Any, ep: int, where: str) -> dict[str, int]:
     experts = getattr(config, key)
     top_k_key = _first_key(config, TOP_K_KEYS)
     top_k = getattr(config, top_k_key) if top_k_key else 1
-    groups = getattr(config, "n_group", None) or 1
+    group_key, top_group_key = _first_key(config, EXPERT_GROUP_KEYS), _first_key(config, TOP_GROUP_KEYS)
+    groups = (getattr(config, group_key) if group_key else None) or 1
+    top_groups = min((getattr(config, top_group_key) if top_group_key else None) or groups, groups)
     multiple = math.lcm(ep, groups)
     if experts % multiple:
-        raise ProbeError(f"{where}: {key}={experts} is not a multiple of ep_size={ep} and n_group={groups}")
-    probe_experts = min(experts, _round_up(max(2 * ep, top_k, 4), multiple))
+        raise ProbeError(f"{where}: {key}={experts} is not a multiple of ep_size={ep} and "
+                         f"{group_key or 'n_group'}={groups}")
+    # group-limited routing picks top_k among the chosen groups' experts: enough of them
+    routable = math.ceil(top_k * groups / top_groups)
+    probe_experts = min(experts, _round_up(max(2 * ep, top_k, routable, 4), multiple))
     return {key: probe_experts}
 
 
@@ -237,14 +262,33 @@ def _set(config: Any, key: str, value: Any, where: str) -> None:
         raise ProbeError(f"{where}: {key}: cannot shrink to {value!r} for the verify probe: {exc}") from None
 
 
+def per_layer_keys(config: Any) -> set[str]:
+    """The config's lists with one entry per layer. A list as long as the model is deep is
+    one when its name says layers (``layer_types``, ``layers_block_type``), or when the
+    config class, built at another depth, derives a list of that depth for it; a pair that
+    happens to have as many entries as the model has layers (``time_step_limit`` (min,
+    max), ``mlp_multipliers`` (gate, down) at depth 2) is not, nor is a list of layer
+    indices (cutting it by position would keep the wrong layers' numbers)."""
+    full = config.num_hidden_layers
+    candidates = {key for key, value in vars(config).items()
+                  if isinstance(value, (list, tuple)) and len(value) == full and full > 1
+                  and key != "architectures" and not LAYER_INDEX_KEY.search(key)}
+    per_layer = {key for key in candidates if PER_LAYER_KEY.search(key)}
+    if candidates - per_layer:
+        try:
+            deeper = type(config)(num_hidden_layers=full + 1)
+        except Exception:  # noqa: BLE001 -- a class that cannot be built bare decides nothing
+            deeper = None
+        per_layer |= {key for key in candidates - per_layer
+                      if isinstance(getattr(deeper, key, None), (list, tuple)) and len(getattr(deeper, key)) == full + 1}
+    return per_layer
+
+
 def cut_depth(config: Any, layers: int, where: str) -> Any:
     """A copy of ``config`` with its first ``layers`` layers; per-layer lists cut alike."""
     overrides = layer_overrides(config)
     probe = copy.deepcopy(config)
-    full = config.num_hidden_layers
-    per_layer = {key: value[:layers] for key, value in vars(config).items()
-                 if isinstance(value, (list, tuple)) and len(value) == full and full > 1
-                 and key not in ("architectures",)}
+    per_layer = {key: getattr(config, key)[:layers] for key in per_layer_keys(config)}
     # Set the lists and the depth together: strict configs check their lengths agree.
     try:
         if overrides is not None:  # a per-layer config's layer indices must stay below the depth
