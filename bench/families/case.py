@@ -47,7 +47,9 @@ REFUSAL_ERRORS = {"DeriveError", "PlanError", "UnclassifiedModule", "FreezeError
                   "PlacementTextError", "SourceError", "RecipeError", "ProbeError"}
 REFUSAL_STAGES = ("resolve", "derive", "freeze")
 EXIT_REFUSED = 2  # python -m hyper_parallel.codegen: bad input and the project's refusals
-EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\w*): ?(.*)$")
+# An exception's line: a class named ...Error/Exception/Exit/Interrupt, or one of the
+# project's refusal classes named otherwise (UnclassifiedModule).
+EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|UnclassifiedModule)\w*): ?(.*)$")
 
 
 @dataclasses.dataclass

@@ -67,6 +67,12 @@ FAMILY_FIXES = {
     # hidden size, which no real checkpoint has and which scales float noise past the tolerances.
     "gemma4_text": {"global_head_dim": 32},
     "gemma4_unified_text": {"global_head_dim": 32},
+    # the shared transformer's weights are tied across hybrid layers: at least two of them
+    "zamba": {"num_hidden_layers": 8},
+    # sparse indexed attention needs its indexer widths; the n-gram vocabulary made small
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                       "indexer_compress_ratio": 4, "ngram_vocab_size_base": 512,
+                       "make_ngram_vocab_size_divisible_by": 8, "split_ngram_parts": 8, "num_hidden_layers": 4},
     # hidden_size * expand must equal num_heads * head_dim (the defaults are 128 heads of 64)
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2},
     # layer_types has no default: convolution and attention layers, the first dense

@@ -159,3 +159,15 @@ def test_the_probe_of_a_hybrid_or_state_space_family_runs(family):
     model = AutoModelForCausalLM.from_config(probe)
     tokens = torch.randint(0, probe.vocab_size, (1, 8))
     assert torch.isfinite(model(input_ids=tokens, labels=tokens).loss)
+
+
+def test_a_model_that_does_not_build_at_the_shortest_depth_gets_a_deeper_probe():
+    """Zamba ties its shared transformer across hybrid layers: cut to the first hybrid
+    layer it does not build; the probe takes the next depth that does."""
+    config = tiny_config("zamba")
+    wide = shrink_widths(config, tp=2, ep=1, seq_len=8, where="test")
+    probe, depth, kinds = faithful_probe_config(wide, remote=False, where="test")
+    with pytest.raises(Exception, match="tie_weights_keys"):
+        AutoModelForCausalLM.from_config(cut_depth(wide, 3, "test"))
+    assert 3 < depth <= len(kinds) and probe.num_hidden_layers == depth
+    assert AutoModelForCausalLM.from_config(probe) is not None

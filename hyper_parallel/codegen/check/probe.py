@@ -366,4 +366,17 @@ def faithful_probe_config(wide: Any, *, remote: bool, where: str, min_depth: int
         full = AutoModelForCausalLM.from_config(wide, trust_remote_code=remote)
     kinds = layer_kinds(full, wide)
     depth = min(len(kinds), max(min_depth, shortest_faithful_depth(kinds)))
-    return cut_depth(wide, depth * sublayers_per_layer(full, wide), where), depth, kinds
+    per_layer = sublayers_per_layer(full, wide)
+    for deeper in range(depth, len(kinds) + 1):
+        # a model may not build at every depth (Zamba ties its shared block's weights across
+        # at least two hybrid layers): the next depth, up to the whole model
+        cut = cut_depth(wide, deeper * per_layer, where)
+        try:
+            with torch.device("meta"):
+                AutoModelForCausalLM.from_config(cut, trust_remote_code=remote)
+        except Exception as exc:  # noqa: BLE001 -- the model's own constructor, any error
+            failure = exc
+            continue
+        return cut, deeper, kinds
+    raise ProbeError(f"{where}: num_hidden_layers: the model does not build at any depth from {depth} to {len(kinds)} "
+                     f"layers for the verify probe ({type(failure).__name__}: {str(failure).splitlines()[0][:200]})")
