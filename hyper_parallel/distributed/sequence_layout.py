@@ -471,7 +471,8 @@ def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: froze
     # and no module of the block may read them.
     hand_on_partial = _has_partial_sums(inner_entries, roles) and not adds_stream and not (
         moe and _plain_code_gates(fqn, block, roles)) and not _reads_partial_sums(fqn, block, inner_entries, roles,
-                                                                                  reads)
+                                                                                  reads) \
+        and not _replicated_weights(fqn, block, roles, routers)
     block_out = Partial() if hand_on_partial else Replicate()
     own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. AFMoE's expert_bias
     modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
@@ -486,6 +487,21 @@ def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: froze
             config.out_dst = config.out_src
         if cp:
             _add_token_split(config, Shard(token_dim))
+
+
+def _replicated_weights(fqn: str, block: nn.Module, roles: dict[str, str], routers: frozenset[str]) -> list[str]:
+    """Members of the block that compute whole on every tp rank with weights of their own
+    (NemotronH's non-gated experts, which no split role fits), other than the router: their
+    output is whole, not a term of a partial sum, so the block's output cannot be handed
+    on as one (it would be counted tp times)."""
+    found = []
+    for name, module in block.named_modules():
+        inner = f"{fqn}.{name}"
+        if not name or roles.get(inner) != "replicate" or inner in routers:
+            continue
+        if any(p.dim() >= 3 for p in module.parameters(recurse=False)):
+            found.append(inner)
+    return found
 
 
 def _plain_code_gates(fqn: str, block: nn.Module, roles: dict[str, str]) -> list[str]:
