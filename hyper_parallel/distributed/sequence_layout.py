@@ -74,6 +74,9 @@ from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfi
 # The roles of attention blocks that keep each cp rank's tokens, by algorithm.
 TOKEN_ATTENTION_ROLES = {"kv_gathered_attention": "allgather_kv", "ulysses_attention": "ulysses"}
 ATTENTION_ROLE = {algorithm: role for role, algorithm in TOKEN_ATTENTION_ROLES.items()}
+# Roles that split a projection's weight over tp (whole elsewhere): what runs on a piece of
+# the sequence says so in its IO placements.
+_TP_SPLIT_ROLES = frozenset({"colwise", "colwise_gathered", "rowwise", "rowwise_split_input"})
 _PARTIAL_OUTPUT_ROLES = frozenset({"rowwise", "rowwise_split_input", "packed_experts", "local_params_summed"})
 
 
@@ -288,6 +291,11 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                 _residual_module(modules[fqn], residual)
             elif fqn in traced.layer_readers:  # gathers the stream: what follows sees it whole
                 _whole_reader(modules[fqn], residual, full)
+        elif cp and not sp and not whole and not inside_layers and on_split_stream and role in _TP_SPLIT_ROLES:
+            # a tp-split projection after the layers (Qwen4-Exp's hyper-connection mixer) runs
+            # on this rank's piece of the sequence too: said so, its weight grads are partial
+            # sums over cp, which the applier reduces
+            _add_token_split(modules[fqn], Shard(1))
         elif role == "lm_head":
             reads_split = not whole or fqn in traced.layer_readers
             _gathered_lm_head(modules[fqn], residual if reads_split else full, cp=cp,

@@ -57,6 +57,8 @@ ROWS = {
     ("phimoe", "tp2_sp_lp"): "the same under sequence parallel: each rank's tokens draw other numbers (refused)",
     ("nemotron_h", "tp2_sp_lp"): "experts no split role fits (non-gated), computed whole on every rank inside an MoE "
                                  "block whose shared experts hand on a partial sum: the block's output is not one",
+    ("qwen4_exp_text", "cp2"): "a tp-split projection after the layers (the hyper-connection mixer) on each cp "
+                               "rank's piece of the sequence: its weight gradients are partial sums over cp",
     ("longcat_flash", "tp2"): "zero-compute identity experts inside the packed experts (HF's moe_identity_expert); "
                               "a router applying its classifier's weight itself; two attentions and MLPs per layer",
 }
