@@ -36,12 +36,12 @@ masked blocks does, whatever this CPU's kernels spend on masked scores.
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from activation_bytes import rank_mesh, step_runner, take_turns
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 # glibc malloc serves each large buffer with its own mmap and unmaps it when freed, so every
@@ -84,7 +84,7 @@ def _parallel(model, config, algorithm: str, balance: bool, mesh_context, dims):
 
 def _runner(model, seq_len: int, local: int, rank: int):
     """One fwd+bwd of the layer's attention block: a function returning its seconds and
-    the bytes its forward saved for backward."""
+    the bytes its forward saved for backward (``activation_bytes``)."""
     import torch
 
     attention = model.model.layers[0].self_attn
@@ -92,34 +92,8 @@ def _runner(model, seq_len: int, local: int, rank: int):
     hidden = hidden[:, rank * local:(rank + 1) * local] if local < seq_len else hidden
     positions = torch.arange(seq_len).unsqueeze(0)
     cos, sin = model.model.rotary_emb(hidden, positions)
-    # the weights autograd keeps a reference to are not activations (the same at every cp)
-    weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-
-    def run() -> tuple[float, int]:
-        x = hidden.clone().requires_grad_(True)
-        storages: dict[int, int] = {}
-
-        def pack(tensor):
-            storage = _local(tensor).untyped_storage()
-            if storage.data_ptr() not in weights:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
-        out.sum().backward()
-        elapsed = time.perf_counter() - start
-        for parameter in model.parameters():  # as the optimizer's zero_grad: the next backward
-            parameter.grad = None               # stores its gradients, it does not add to these
-        return elapsed, sum(storages.values())
-
-    return run
-
-
-def _local(tensor):
-    """A DTensor's local shard (whose storage is the memory), else the tensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return step_runner(model, lambda: attention(hidden_states=hidden.clone().requires_grad_(True),
+                                                position_embeddings=(cos, sin), attention_mask=None)[0])
 
 
 def _pairs(seq_len: int, cp: int, balance: bool) -> list[int]:
@@ -140,13 +114,10 @@ def worker(args) -> None:
     import torch.distributed as dist
     import transformers
 
-    from hyper_parallel.config.layout import Layout
-    from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+    from hyper_parallel.distributed.mesh import ParallelDims
 
-    torch.set_num_threads(1)
     dims = ParallelDims(cp=2)
-    mesh_context = MeshContext(build_device_mesh(dims, "cpu"), Layout(dims))
-    rank = dist.get_rank()
+    mesh_context, rank = rank_mesh(dims)
     config = _config(transformers, args.attn)
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn, dtype=torch.float32)
@@ -157,19 +128,9 @@ def worker(args) -> None:
                                      ("ulysses", "ulysses", False)):
         model = _parallel(copy.deepcopy(base), config, algorithm, balance, mesh_context, dims)
         runners[name] = _runner(model, args.seq_len, args.seq_len // 2, rank)
-    # round-robin, the first round a warm-up: a drift in the machine's speed (a shared host)
-    # falls on every mode alike instead of on whichever ran during it
-    seconds: dict[str, list[float]] = {name: [] for name in runners}
-    saved: dict[str, int] = {}
-    for repeat in range(args.repeats + 1):
-        for name, run in runners.items():
-            dist.barrier()  # both ranks run the same mode at once
-            elapsed, saved[name] = run()
-            if repeat:
-                seconds[name].append(elapsed)
-    results = {name: {"seconds": statistics.median(seconds[name]), "saved_bytes": saved[name],
-                      "local_queries": args.seq_len if name == "cp1" else args.seq_len // 2}
-               for name in runners}
+    results = take_turns(runners, args.repeats)
+    for name, result in results.items():
+        result["local_queries"] = args.seq_len if name == "cp1" else args.seq_len // 2
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()

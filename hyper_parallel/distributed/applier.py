@@ -65,11 +65,18 @@ from hyper_parallel.distributed.pipeline import (
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
+from hyper_parallel.distributed.local_views import (  # local_piece re-exported
+    block_sizes,
+    local_piece,
+    local_sizes,
+    owner_of,
+    packed_blocks_piece,
+)
 from hyper_parallel.distributed.name_match import match_plan_keys
 from hyper_parallel.distributed.partial_grads import reduce_partial_grad
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
 from hyper_parallel.errors import HyperParallelError
-from hyper_parallel.protocols.axes import CP, EP
+from hyper_parallel.protocols.axes import CP, EP, TP
 from hyper_parallel.protocols.placement_text import local_shard_shape  # noqa: F401  (re-exported)
 from hyper_parallel.protocols.placements import as_placement
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
@@ -258,7 +265,8 @@ def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh,
                 raise PlanApplyError(f"plan entry {fqn!r} places {name!r} partial, which only a local_map "
                                      "entry can use (as the local tensor it adds to a partial sum)")
             sharded[id(param)] = _to_dtensor_parameter(param, _stored_placements(placements), sub_mesh)
-        module._parameters[name] = sharded[id(param)]
+        owner, leaf = owner_of(module, name)
+        owner._parameters[leaf] = sharded[id(param)]
 
 
 def _places_nothing(config: ShardingConfig, axes) -> bool:
@@ -273,13 +281,18 @@ def _places_nothing(config: ShardingConfig, axes) -> bool:
 
 
 def _state_parameter(module: nn.Module, fqn: str, name: str) -> nn.Parameter:
-    """The direct parameter ``name`` of ``module`` that a plan entry places."""
-    param = module._parameters.get(name)
+    """The parameter ``name`` of ``module`` that a plan entry places: its own, or a child's
+    (dotted) that the module's own code uses outside the child's forward."""
+    try:
+        owner, leaf = owner_of(module, name)
+    except AttributeError:
+        owner, leaf = None, name
+    param = None if owner is None else owner._parameters.get(leaf)
     if param is None:
-        if name in module._buffers:
+        if owner is not None and leaf in owner._buffers:
             raise PlanApplyError(f"plan entry {fqn!r}: buffer {name!r} sharding is not supported yet")
         raise PlanApplyError(
-            f"plan entry {fqn!r} shards {name!r}, which is not a direct parameter of "
+            f"plan entry {fqn!r} shards {name!r}, which is not a parameter of "
             f"{type(module).__name__} (has {sorted(module._parameters)})")
     return param
 
@@ -301,27 +314,6 @@ def _to_dtensor_parameter(param: nn.Parameter, placements, sub_mesh) -> nn.Param
     if new_param.requires_grad:
         new_param.register_post_accumulate_grad_hook(reduce_partial_grad)
     return new_param
-
-
-def local_piece(tensor: torch.Tensor, placement, pieces: int, index: int) -> torch.Tensor:
-    """The piece ``index`` of ``pieces`` that ``placement`` gives one mesh dim's rank. Applied
-    mesh dim by mesh dim, outermost first, this is the layout DTensor and FSDP2 use
-    (a ``_StridedShard`` is split inside the blocks of the shard applied after it)."""
-    if isinstance(placement, _StridedShard):
-        blocks = tensor.chunk(placement.split_factor, dim=placement.dim)
-        return torch.cat([_chunk(block, placement.dim, pieces, index) for block in blocks], dim=placement.dim)
-    if isinstance(placement, Shard):
-        return _chunk(tensor, placement.dim, pieces, index)
-    if isinstance(placement, Partial):
-        raise PlanApplyError("a parameter is stored Replicate where it is placed Partial")
-    return tensor
-
-
-def _chunk(tensor: torch.Tensor, dim: int, pieces: int, index: int) -> torch.Tensor:
-    chunks = tensor.chunk(pieces, dim=dim)
-    if index < len(chunks):
-        return chunks[index]
-    return tensor.narrow(dim, 0, 0)  # torch.chunk gave fewer pieces: this rank's shard is empty
 
 
 # --- forward hooks ---------------------------------------------------------------------------
@@ -356,7 +348,7 @@ def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh
         return _convert_outputs(output, out_pairs, sub_mesh, axes, fqn or "<root>", order)
 
     if config.local_map:
-        _install_local_parameter_swap(module, config, axes, split_axes)
+        _install_local_parameter_swap(module, fqn, config, sub_mesh, axes, split_axes)
     if any(src is not None or dst is not None for src, dst in in_pairs):
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
     if any(src is not None or dst is not None for src, dst in out_pairs):
@@ -372,9 +364,11 @@ def _pairs(src, dst) -> list[tuple]:
 
 
 def _split_axes(config: ShardingConfig, axes, *, with_states: bool = True) -> frozenset[str]:
-    """Axes along which a local_map module's work is split (something it sees is sharded)."""
+    """Axes along which a local_map module's work is split: something it sees is sharded, or
+    it hands on a piece of its output from what every rank sees whole (``colwise_by_parent``,
+    whose weight its parent slices)."""
     named = (list(config.state_shardings.values()) if with_states else []) + [
-        n for n in _io_list(config.in_dst) if n is not None]
+        n for n in (*_io_list(config.in_dst), *_io_list(config.out_src)[:1]) if n is not None]
     return frozenset(str(axis) for entry in named for axis, p in entry.items()
                      if isinstance(as_placement(p), (Shard, _StridedShard)))
 
@@ -497,36 +491,55 @@ def _convert_output(value, src, dst, sub_mesh, axes, where: str, order: Sequence
     return local.clone() if local.requires_grad else local
 
 
-def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axes, split_axes) -> None:
+def _install_local_parameter_swap(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes,
+                                  split_axes) -> None:
     """While a local_map module runs, its parameters are their local shards (differentiably).
     A parameter the module hands out as an output (GPT-NeoX-Japanese's attention returns
     its ``dense_bias``, which the decoder layer adds) is used where the module's first
     output goes: on each rank's piece of the sequence, if that output is split along it,
-    so its gradient there is a partial sum over those axes."""
-    names = [name for name in config.state_shardings if isinstance(module._parameters.get(name), DTensor)]
+    so its gradient there is a partial sum over those axes. A module computed on this
+    rank's heads also gets its ``local_slices`` (this rank's piece of each packed block of a
+    replicated parameter) and its ``local_sizes`` (``local_views``)."""
+    names = [name for name in config.state_shardings
+             if isinstance(_state_parameter(module, fqn, name), DTensor)]
     partial_dims = {name: tuple(dim for dim, p in enumerate(_placements(config.state_shardings[name], axes))
                                 if isinstance(p, Partial))
                     for name in names}
     handed_on = _io_list(config.out_dst) or _io_list(config.out_src)
-    saved: list[tuple[dict, dict]] = []
+    pieces, index = _tp_share(sub_mesh, axes)
+    where = fqn or "<root>"
+    saved: list[tuple[dict, dict, dict]] = []
 
     def swap_in(mod, args):
-        originals = {name: mod._parameters[name] for name in names}
-        swapped = {}
-        for name, param in originals.items():
+        originals, swapped = {}, {}
+        for name in names:
+            owner, leaf = owner_of(mod, name)
+            param = originals[name] = owner._parameters[leaf]
             grads = _grad_placements(param.placements, axes, split_axes)
             if partial_dims[name]:
-                mod._parameters[name] = _partial_parameter(param, partial_dims[name], grads)
+                local = _partial_parameter(param, partial_dims[name], grads)
             else:
-                mod._parameters[name] = param.to_local(grad_placements=grads)
-            swapped[id(mod._parameters[name])] = name
-        saved.append((originals, swapped))
+                local = param.to_local(grad_placements=grads)
+            if name in config.local_slices:
+                dim, blocks = config.local_slices[name]
+                local = packed_blocks_piece(local, dim, block_sizes(mod, blocks, where), pieces, index,
+                                            f"{where}.{name}")
+            owner._parameters[leaf] = local
+            swapped[id(local)] = name
+        sizes = {name: getattr(mod, name) for name in config.local_sizes}
+        for name, value in local_sizes(mod, config.local_sizes, pieces, where).items():
+            setattr(mod, name, value)
+        saved.append((originals, swapped, sizes))
 
     def swap_out(mod, args, output):
         if not saved:
             return None
-        originals, swapped = saved.pop()
-        mod._parameters.update(originals)
+        originals, swapped, sizes = saved.pop()
+        for name, param in originals.items():
+            owner, leaf = owner_of(mod, name)
+            owner._parameters[leaf] = param
+        for name, value in sizes.items():
+            setattr(mod, name, value)
         if not isinstance(output, (tuple, list)) or not handed_on or handed_on[0] is None:
             return None
         split_where_used = {axis for axis, p in zip(axes, _placements(handed_on[0], axes)) if isinstance(p, Shard)}
@@ -538,6 +551,14 @@ def _install_local_parameter_swap(module: nn.Module, config: ShardingConfig, axe
 
     module.register_forward_pre_hook(swap_in)
     module.register_forward_hook(swap_out, always_call=True)
+
+
+def _tp_share(sub_mesh, axes) -> tuple[int, int]:
+    """(tp size, this rank's tp coordinate) on the entry's sub-mesh; (1, 0) without tp."""
+    if TP not in axes:
+        return 1, 0
+    dim = axes.index(TP)
+    return sub_mesh.size(dim), sub_mesh.get_coordinate()[dim]
 
 
 def _handed_out(param: DTensor, axes, split_where_used: set[str]) -> torch.Tensor:

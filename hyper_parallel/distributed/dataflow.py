@@ -34,11 +34,14 @@ hands on all of them (``colwise_gathered``), the consumer slices its input
 computation not. Fused projections whose q/k/v parts differ in width (GQA) land here.
 """
 
+import copy
+import inspect
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -48,6 +51,7 @@ from hyper_parallel.distributed.model_parts import (
     output_embeddings,
     positional_names,
 )
+from hyper_parallel.distributed.local_views import block_sizes, local_piece, local_sizes, owner_of, packed_blocks_piece
 from hyper_parallel.distributed.sequence_dry_run import check_sequence_split
 
 SPLIT_MODE, GATHERED_MODE, WHOLE_MODE = "split", "gathered", "whole"
@@ -61,6 +65,8 @@ _FRESH = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_
                     "new_ones", "new_empty", "new_full", "new_tensor"})
 # Roles a block member can get, by the layout its rank owners form (parts split over tp).
 _SPLIT_ROLE_BY_PARTS = {1: "colwise", 2: "fused_gate_up", 3: "fused_qkv"}
+# The parent computing a block on its heads, and a child whose parameters it places (HeadSplit).
+HEAD_SPLIT_ROLE, PLACED_BY_PARENT_ROLE, COLWISE_BY_PARENT_ROLE = "head_split", "placed_by_parent", "colwise_by_parent"
 
 
 @dataclass
@@ -73,8 +79,10 @@ class Block:
     norms: tuple[str, ...] = ()  # vector-only modules inside (per-head norms, learned activations)
     norm_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # norm -> the members feeding it
     mode: str = GATHERED_MODE
-    layouts: dict[str, int] = field(default_factory=dict)  # member -> packed parts (split mode)
+    # member -> packed parts (split mode), or the widths of unequal packed blocks its parent splits
+    layouts: dict[str, int | tuple[int, ...]] = field(default_factory=dict)
     why: str = ""
+    heads: "HeadSplit | None" = None  # split mode on its parent's heads (a gated delta-net)
 
     @property
     def whole(self) -> bool:
@@ -90,12 +98,37 @@ class Block:
             if name in self.consumers:
                 roles[name] = "rowwise" if self.mode == SPLIT_MODE else "rowwise_split_input"
             elif self.mode == SPLIT_MODE:
-                roles[name] = _SPLIT_ROLE_BY_PARTS[self.layouts[name]]
+                parts = self.layouts[name]
+                roles[name] = COLWISE_BY_PARENT_ROLE if isinstance(parts, tuple) else _SPLIT_ROLE_BY_PARTS[parts]
             else:
                 roles[name] = "colwise_gathered"
         for name in self.norms:
             roles[name] = "head_norm" if self.mode == SPLIT_MODE else "replicate"
+        if self.heads is not None and self.mode == SPLIT_MODE:
+            roles[self.heads.name] = HEAD_SPLIT_ROLE
+            roles.update({owner: PLACED_BY_PARENT_ROLE for owner in self.heads.owners() if owner not in self.members})
         return roles
+
+
+@dataclass
+class HeadSplit:
+    """The parent of a block's members whose own code runs the block on its heads (a gated
+    delta-net: its projections feed a convolution and a recurrence over heads, with per-head
+    vectors of its own), planned split on this rank's heads: its other parameters laid out
+    as the heads they serve (``states``: name relative to it, a child's dotted -> placement
+    on tp; ``slices``: replicated ones packing unequal blocks, ``local_views``), and the
+    size attributes its code reshapes by (``sizes``) at this rank's share while it runs.
+    All measured on the traced copy (``_head_split``), then checked by the dry run."""
+
+    name: str
+    states: dict[str, object]
+    sizes: tuple[str, ...]
+    slices: dict[str, tuple[int, tuple[str, ...]]]
+
+    def owners(self) -> set[str]:
+        """The children whose parameters the parent places: used by its own code, or
+        members packing unequal blocks (``colwise_by_parent``)."""
+        return {f"{self.name}.{param.rpartition('.')[0]}" for param in self.states if "." in param}
 
 
 @dataclass
@@ -668,6 +701,8 @@ def _plan_blocks(trace: _Trace, blocks: list[Block], tp: int, dry_run) -> None:
             block.mode, block.why = first.mode, first.why
             block.layouts = {name: first.layouts[mine] for name, mine in zip(block.members, first.members)
                              if mine in first.layouts}
+            if first.heads is not None:
+                block.heads = replace(first.heads, name=block.members[0].rpartition(".")[0])
 
 
 def _saw_tokens(trace: _Trace, block: Block) -> bool:
@@ -690,19 +725,31 @@ def _plan_block(trace: _Trace, block: Block, tp: int, dry_run) -> None:
     if owners is None:
         block.why = why
         return
-    layouts = {}
+    layouts: dict[str, int | tuple[int, ...]] = {}
     for name, owner in owners.items():
-        parts = _layout(owner, tp)
-        if parts is None:
+        parts = _layout(owner, tp) or tuple(_rank_blocks(owner, tp))
+        if not parts:
             block.why = f"{name}'s output features are not split over tp as whole parts (e.g. q/k/v of unequal width)"
             return
         layouts[name] = parts
     layouts[consumer] = 1
     if dry_run is not None:
-        failure = dry_run(trace.model, layouts, block)
+        # packed blocks of unequal widths ([q | k | v] of a gated delta-net) have no role of
+        # their own: only their parent, run on its heads, hands them this rank's rows
+        unequal = [name for name, parts in layouts.items() if isinstance(parts, tuple)]
+        failure = (f"{unequal[0]} packs output blocks of unequal widths {list(layouts[unequal[0]])}" if unequal
+                   else dry_run(trace.model, layouts, block))
         if failure:
-            block.why = f"the model's code does not run on one rank's share of the block: {failure}"
-            return
+            block.heads, why = _head_split(trace, block, tp, layouts)
+            retry = dry_run(trace.model, layouts, block) if block.heads is not None else why
+            if retry:
+                block.heads = None
+                block.why = f"the model's code does not run on one rank's share of the block: {failure}"
+                block.why += f"; on its parent's heads: {retry}" if retry != failure else ""
+                return
+    elif any(isinstance(parts, tuple) for parts in layouts.values()):
+        block.why = "a member packs output blocks of unequal widths and there is no dry run to plan its parent"
+        return
     block.mode, block.layouts = SPLIT_MODE, layouts
 
 
@@ -710,33 +757,52 @@ def _owners(trace: _Trace, consumer: str, members: list[str], tp: int):
     """Per member, the tp rank that needs each of its output features (-1: none), from the
     gradient of each rank's slice of the consumer's input; None where a feature is needed
     by two ranks, with the reason."""
-    x = trace.first_input.get(consumer)
     outputs = [trace.first_output.get(name) for name in members]
-    if x is None or any(out is None or not out.requires_grad for out in outputs) or not x.requires_grad:
+    if any(out is None or not out.requires_grad for out in outputs):
         return None, "the traced forward did not record the block's tensors"
-    width = x.shape[-1]
-    if width % tp:
-        return None, f"{consumer}'s input width {width} does not divide by tp={tp}"
-    generator = torch.Generator().manual_seed(0)
-    needs = [torch.zeros(tp, out.shape[-1], dtype=torch.bool) for out in outputs]
-    step = width // tp
-    for rank in range(tp):
-        piece = x[..., rank * step:(rank + 1) * step]
-        weights = torch.rand(piece.shape, generator=generator, dtype=piece.dtype) + 0.5
-        grads = torch.autograd.grad((piece * weights).sum(), outputs, retain_graph=True, allow_unused=True)
-        for index, grad in enumerate(grads):
-            if grad is not None:
-                needs[index][rank] = grad.detach().abs().reshape(-1, grad.shape[-1]).sum(0) > 0
+    needs, why = _rank_needs(trace, consumer, outputs, tp)
+    if needs is None:
+        return None, why
     owners = {}
     for name, need in zip(members, needs):
+        need = need.reshape(tp, -1, need.shape[-1]).any(1)
         shared = (need.sum(0) > 1).nonzero()
         if len(shared):
             feature = int(shared[0])
             return None, (f"{name}'s output feature {feature} feeds the share of more than one tp rank "
                           "(e.g. a norm over the whole projection, a tensor shared by every head)")
-        owner = torch.where(need.any(0), need.float().argmax(0), torch.full_like(need[0], -1, dtype=torch.long))
-        owners[name] = owner.tolist()
+        owners[name] = _owner_list(need)
     return owners, ""
+
+
+def _owner_list(need: torch.Tensor) -> list[int]:
+    """[tp, features] needs -> the owning rank of each feature (-1: none needs it)."""
+    return torch.where(need.any(0), need.float().argmax(0), torch.full_like(need[0], -1, dtype=torch.long)).tolist()
+
+
+def _rank_needs(trace: _Trace, consumer: str, tensors: list[torch.Tensor], tp: int):
+    """For every tensor, a [tp, *shape] mask of the elements each tp rank's slice of the
+    consumer's input features depends on (its gradient there is not zero); None and the
+    reason where the trace cannot say."""
+    x = trace.first_input.get(consumer)
+    if x is None or not x.requires_grad:
+        return None, "the traced forward did not record the block's tensors"
+    if not tensors:
+        return [], ""
+    width = x.shape[-1]
+    if width % tp:
+        return None, f"{consumer}'s input width {width} does not divide by tp={tp}"
+    generator = torch.Generator().manual_seed(0)
+    needs = [torch.zeros((tp, *t.shape), dtype=torch.bool) for t in tensors]
+    step = width // tp
+    for rank in range(tp):
+        piece = x[..., rank * step:(rank + 1) * step]
+        weights = torch.rand(piece.shape, generator=generator, dtype=piece.dtype) + 0.5
+        grads = torch.autograd.grad((piece * weights).sum(), tensors, retain_graph=True, allow_unused=True)
+        for index, grad in enumerate(grads):
+            if grad is not None:
+                needs[index][rank] = grad.detach() != 0
+    return needs, ""
 
 
 def _layout(owner: list[int], tp: int) -> int | None:
@@ -750,6 +816,166 @@ def _layout(owner: list[int], tp: int) -> int | None:
         if all(rank < 0 or rank == (feature % (width // parts)) // piece for feature, rank in enumerate(owner)):
             return parts
     return None
+
+
+def _head_split(trace: _Trace, block: Block, tp: int,
+                layouts: dict[str, int | tuple[int, ...]]) -> tuple[HeadSplit | None, str]:
+    """The block's parent planned on this rank's heads (``HeadSplit``), or None and why not.
+    Its parameters outside the members and norms are laid out by the heads that need them
+    (measured as the members' are: which of their elements each rank's share of the
+    consumer's input depends on), and its size attributes are those that the same module,
+    built for the model's head counts divided by tp, has divided by tp."""
+    parents = {name.rpartition(".")[0] for name in block.members}
+    if len(parents) != 1 or not next(iter(parents)):
+        return None, "its members are not the children of one module"
+    parent = parents.pop()
+    module = trace.model.get_submodule(parent)
+    taken = {*block.members, *block.norms}
+    extras = {name: param for name, param in module.named_parameters()
+              if f"{parent}.{name}".rpartition(".")[0] not in taken}
+    ran = [name for name in extras if "." in name and f"{parent}.{name.rpartition('.')[0]}" in trace.inputs]
+    if ran:
+        return None, f"{parent}.{ran[0]} belongs to a module of its own that is not in the block"
+    sizes, why = _share_sizes(module, getattr(trace.model, "config", None), tp)
+    if not sizes:
+        return None, why
+    needs, why = _rank_needs(trace, block.consumers[0], list(extras.values()), tp)
+    if needs is None:
+        return None, why
+    states, slices = {}, {}
+    for member, parts in layouts.items():  # unequal packed blocks: their rows, handed over by the parent
+        if isinstance(parts, tuple):
+            named = _block_names(module, sizes, list(parts))
+            if named is None:
+                return None, f"{member} packs output blocks {list(parts)} that no size attribute of {parent} names"
+            for leaf, _ in trace.model.get_submodule(member).named_parameters(recurse=False):
+                rel = f"{member[len(parent) + 1:]}.{leaf}"
+                states[rel], slices[rel] = Replicate(), (0, named)
+    for (name, param), need in zip(extras.items(), needs):
+        layout = _param_layout(need, tp)
+        if layout is None:
+            return None, f"{parent}.{name} is needed by the heads of more than one tp rank in no layout of whole heads"
+        if isinstance(layout, int):
+            states[name] = Shard(layout)
+            continue
+        dim, blocks = layout
+        named = _block_names(module, sizes, blocks)
+        if named is None:
+            return None, f"{parent}.{name} packs blocks {blocks} along dim {dim} that no size attribute of it names"
+        states[name], slices[name] = Replicate(), (dim, named)
+    return HeadSplit(parent, states, sizes, slices), ""
+
+
+def _share_sizes(module: nn.Module, config, tp: int) -> tuple[tuple[str, ...], str]:
+    """The module's integer attributes that scale with its head counts: those that the same
+    class, built (on the meta device) from the config with every head count divided by tp,
+    has exactly divided by tp."""
+    keys = [key for key, value in vars(config).items() if "heads" in key and type(value) is int
+            and value >= tp and value % tp == 0] if config is not None else []
+    if not keys:
+        return (), "the config has no head count that tp divides"
+    reduced = copy.deepcopy(config)
+    for key in keys:
+        setattr(reduced, key, getattr(config, key) // tp)
+    kwargs = {}
+    for name, parameter in inspect.signature(type(module).__init__).parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if name == "config":
+            kwargs[name] = reduced
+        elif name in ("layer_idx", "layer_id", "layer_number"):
+            kwargs[name] = getattr(module, name, getattr(module, "layer_idx", 0))
+        elif parameter.default is parameter.empty:
+            return (), f"{type(module).__name__}({name}=...) cannot be rebuilt for one rank's heads"
+    try:
+        with torch.device("meta"):
+            share = type(module)(**kwargs)
+    except Exception as exc:  # the model's own constructor: any error means no rebuilt share
+        return (), f"{type(module).__name__} does not build for one rank's heads ({type(exc).__name__}: {exc})"
+    sizes = tuple(name for name, value in vars(module).items()
+                  if type(value) is int and type(getattr(share, name, None)) is int and value != getattr(share, name)
+                  and getattr(share, name) * tp == value)
+    return sizes, ("" if sizes else f"{type(module).__name__} has no size attribute that scales with its heads")
+
+
+def _param_layout(need: torch.Tensor, tp: int):
+    """A parameter's layout from which of its elements each rank needs ([tp, *shape]):
+    ``Shard`` dim (an int) where each rank needs a contiguous chunk along one dim,
+    ``(dim, block sizes)`` where it needs a chunk of each of several unequal blocks,
+    ``Replicate()`` where every rank needs all of it (or none any), None otherwise."""
+    if bool(need.all()) or not bool(need.any()):
+        return Replicate()
+    for dim in range(need.dim() - 1):
+        others = tuple(d + 1 for d in range(need.dim() - 1) if d != dim)
+        along = need.any(others) if others else need
+        shape = [tp] + [need.shape[d + 1] if d == dim else 1 for d in range(need.dim() - 1)]
+        if not bool((need == along.reshape(shape)).all()) or bool((along.sum(0) > 1).any()):
+            continue
+        owner = _owner_list(along)
+        if _layout(owner, tp) == 1:
+            return dim
+        blocks = _rank_blocks(owner, tp)
+        if blocks:
+            return dim, blocks
+    return None
+
+
+def _rank_blocks(owner: list[int], tp: int) -> list[int]:
+    """The sizes of consecutive blocks each split over tp in rank order (equal pieces),
+    that ``owner`` is; empty if it is not (or a feature no rank needs)."""
+    blocks, start = [], 0
+    while start < len(owner):
+        run = 1
+        while start + run < len(owner) and owner[start + run] == owner[start]:
+            run += 1
+        piece = owner[start:start + run * tp]
+        if len(piece) < run * tp or piece != [rank for rank in range(tp) for _ in range(run)]:
+            return []
+        blocks.append(run * tp)
+        start += run * tp
+    return blocks
+
+
+def _block_names(module: nn.Module, sizes: tuple[str, ...], blocks: list[int]) -> tuple[str, ...] | None:
+    """Each block size named by the first of the module's size attributes of that value."""
+    by_value: dict[int, str] = {}
+    for name in sizes:
+        by_value.setdefault(getattr(module, name), name)
+    named = tuple(by_value.get(size) for size in blocks)
+    return None if None in named else named
+
+
+def _head_split_hooks(model: nn.Module, split: HeadSplit, tp: int, rank: int) -> list:
+    """For the dry run: while the parent runs, its parameters and sizes are rank ``rank``'s
+    share, as the applier gives them (``local_views``)."""
+    module = model.get_submodule(split.name)
+    saved: list[tuple[dict, dict]] = []
+
+    def swap_in(mod, args):
+        originals = {}
+        for name, placement in split.states.items():
+            owner, leaf = owner_of(mod, name)
+            value = originals[name] = owner._parameters[leaf]
+            if name in split.slices:
+                dim, blocks = split.slices[name]
+                local = packed_blocks_piece(value, dim, block_sizes(mod, blocks, split.name), tp, rank, split.name)
+            else:
+                local = local_piece(value, placement, tp, rank)
+            owner._parameters[leaf] = local
+        sizes = {name: getattr(mod, name) for name in split.sizes}
+        for name, value in local_sizes(mod, split.sizes, tp, split.name).items():
+            setattr(mod, name, value)
+        saved.append((originals, sizes))
+
+    def swap_out(mod, args, output):
+        originals, sizes = saved.pop()
+        for name, value in originals.items():
+            owner, leaf = owner_of(mod, name)
+            owner._parameters[leaf] = value
+        for name, value in sizes.items():
+            setattr(mod, name, value)
+
+    return [module.register_forward_pre_hook(swap_in), module.register_forward_hook(swap_out, always_call=True)]
 
 
 def local_widths_dry_run(model: nn.Module, input_ids: torch.Tensor, tp: int) -> Callable:
@@ -771,7 +997,10 @@ def local_widths_dry_run(model: nn.Module, input_ids: torch.Tensor, tp: int) -> 
             seen: dict[str, torch.Tensor] = {}
             handles = [modules[consumer].register_forward_pre_hook(_pad_input(tp, seen))]
             handles += [modules[name].register_forward_hook(_rank_rows(parts, tp, rank))
-                        for name, parts in layouts.items() if name not in block.consumers]
+                        for name, parts in layouts.items()
+                        if name not in block.consumers and not isinstance(parts, tuple)]
+            if block.heads is not None:
+                handles += _head_split_hooks(model, block.heads, tp, rank)
             try:
                 with torch.no_grad():
                     model(input_ids=input_ids)

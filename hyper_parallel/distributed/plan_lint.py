@@ -6,6 +6,13 @@ from collections.abc import Mapping
 from torch import nn
 
 from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, expert_count, layer_views
+from hyper_parallel.distributed.local_views import (
+    LocalViewError,
+    block_sizes,
+    local_sizes,
+    owner_of,
+    packed_blocks_piece,
+)
 from hyper_parallel.distributed.name_match import match_plan_keys
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.placement_text import parse_placement_text
@@ -94,18 +101,38 @@ def lint_plan(model: nn.Module, modules: Mapping, mesh) -> None:
     placed: dict[str, dict[str, str]] = {}  # parameter FQN -> {axis: text}
     for fqn, key in owner.items():
         module = model.get_submodule(fqn)
+        _lint_local_views(fqn, module, modules[key], mesh)
         for name, named in modules[key].state_shardings.items():
-            tensor = module._parameters.get(name)
+            try:
+                holder, leaf = owner_of(module, name)
+            except AttributeError:
+                holder, leaf = module, name
+            tensor = holder._parameters.get(leaf)
             if tensor is None:
-                tensor = module._buffers.get(name)
+                tensor = holder._buffers.get(leaf)
             if tensor is None:
-                raise PlanError(f"plan entry {key!r} shards {name!r}, which is not a direct parameter or buffer "
+                raise PlanError(f"plan entry {key!r} shards {name!r}, which is not a parameter or buffer "
                                 f"of {fqn or '<root>'} ({type(module).__name__}); it has {sorted(module._parameters)}")
             full_name = f"{fqn}.{name}" if fqn else name
             text = {str(axis): placement_to_text(p) for axis, p in named.items()}
             _lint_divides(full_name, tuple(tensor.shape), text, mesh)
             placed[full_name] = text
     _lint_coverage(model, placed)
+
+
+def _lint_local_views(fqn: str, module: nn.Module, config, mesh) -> None:
+    """A module run on this rank's heads: its size attributes and packed blocks divide by tp."""
+    if not config.local_sizes and not config.local_slices:
+        return
+    tp = mesh.size("tp") if "tp" in mesh.axis_names else 1
+    try:
+        local_sizes(module, config.local_sizes, tp, fqn)
+        for name, (dim, blocks) in config.local_slices.items():
+            holder, leaf = owner_of(module, name)
+            packed_blocks_piece(holder._parameters[leaf], dim, block_sizes(module, blocks, fqn), tp, 0,
+                                f"{fqn}.{name}")
+    except (LocalViewError, AttributeError, KeyError) as err:
+        raise PlanError(f"plan entry for {fqn}: {err}") from None
 
 
 def _lint_divides(param: str, shape: tuple[int, ...], named: dict[str, str], mesh) -> None:

@@ -43,7 +43,14 @@ from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import PlanOverride
 from hyper_parallel.distributed.config_keys import layer_views
-from hyper_parallel.distributed.dataflow import SPLIT_MODE, Dataflow, StandIns, roles_for
+from hyper_parallel.distributed.dataflow import (
+    HEAD_SPLIT_ROLE,
+    PLACED_BY_PARENT_ROLE,
+    SPLIT_MODE,
+    Dataflow,
+    StandIns,
+    roles_for,
+)
 from hyper_parallel.distributed.expert_layout import apply_expert_layout
 from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
@@ -80,7 +87,8 @@ __all__ = ["PlanError", "PlanResult", "ShardingPlanner", "merge_plan_overrides"]
 # Split roles exact only beside a partner (a colwise producer's split output needs a rowwise
 # consumer, and the other way round); gathered and split-input ones are exact on their own.
 _UNPARTNERED_ROLES = frozenset({"colwise", "rowwise", "fused_qkv", "fused_gate_up"})
-_PRODUCER_LAYOUTS = {"colwise": SPLIT, "fused_qkv": SPLIT, "fused_gate_up": SPLIT, "colwise_gathered": FULL}
+_PRODUCER_LAYOUTS = {"colwise": SPLIT, "fused_qkv": SPLIT, "fused_gate_up": SPLIT, "colwise_by_parent": SPLIT,
+                     "colwise_gathered": FULL}
 # What a rowwise projection expects, by role.
 _CONSUMER_EXPECTS = {"rowwise": SPLIT, "rowwise_split_input": FULL}
 _CONSUMER = "rowwise (input as its block hands it on)"  # a rowwise by name, role from its block
@@ -210,7 +218,10 @@ class ShardingPlanner:
                         roles[fqn], modules[fqn] = role, ROLE_BUILDERS[role](module, {})
                     continue
                 role = self._role(fqn, module)
-                config = ROLE_BUILDERS[role](module, self._param_hints(fqn, module))
+                if role == PLACED_BY_PARENT_ROLE:
+                    continue  # its parameters are placed by its parent's head_split entry
+                config = (self._head_split_entry(fqn) if role == HEAD_SPLIT_ROLE
+                          else ROLE_BUILDERS[role](module, self._param_hints(fqn, module)))
             except PlanError as err:
                 if fqn in overridden:
                     continue  # the recipe places it; merge_plan_overrides checks the entry is complete
@@ -351,6 +362,11 @@ class ShardingPlanner:
         for block in self.dataflow.blocks:
             named = {name: self._named_role(name, modules[name]) if name in modules else None
                      for name in block.members}
+            if block.heads is not None and block.mode == SPLIT_MODE:
+                # split on its parent's heads, which names and hints cannot plan (they
+                # gather it: transformers' colwise_gather_output on a gated delta-net)
+                flow_decided |= {*block.members, *block.norms, block.heads.name, *block.heads.owners()}
+                continue
             if not all(named.values()) or not _names_agree(named, block):
                 flow_decided |= {*block.members, *block.norms}
                 continue
@@ -380,6 +396,19 @@ class ShardingPlanner:
         if self.dims.tp > 1 and split_inside:
             split = StandIns(split_inside)
             self.flow_roles.update({name: "head_norm" for name in modules if split(name)})
+
+    def _head_split_entry(self, fqn: str) -> ShardingConfig:
+        """The entry of a block's parent computed on this rank's heads (``HeadSplit``): its
+        other parameters as the heads they serve need them, its size attributes local."""
+        splits = {block.heads.name: block.heads for block in self.dataflow.blocks
+                  if block.heads is not None and block.mode == SPLIT_MODE}
+        found = {id(splits[name]): splits[name] for name in StandIns(splits)(fqn)}
+        if len(found) != 1:
+            raise PlanError(f"cannot plan {fqn} on its heads: the traced copy has {len(found)} modules standing "
+                            "for it")
+        split = next(iter(found.values()))
+        return ShardingConfig(state_shardings={name: {TP: placement} for name, placement in split.states.items()},
+                              local_map=True, local_sizes=split.sizes, local_slices=dict(split.slices))
 
     def _named_role(self, fqn: str, module: nn.Module) -> str | None:
         try:

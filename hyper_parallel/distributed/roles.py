@@ -15,6 +15,7 @@ arrive (``in_src``), how the module needs them (``in_dst``) and what it hands on
 | head_norm           | replicate (grads summed over tp)   | shard(-2) (heads)   | unchanged (local)        |
 | fused_qkv           | weight/bias packed_shard(0,3)      | replicate           | this rank's q, k, v      |
 | fused_gate_up       | weight packed_shard(0,2)           | replicate           | this rank's gate, up     |
+| colwise_by_parent   | (placed by its head_split parent)  | replicate           | shard(-1), kept local    |
 | projection_norm     | replicate                          | shard(-1) -> rep.   | replicate -> shard(-1)   |
 | local_params        | each as its own TP-plan entry says | unchanged           | unchanged                |
 | local_params_summed | each as its own TP-plan entry says | replicate           | partial -> replicate     |
@@ -204,6 +205,16 @@ def fused_gate_up(module: nn.Module, hints: dict) -> ShardingConfig:
     return _fused_colwise(module, 2)
 
 
+def colwise_by_parent(module: nn.Module, hints: dict) -> ShardingConfig:
+    """A projection packing blocks of unequal widths (a gated delta-net's ``[q | k | v]``),
+    each split over tp: no placement says that layout, so its parent (``head_split``)
+    places the weight, replicated, and hands it this rank's rows of every block while it
+    runs (``ShardingConfig.local_slices``). Its output is this rank's rows, so the
+    gradient of its replicated input is a partial sum (``out: shard(-1)`` says the work is split)."""
+    return ShardingConfig(in_src=(_on_tp(Replicate()),), in_dst=(_on_tp(Replicate()),),
+                          out_src=(_on_tp(Shard(-1)),), out_dst=(_on_tp(Shard(-1)),), local_map=True)
+
+
 def projection_norm(module: nn.Module, hints: dict) -> ShardingConfig:
     # A norm over the whole q/k projection (not per head) needs every head's values:
     # gather the colwise-sharded input, normalize, hand on this rank's slice again.
@@ -263,6 +274,7 @@ ROLE_BUILDERS: dict[str, Callable[[nn.Module, dict], ShardingConfig]] = {
     "fused_qkv": fused_qkv,
     "fused_gate_up": fused_gate_up,
     "projection_norm": projection_norm,
+    "colwise_by_parent": colwise_by_parent,
     "local_params": local_params,
     "local_params_summed": local_params_summed,
     "replicate": replicate,

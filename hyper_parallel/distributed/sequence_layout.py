@@ -218,8 +218,8 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
     first = f"{layers_fqn}.0"
     # A decoder layer's own parameters (Doge's residual scales) act on its sequence piece:
     # the first layer's entry splits the sequence and keeps them, the others' read the piece.
-    own = modules[first].state_shardings if first in modules else {}
-    modules[first] = ShardingConfig(state_shardings=dict(own), in_src=(full,), in_dst=(residual,), local_map=True)
+    modules[first] = ShardingConfig(**_own_layout(modules, first), in_src=(full,), in_dst=(residual,),
+                                    local_map=True)
     roles[first] = "sequence_split"
     for index in range(1, len(layers)):
         if f"{layers_fqn}.{index}" in modules:
@@ -300,6 +300,17 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             reads_split = not whole or fqn in traced.layer_readers
             _gathered_lm_head(modules[fqn], residual if reads_split else full, cp=cp,
                               keep_cp_split=logits_split_over_cp)
+
+
+def _own_layout(modules: dict[str, ShardingConfig], fqn: str) -> dict:
+    """What a block's entry keeps of the module's own entry when the sequence layout
+    rewrites its inputs and outputs: its parameters' placements (GPT-OSS's sinks, AFMoE's
+    expert_bias) and, for a module run on this rank's heads, its local sizes and slices."""
+    own = modules.get(fqn)
+    if own is None:
+        return {"state_shardings": {}}
+    return {"state_shardings": dict(own.state_shardings), "local_sizes": own.local_sizes,
+            "local_slices": dict(own.local_slices)}
 
 
 def _split_layer_inputs(modules, roles, fqn: str, positions: tuple[int, ...], residual: dict, full: dict) -> None:
@@ -388,8 +399,7 @@ def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams:
     seq = {CP: Shard(1) if keep_tokens else Replicate()} if cp else {}
     full = {**seq, TP: Replicate()}
     block_out = {**seq, TP: Partial() if hand_on_partial else Replicate()}
-    own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. GPT-OSS's sinks
-    modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
+    modules[fqn] = ShardingConfig(**_own_layout(modules, fqn), in_src=_per_input(streams, residual),
                                   in_dst=_per_input(streams, full),
                                   out_src=_attention_outputs(outputs, block_out),
                                   out_dst=_attention_outputs(outputs, residual), local_map=True)
@@ -482,8 +492,7 @@ def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: froze
                                                                                   reads) \
         and not _replicated_weights(fqn, block, roles, routers)
     block_out = Partial() if hand_on_partial else Replicate()
-    own = modules[fqn].state_shardings if fqn in modules else {}  # e.g. AFMoE's expert_bias
-    modules[fqn] = ShardingConfig(state_shardings=dict(own), in_src=_per_input(streams, residual),
+    modules[fqn] = ShardingConfig(**_own_layout(modules, fqn), in_src=_per_input(streams, residual),
                                   in_dst=_per_input(streams, {**tokens, TP: Replicate()}),
                                   out_src=_per_input(outputs, {**tokens, TP: block_out}),
                                   out_dst=_per_input(outputs, residual),

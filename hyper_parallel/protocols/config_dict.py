@@ -112,6 +112,8 @@ def _sharding_from_dict(fields: dict) -> ShardingConfig:
         **{name: _io_from_text(getattr(text, name), single=isinstance(fields.get(name), Mapping))
            for name in IO_PLACEMENT_FIELDS},
         local_map=text.local_map,
+        local_sizes=text.local_sizes,
+        local_slices=text.local_slices,
     )
 
 

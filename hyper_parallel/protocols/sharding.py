@@ -8,8 +8,7 @@ Every placement here is a *named placement*: ``{mesh axis name: Placement}`` wit
 ``torch.distributed.tensor`` placements (``Replicate``, ``Shard``, ``Partial``);
 an axis not named is ``Replicate``.
 
-- ``state_shardings``: parameter/buffer name (relative to the module, no dots) →
-  named placement.
+- ``state_shardings``: parameter/buffer name (relative to the module) → named placement.
 - ``in_src`` / ``in_dst``: for the module's positional inputs, how each tensor is laid
   out as it arrives (``src``) and how the module needs it (``dst``). A single named
   placement means "the first input"; a tuple gives one entry per positional input,
@@ -19,6 +18,17 @@ an axis not named is ``Replicate``.
 - ``local_map``: the module computes on local shards (plain tensors) rather than on
   DTensors; inputs are converted to local tensors after redistribution and the
   outputs are re-wrapped with ``out_src``.
+- ``local_sizes`` (local_map only): integer attributes of the module its own code
+  reshapes by (a gated delta-net's ``num_v_heads``, ``key_dim``, ``conv_dim``), which
+  hold this rank's share (divided by the ``tp`` size) while it runs.
+- ``local_slices`` (local_map only): parameter (relative to the module; a child's is
+  dotted, ``conv1d.weight``) -> ``(dim, block size attribute names)``: the parameter
+  packs blocks of unequal sizes along ``dim`` (``[q | k | v]`` channels), each split
+  over ``tp``; no DTensor placement says that, so it is stored replicated and the
+  module uses this rank's piece of every block (its gradient summed over ``tp``).
+
+``state_shardings`` may name a child's parameter (dotted) where the module's own code
+uses it outside the child's forward (a convolution weight passed to a kernel).
 """
 
 from dataclasses import dataclass, field
@@ -43,3 +53,5 @@ class ShardingConfig:
     out_src: IOPlacement = None
     out_dst: IOPlacement = None
     local_map: bool = False
+    local_sizes: tuple[str, ...] = ()
+    local_slices: dict[str, tuple[int, tuple[str, ...]]] = field(default_factory=dict)

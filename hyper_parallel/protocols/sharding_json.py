@@ -8,7 +8,11 @@ An ENTRY (written by ``sharding_config_to_json`` with every key, always in this 
     {"role": str,
      "state_shardings": {param: {axis: text}},
      "in_src": [named | null, ...] | null, "in_dst": ..., "out_src": ..., "out_dst": ...,
-     "local_map": bool}
+     "local_map": bool,
+     "local_sizes": [attribute, ...], "local_slices": {param: [dim, [attribute, ...]]}}
+
+(the last two only where not empty: a module computed on this rank's heads whose own code
+reshapes by its size attributes, ``ShardingConfig.local_sizes`` / ``local_slices``)
 
 The compact form (``compact_entry``, what the generated file prints for a reviewer)
 omits what a reader can infer: ``state_shardings`` when empty, ``in_src``/``out_src``
@@ -25,6 +29,9 @@ one string; the reader accepts it wherever it accepts an entry::
     FIELD := PARAM ": " NAMED                 a state sharding, e.g. weight: tp=shard(0)
            | ("in" | "out") ": " IO [" -> " IO]    *_src, then *_dst where it differs
            | "local_map"
+           | "local_sizes: " ATTR (" " ATTR)*      e.g. local_sizes: num_v_heads value_dim
+           | "local_slices: " SLICE (" " SLICE)*
+    SLICE := PARAM "=" DIM "(" ATTR ("," ATTR)* ")"  e.g. conv1d.weight=0(key_dim,key_dim,value_dim)
     IO    := NAMED | "(" ITEM (", " ITEM)* ")" | "-"    per positional input/output; - none
     ITEM  := NAMED | "-"
     NAMED := AXIS "=" PLACEMENT (" " AXIS "=" PLACEMENT)* | "{}"
@@ -47,7 +54,7 @@ from hyper_parallel.protocols.placement_text import (
 )
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-ENTRY_KEYS = ("role", "state_shardings", *IO_PLACEMENT_FIELDS, "local_map")
+ENTRY_KEYS = ("role", "state_shardings", *IO_PLACEMENT_FIELDS, "local_map", "local_sizes", "local_slices")
 _SRC_OF = {"in_dst": "in_src", "out_dst": "out_src"}  # an omitted *_dst is its *_src
 
 
@@ -90,7 +97,28 @@ def sharding_config_to_json(config: ShardingConfig, role: str = "custom", *, whe
     for key in IO_PLACEMENT_FIELDS:
         entry[key] = _io_to_json(getattr(config, key), f"{where}.{key}")
     entry["local_map"] = bool(config.local_map)
+    if config.local_sizes:
+        entry["local_sizes"] = _names(config.local_sizes, f"{where}.local_sizes")
+    if config.local_slices:
+        entry["local_slices"] = _slices(config.local_slices, f"{where}.local_slices")
     return entry
+
+
+def _names(value, where: str) -> list[str]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) and n.isidentifier() for n in value):
+        raise PlanFormatError(f"{where}: expected a list of attribute names, got {value!r}")
+    return list(value)
+
+
+def _slices(value, where: str) -> dict[str, list]:
+    if not isinstance(value, Mapping):
+        raise PlanFormatError(f"{where}: expected an object of parameter -> [dim, [attribute, ...]], got {value!r}")
+    out = {}
+    for name, spec in sorted(value.items()):
+        if not (isinstance(spec, (list, tuple)) and len(spec) == 2 and type(spec[0]) is int and spec[0] >= 0):
+            raise PlanFormatError(f"{where}.{name}: expected [dim, [attribute, ...]], got {spec!r}")
+        out[str(name)] = [spec[0], _names(spec[1], f"{where}.{name}")]
+    return out
 
 
 def sharding_config_from_json(entry: Mapping | str, *, where: str = "entry") -> ShardingConfig:
@@ -110,6 +138,9 @@ def sharding_config_from_json(entry: Mapping | str, *, where: str = "entry") -> 
         state_shardings={name: _named_to_json(named, f"{where}.state_shardings.{name}")
                          for name, named in states.items()},
         local_map=_bool(entry.get("local_map", False), f"{where}.local_map"),
+        local_sizes=tuple(_names(entry.get("local_sizes") or [], f"{where}.local_sizes")),
+        local_slices={name: (dim, tuple(blocks)) for name, (dim, blocks)
+                      in _slices(entry.get("local_slices") or {}, f"{where}.local_slices").items()},
     )
     for key in IO_PLACEMENT_FIELDS:
         io = _io_to_json(entry.get(key, entry.get(_SRC_OF.get(key, ""))), f"{where}.{key}")
@@ -135,10 +166,13 @@ def compact_entry(entry: Mapping) -> dict:
             out[dst] = _single_io(entry.get(dst))
     if entry.get("local_map"):
         out["local_map"] = True
+    for key in ("local_sizes", "local_slices"):
+        if entry.get(key):
+            out[key] = entry[key]
     return {key: out[key] for key in ENTRY_KEYS if key in out}
 
 
-_FIELD_WORDS = ("in", "out", "local_map")
+_FIELD_WORDS = ("in", "out", "local_map", "local_sizes", "local_slices")
 _IO_FIELDS = {"in": ("in_src", "in_dst"), "out": ("out_src", "out_dst")}
 
 
@@ -146,7 +180,7 @@ def entry_line(entry: Mapping) -> str | dict:
     """A full entry in the line form (module docstring), or its compact dict when a
     parameter's name is a field word; both decode to the same ``ShardingConfig``."""
     states = entry.get("state_shardings") or {}
-    if any(name in _FIELD_WORDS or not name.isidentifier() for name in states):
+    if any(name in _FIELD_WORDS or not _is_param_name(name) for name in states):
         return compact_entry(entry)
     fields = [entry["role"], *(f"{name}: {_named_text(named)}" for name, named in states.items())]
     for word, (src, dst) in _IO_FIELDS.items():
@@ -157,7 +191,17 @@ def entry_line(entry: Mapping) -> str | dict:
         fields.append(text if dst_value == src_value else f"{text} -> {_io_text(dst_value)}")
     if entry.get("local_map"):
         fields.append("local_map")
+    if entry.get("local_sizes"):
+        fields.append("local_sizes: " + " ".join(entry["local_sizes"]))
+    if entry.get("local_slices"):
+        fields.append("local_slices: " + " ".join(f"{name}={dim}({','.join(blocks)})"
+                                                  for name, (dim, blocks) in entry["local_slices"].items()))
     return " | ".join(fields)
+
+
+def _is_param_name(name: str) -> bool:
+    """A parameter's name, a child's dotted (``conv1d.weight``)."""
+    return all(part.isidentifier() for part in name.split("."))
 
 
 def entry_from_line(text: str, *, where: str = "entry") -> dict:
@@ -171,12 +215,16 @@ def entry_from_line(text: str, *, where: str = "entry") -> dict:
     for field in fields:
         name, colon, value = (field, "", "") if field == "local_map" else field.partition(":")
         name, value = name.strip(), value.strip()
-        if name in seen or (name != "local_map" and not colon) or not name.isidentifier():
+        if name in seen or (name != "local_map" and not colon) or not _is_param_name(name):
             problem = "repeats" if name in seen else "is not NAME: VALUE or local_map"
             raise PlanFormatError(f"{where}: field {field!r} {problem} (in {text!r})")
         seen.add(name)
         if name == "local_map":
             entry["local_map"] = True
+        elif name == "local_sizes":
+            entry["local_sizes"] = value.split()
+        elif name == "local_slices":
+            entry["local_slices"] = _slices_from_text(value, f"{where}.local_slices")
         elif name in _IO_FIELDS:
             src, arrow, dst = value.partition("->")
             src_key, dst_key = _IO_FIELDS[name]
@@ -234,6 +282,18 @@ def _io_from_text(text: str, where: str):
         return [_named_from_text(text, where)]
     items = _split_top_level(text[1:-1])
     return [None if item == "-" else _named_from_text(item, f"{where}[{i}]") for i, item in enumerate(items)]
+
+
+def _slices_from_text(text: str, where: str) -> dict[str, list]:
+    """``conv1d.weight=0(key_dim,key_dim,value_dim) ...`` -> {param: [dim, [attribute, ...]]}."""
+    out = {}
+    for item in text.split():
+        name, equals, spec = item.partition("=")
+        dim, paren, blocks = spec.partition("(")
+        if not equals or not paren or not blocks.endswith(")") or not dim.isdigit():
+            raise PlanFormatError(f"{where}: expected PARAM=DIM(ATTR,...) items, got {item!r}")
+        out[name] = [int(dim), blocks[:-1].split(",")]
+    return out
 
 
 def _split_top_level(text: str) -> list[str]:

@@ -61,7 +61,10 @@ def test_meta_reference_names_say_nothing_dataflow_splits_attention_and_mlp():
 def test_fused_qkv_of_unequal_parts_is_gathered_with_the_reason():
     flow = _flow(_remote("fused_gqa"))
     attention = flow.block_of("decoder.blocks.0.attention.query_key_value")
-    assert attention.mode == GATHERED_MODE and "not split over tp as whole parts" in attention.why
+    # [q | k | v] of unequal widths: only a parent run on its heads could split them, and
+    # this attention keeps no size attribute to run on a share with
+    assert attention.mode == GATHERED_MODE and "packs output blocks of unequal widths [64, 32, 32]" in attention.why
+    assert "no size attribute that scales with its heads" in attention.why
     assert attention.roles()["decoder.blocks.0.attention.dense"] == "rowwise_split_input"
     mlp = flow.block_of("decoder.blocks.0.mlp.dense_h_to_4h")
     assert mlp.mode == SPLIT_MODE
@@ -563,3 +566,73 @@ def test_a_linear_weight_applied_outside_its_forward_is_that_linear_output():
     roles = _roles(flow)
     assert roles["model.layers.*.self_attn.*.o_proj"] in ("rowwise", "rowwise_split_input"), roles
     assert flow.block_of("model.layers.0.self_attn.0.o_proj") is not None
+
+
+def _small_gdn(family: str):
+    """A gated delta-net family with small linear-attention widths (2 key heads, 4 value
+    heads of 8 and 16 dims: key_dim 16, value_dim 64), so the packed blocks are unequal."""
+    from bench.families.tiny import tiny_config
+
+    config = tiny_config(family)
+    config.linear_num_key_heads, config.linear_num_value_heads = 2, 4
+    config.linear_key_head_dim, config.linear_value_head_dim = 8, 16
+    return config
+
+
+@pytest.mark.parametrize("family, qkv", [("qwen3_next", "in_proj_qkvz"), ("qwen3_5_text", "in_proj_qkv")])
+def test_a_gated_delta_net_is_split_on_its_heads(family, qkv):
+    """Qwen3-Next packs its projection per key-head group (a plain colwise split keeps whole
+    groups); Qwen3.5 packs [q | k | v] of unequal widths, which only the parent can split.
+    Either way the layer runs on this rank's heads: the depthwise convolution's channels
+    and the per-head vectors follow them, the module's head counts and widths are local
+    while it runs, the output projection is rowwise (not gathered, as the HF TP plan says)."""
+    result = _planned(_small_gdn(family), ParallelDims(tp=TP))
+    layer = "model.layers.0.linear_attn"
+    assert result.roles[layer] == "head_split"
+    entry = result.modules[layer]
+    assert {name: str(p["tp"]) for name, p in entry.state_shardings.items() if "proj" not in name} == {
+        "A_log": "S(0)", "dt_bias": "S(0)", "conv1d.weight": "R"}
+    assert set(entry.local_sizes) == {"num_v_heads", "num_k_heads", "key_dim", "value_dim", "conv_dim"}
+    assert entry.local_slices["conv1d.weight"] == (0, ("key_dim", "key_dim", "value_dim"))
+    assert f"{layer}.conv1d" not in result.modules  # its weight is the parent's to place
+    assert result.roles[f"{layer}.out_proj"] == "rowwise"
+    assert result.roles[f"{layer}.norm"] == "head_norm"
+    if qkv == "in_proj_qkvz":
+        assert result.roles[f"{layer}.{qkv}"] == result.roles[f"{layer}.in_proj_ba"] == "colwise"
+    else:
+        assert result.roles[f"{layer}.{qkv}"] == "colwise_by_parent"
+        assert entry.local_slices[f"{qkv}.weight"] == (0, ("key_dim", "key_dim", "value_dim"))
+        assert result.roles[f"{layer}.in_proj_z"] == "colwise"
+
+
+def test_a_head_split_whose_sizes_tp_does_not_divide_is_refused_naming_them():
+    """The traced copy divides (2 key heads at tp 2); the recipe's model at tp 4 does not."""
+    config = _small_gdn("qwen3_next")
+    tiny = _tiny(config)
+    flow = _flow(tiny)
+    dims = ParallelDims(tp=4)
+    config.num_attention_heads, config.num_key_value_heads = 8, 4
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(PlanError, match=r"num_k_heads = 2 does not divide into 4 equal shares"):
+        ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow).plan()
+
+
+def test_parameter_layouts_from_what_each_rank_needs():
+    from torch.distributed.tensor import Replicate
+
+    from hyper_parallel.distributed.dataflow import _param_layout, _rank_blocks
+
+    def need(owner, shape_tail=()):
+        mask = torch.zeros(2, len(owner), *shape_tail, dtype=torch.bool)
+        for index, rank in enumerate(owner):
+            if rank >= 0:
+                mask[rank, index] = True
+        return mask
+
+    assert _param_layout(need([0, 0, 1, 1]), 2) == 0  # a contiguous chunk each: shard(0)
+    assert _param_layout(need([0, 1, 0, 1, 0, 0, 1, 1], (3,)), 2) == (0, [2, 2, 4])  # unequal blocks
+    assert _param_layout(torch.ones(2, 4, dtype=torch.bool), 2) == Replicate()  # every rank needs all
+    assert _param_layout(need([0, 1, 1, 0]), 2) is None  # no layout of whole heads
+    assert _rank_blocks([0, 0, 1, 1, 0, 1], 2) == [4, 2]
+    assert _rank_blocks([0, 1, 1], 2) == [] and _rank_blocks([0, -1], 2) == []

@@ -109,6 +109,10 @@ LINE_CASES = [
                    in_src=({"tp": "replicate", "ep": "shard(0)"},) * 3,
                    out_src=({"cp": "replicate", "tp": "partial"}, None), out_dst=({"cp": "shard(1)", "tp": "shard(1)"}, None)),
     ShardingConfig(out_src=(None,), out_dst=(None, {"tp": "shard(0)"})),
+    # a recurrent layer on this rank's heads: a child's parameter, sizes and packed blocks
+    ShardingConfig(state_shardings={"A_log": {"tp": "shard(0)"}, "conv1d.weight": {"tp": "replicate"}},
+                   local_map=True, local_sizes=("num_v_heads", "key_dim"),
+                   local_slices={"conv1d.weight": (0, ("key_dim", "key_dim", "value_dim"))}),
 ]
 
 
@@ -142,10 +146,20 @@ def test_a_parameter_named_like_a_field_word_keeps_the_dict_form():
     ("colwise | weight: xp=shard(0)", r"unknown mesh axis 'xp'"),
     ("colwise | in: tp=shard(x)", r"in_src.*unknown placement"),
     ("colwise | in: (tp=shard(0), tp=sharded)", r"in_src\[1\].*unknown placement"),
+    ("head_split | local_slices: conv1d.weight=x(key_dim)", r"local_slices: expected PARAM=DIM\(ATTR,...\)"),
+    ("head_split | local_sizes: 2heads", r"local_sizes: expected a list of attribute names"),
 ])
 def test_a_malformed_line_names_the_field(line, message):
     with pytest.raises(PlanFormatError, match=message):
         sharding_config_from_json(line, where="modules['m']")
+
+
+def test_the_head_split_fields_read_like_the_legend_says():
+    line = entry_line(sharding_config_to_json(LINE_CASES[-1], "head_split"))
+    assert line == ("head_split | A_log: tp=shard(0) | conv1d.weight: tp=replicate | local_map"
+                    " | local_sizes: num_v_heads key_dim | local_slices: conv1d.weight=0(key_dim,key_dim,value_dim)")
+    # entries without them keep the keys they always had (plans and bundles do not change)
+    assert "local_sizes" not in sharding_config_to_json(LINE_CASES[0], "rowwise")
 
 
 def test_plan_entries_reads_every_form():

@@ -117,7 +117,7 @@ def test_lint_every_trainable_parameter_is_covered(meta_model):
 def test_lint_entry_must_name_direct_parameters(meta_model):
     modules = dict(plan_for(meta_model, tp=2).modules)
     modules["model.norm"] = ShardingConfig(state_shardings={"bias": {TP: Replicate()}})
-    with pytest.raises(PlanError, match=r"plan entry 'model\.norm' shards 'bias', which is not a direct parameter"):
+    with pytest.raises(PlanError, match=r"plan entry 'model\.norm' shards 'bias', which is not a parameter or buffer"):
         lint_plan(meta_model, modules, build_offline_mesh(ParallelDims(tp=2)))
 
 

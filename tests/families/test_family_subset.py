@@ -59,6 +59,13 @@ ROWS = {
                                  "block whose shared experts hand on a partial sum: the block's output is not one",
     ("qwen4_exp_text", "cp2"): "a tp-split projection after the layers (the hyper-connection mixer) on each cp "
                                "rank's piece of the sequence: its weight gradients are partial sums over cp",
+    ("qwen3_next", "tp2"): "a gated delta-net run on its heads: projections packed per key-head group (colwise), "
+                           "[q | k | v] convolution channels of unequal widths, head counts local while it runs",
+    ("qwen3_5_text", "tp2"): "a gated delta-net whose in_proj_qkv packs [q | k | v] of unequal widths: its parent "
+                             "hands it this rank's rows",
+    ("qwen3_next", "dp2"): "a hybrid decoder (gated delta-net, full attention, MoE) under FSDP2",
+    ("mamba2", "tp2"): "a pure state-space model (Mamba2 mixers, one group: kept whole, projections gathered)",
+    ("mamba2", "dp2"): "a pure state-space model under FSDP2",
     ("longcat_flash", "tp2"): "zero-compute identity experts inside the packed experts (HF's moe_identity_expert); "
                               "a router applying its classifier's weight itself; two attentions and MLPs per layer",
 }
