@@ -31,6 +31,7 @@ before the lints, so the lints see the plan as applied; a module it cannot class
 is then no error if an override places it (the override is its whole entry).
 """
 
+import copy
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -210,7 +211,13 @@ class ShardingPlanner:
         roles: dict[str, str] = {}
         refusals: list[StyleRefusal] = []
         unclassified: dict[str, nn.Module] = {}
+        planned_with: dict[int, str] = {}  # id(a parameter) -> the module first planned holding it
         for fqn, module in self.model.named_modules():
+            twin = _tied_twin(self.model, module, planned_with, modules)
+            if twin is not None:  # the same parameters as a module planned before (Zamba's shared block)
+                roles[fqn], modules[fqn] = roles[twin], copy.deepcopy(modules[twin])
+                continue
+            planned_with.update({id(p): fqn for p in module.parameters(recurse=False)})
             try:
                 if not _has_own_params(module):
                     role = self._container_role(fqn, module, roles)
@@ -783,6 +790,22 @@ class ShardingPlanner:
                        else "which gives a parameter no layout"))
             found[name] = style
         return found
+
+
+def _tied_twin(model: nn.Module, module: nn.Module, planned_with: dict[int, str], modules: Mapping) -> str | None:
+    """The module of the same class planned before this one that holds the very same
+    parameters (weights tied across layers: Zamba's shared transformer block, reached from
+    several hybrid layers): the tied parameters are one tensor, so they get that module's
+    entry, whatever the traced copy saw of this name. (A tied output head is a Linear
+    sharing an Embedding's table: its own role, not its twin's.)"""
+    own = list(module.parameters(recurse=False))
+    twins = {planned_with.get(id(p)) for p in own}
+    if not own or len(twins) != 1:
+        return None
+    twin = twins.pop()
+    if twin not in modules or type(model.get_submodule(twin)) is not type(module):
+        return None
+    return twin
 
 
 def _names_agree(named: Mapping[str, str], block) -> bool:

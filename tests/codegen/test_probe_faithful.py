@@ -50,6 +50,16 @@ def test_a_config_counting_sublayers_is_cut_by_whole_layers():
         pattern(name) for name, _ in meta_model(config).named_modules()}
 
 
+def test_another_count_of_the_layers_is_cut_with_the_depth():
+    # xLSTM builds ``num_blocks`` blocks and keeps ``num_hidden_layers`` as a separate copy:
+    # cutting only the latter left two blocks for one layer, and verify refused the family.
+    config = tiny_config("xlstm")
+    assert config.num_blocks == config.num_hidden_layers > 1
+    probe = cut_depth(config, 1, "xlstm")
+    assert probe.num_blocks == probe.num_hidden_layers == 1
+    assert len(decoder_layers(meta_model(probe))[1]) == 1
+
+
 def test_a_model_whose_layer_list_is_no_fraction_of_num_hidden_layers_is_refused():
     config = tiny_config("llama")
     model = meta_model(config)

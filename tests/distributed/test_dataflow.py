@@ -636,3 +636,18 @@ def test_parameter_layouts_from_what_each_rank_needs():
     assert _param_layout(need([0, 1, 1, 0]), 2) is None  # no layout of whole heads
     assert _rank_blocks([0, 0, 1, 1, 0, 1], 2) == [4, 2]
     assert _rank_blocks([0, 1, 1], 2) == [] and _rank_blocks([0, -1], 2) == []
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_block_tied_across_layers_gets_one_entry_for_every_place_it_is_reached(tp):
+    """Zamba ties its shared transformer block across its hybrid layers: one tensor reached
+    under several names. The traced copy saw it as a block only under the first name; the
+    other names planned it replicated, and the plan gave one tensor two placements."""
+    from bench.families.tiny import tiny_config
+
+    dims = ParallelDims(tp=tp) if tp > 1 else ParallelDims(dp=2)
+    result = _planned(tiny_config("zamba"), dims)
+    shared = sorted(name for name in result.modules if name.endswith("shared_transf.self_attn.q_proj"))
+    assert len(shared) >= 2
+    assert len({str(result.modules[name]) for name in shared}) == 1
+    assert len({result.roles[name] for name in shared}) == 1

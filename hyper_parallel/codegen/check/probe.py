@@ -53,6 +53,7 @@ KIND_ATTRIBUTES = ("sliding_window", "is_sliding", "attention_type", "use_slidin
 # Config attributes that are dropout probabilities: "dropout" anywhere (attention_dropout,
 # hidden_dropout_prob), or ending like GPT-2's resid_pdrop, LayerDrop's layerdrop, drop_rate.
 PER_LAYER_KEY = re.compile(r"layer|block|pattern|_types?$")  # a list named per layer
+DEPTH_ALIAS_KEY = re.compile(r"(num_|n_)(hidden_)?(blocks|layers)")  # another count of the decoder layers
 LAYER_INDEX_KEY = re.compile(r"(_ids|_idxs|_indices|_index)$")  # layer numbers, not one entry per layer
 DROPOUT_KEY = re.compile(r"dropout|pdrop$|layerdrop$|drop_(path_)?rate$")
 
@@ -284,11 +285,21 @@ def per_layer_keys(config: Any) -> set[str]:
     return per_layer
 
 
+def depth_aliases(config: Any) -> list[str]:
+    """Other integer keys that count the layers, equal to ``num_hidden_layers`` (xLSTM
+    builds ``num_blocks`` blocks; its ``num_hidden_layers`` is a separate copy): cut with it."""
+    depth = getattr(config, "num_hidden_layers", None)
+    return [key for key, value in vars(config).items()
+            if key != "num_hidden_layers" and type(value) is int and value == depth and DEPTH_ALIAS_KEY.fullmatch(key)]
+
+
 def cut_depth(config: Any, layers: int, where: str) -> Any:
     """A copy of ``config`` with its first ``layers`` layers; per-layer lists cut alike."""
     overrides = layer_overrides(config)
     probe = copy.deepcopy(config)
     per_layer = {key: getattr(config, key)[:layers] for key in per_layer_keys(config)}
+    # Depth counts of their own that the model may build by (xLSTM's ``num_blocks``).
+    per_layer.update({key: layers for key in depth_aliases(config)})
     # Set the lists and the depth together: strict configs check their lengths agree.
     try:
         if overrides is not None:  # a per-layer config's layer indices must stay below the depth
