@@ -36,6 +36,8 @@ computation not. Fused projections whose q/k/v parts differ in width (GQA) land 
 
 import copy
 import inspect
+import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
@@ -821,59 +823,111 @@ def _layout(owner: list[int], tp: int) -> int | None:
 def _head_split(trace: _Trace, block: Block, tp: int,
                 layouts: dict[str, int | tuple[int, ...]]) -> tuple[HeadSplit | None, str]:
     """The block's parent planned on this rank's heads (``HeadSplit``), or None and why not.
-    Its parameters outside the members and norms are laid out by the heads that need them
-    (measured as the members' are: which of their elements each rank's share of the
-    consumer's input depends on), and its size attributes are those that the same module,
-    built for the model's head counts divided by tp, has divided by tp."""
+    Its parameters outside the members are laid out by the heads that need them (measured
+    as the members' are: which of their elements each rank's share of the consumer's input
+    depends on; a norm every rank needs whole stays the block's head norm), and its size
+    attributes are those of the same class built for one rank's share (``_share_module``)."""
     parents = {name.rpartition(".")[0] for name in block.members}
     if len(parents) != 1 or not next(iter(parents)):
         return None, "its members are not the children of one module"
     parent = parents.pop()
     module = trace.model.get_submodule(parent)
-    taken = {*block.members, *block.norms}
     extras = {name: param for name, param in module.named_parameters()
-              if f"{parent}.{name}".rpartition(".")[0] not in taken}
-    ran = [name for name in extras if "." in name and f"{parent}.{name.rpartition('.')[0]}" in trace.inputs]
+              if f"{parent}.{name}".rpartition(".")[0] not in block.members}
+    ran = [name for name in extras if "." in name and f"{parent}.{name.rpartition('.')[0]}" in trace.inputs
+           and f"{parent}.{name.rpartition('.')[0]}" not in block.norms]
     if ran:
         return None, f"{parent}.{ran[0]} belongs to a module of its own that is not in the block"
-    sizes, why = _share_sizes(module, getattr(trace.model, "config", None), tp)
-    if not sizes:
-        return None, why
     needs, why = _rank_needs(trace, block.consumers[0], list(extras.values()), tp)
     if needs is None:
         return None, why
-    states, slices = {}, {}
-    for member, parts in layouts.items():  # unequal packed blocks: their rows, handed over by the parent
-        if isinstance(parts, tuple):
-            named = _block_names(module, sizes, list(parts))
-            if named is None:
-                return None, f"{member} packs output blocks {list(parts)} that no size attribute of {parent} names"
-            for leaf, _ in trace.model.get_submodule(member).named_parameters(recurse=False):
-                rel = f"{member[len(parent) + 1:]}.{leaf}"
-                states[rel], slices[rel] = Replicate(), (0, named)
+    placed: dict[str, object] = {}  # parameter (relative) -> Shard dim | (dim, block sizes) | Replicate()
     for (name, param), need in zip(extras.items(), needs):
         layout = _param_layout(need, tp)
         if layout is None:
             return None, f"{parent}.{name} is needed by the heads of more than one tp rank in no layout of whole heads"
+        if not (isinstance(layout, Replicate) and f"{parent}.{name}".rpartition(".")[0] in block.norms):
+            placed[name] = layout
+    for member, parts in layouts.items():  # unequal packed blocks: their rows, handed over by the parent
+        if isinstance(parts, tuple):
+            for leaf, _ in trace.model.get_submodule(member).named_parameters(recurse=False):
+                placed[f"{member[len(parent) + 1:]}.{leaf}"] = (0, list(parts))
+    expected = _share_shapes(module, parent, block, layouts, placed, tp)
+    share, sizes, why = _share_module(module, getattr(trace.model, "config", None), tp, expected)
+    if share is None:
+        return None, why
+    states, slices = {}, {}
+    for name, layout in placed.items():
         if isinstance(layout, int):
             states[name] = Shard(layout)
-            continue
-        dim, blocks = layout
-        named = _block_names(module, sizes, blocks)
-        if named is None:
-            return None, f"{parent}.{name} packs blocks {blocks} along dim {dim} that no size attribute of it names"
-        states[name], slices[name] = Replicate(), (dim, named)
+        elif isinstance(layout, tuple):
+            dim, blocks = layout
+            named = _block_names(module, share, blocks, tp)
+            if named is None:
+                return None, f"{parent}.{name} packs blocks {blocks} along dim {dim} that no size attribute of it names"
+            states[name], slices[name] = Replicate(), (dim, named)
+        else:
+            states[name] = Replicate()
     return HeadSplit(parent, states, sizes, slices), ""
 
 
-def _share_sizes(module: nn.Module, config, tp: int) -> tuple[tuple[str, ...], str]:
-    """The module's integer attributes that scale with its head counts: those that the same
-    class, built (on the meta device) from the config with every head count divided by tp,
-    has exactly divided by tp."""
-    keys = [key for key, value in vars(config).items() if "heads" in key and type(value) is int
-            and value >= tp and value % tp == 0] if config is not None else []
-    if not keys:
-        return (), "the config has no head count that tp divides"
+def _share_shapes(module: nn.Module, parent: str, block: Block, layouts: dict, placed: dict,
+                  tp: int) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape on one rank's share: the members' rows (the consumer's
+    columns) and the placed parameters' split dim divided by tp, the rest whole."""
+    shapes = {}
+    for name, param in module.named_parameters():
+        shape, owner = list(param.shape), f"{parent}.{name}".rpartition(".")[0]
+        leaf = name.rpartition(".")[2]
+        if owner in block.consumers:
+            if leaf != "bias":
+                shape[-1] //= tp
+        elif owner in layouts or name in placed and not isinstance(placed[name], Replicate):
+            layout = placed.get(name, 0)
+            dim = layout if isinstance(layout, int) else layout[0]
+            shape[dim] //= tp
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+# Config keys the share search never divides: the model's widths outside the heads.
+_WHOLE_KEYS = re.compile(r"hidden_size|vocab|layers|position|window|chunk|kernel|_dim$|state_size|experts")
+
+
+def _share_module(module: nn.Module, config, tp: int, expected: dict[str, tuple[int, ...]]):
+    """The same class built (on the meta device) for one rank's share: from the config with
+    its head and group counts divided by tp, and, where its parameters do not yet have the
+    shapes the measured layouts give one rank (``expected``), as few other counts divided
+    as that takes (Mamba2's ``expand``). Returns (the share, the module's integer attributes
+    it has divided by tp, ""), or (None, (), why)."""
+    if config is None:
+        return None, (), "the model has no config to build one rank's share from"
+    counts = [key for key, value in vars(config).items()
+              if type(value) is int and value >= tp and value % tp == 0 and not _WHOLE_KEYS.search(key)]
+    chosen = [key for key in counts if "heads" in key or "groups" in key]
+    share, why = _rebuilt(module, config, chosen, tp)
+    misses = _shape_misses(share, expected)
+    while share is not None and misses:
+        tries = [(key, *_rebuilt(module, config, chosen + [key], tp)) for key in counts if key not in chosen]
+        scored = [(len(_shape_misses(built, expected)), key, built) for key, built, _ in tries if built is not None]
+        if not scored or min(scored)[0] >= len(misses) or len(chosen) > 8:
+            return None, (), (f"{type(module).__name__} built with {', '.join(chosen) or 'no count'} divided by "
+                              f"tp={tp} does not have one rank's parameter shapes ({', '.join(misses[:3])})")
+        count, key, share = min(scored, key=lambda item: item[0])
+        chosen.append(key)
+        misses = _shape_misses(share, expected)
+    if share is None:
+        return None, (), why
+    sizes = tuple(name for name, value in vars(module).items()
+                  if type(value) is int and type(getattr(share, name, None)) is int and value != getattr(share, name)
+                  and getattr(share, name) * tp == value)
+    if not sizes:
+        return None, (), f"{type(module).__name__} has no size attribute that scales with its heads"
+    return share, sizes, ""
+
+
+def _rebuilt(module: nn.Module, config, keys: list[str], tp: int):
+    """``type(module)`` built on the meta device from ``config`` with ``keys`` divided by tp."""
     reduced = copy.deepcopy(config)
     for key in keys:
         setattr(reduced, key, getattr(config, key) // tp)
@@ -886,16 +940,20 @@ def _share_sizes(module: nn.Module, config, tp: int) -> tuple[tuple[str, ...], s
         elif name in ("layer_idx", "layer_id", "layer_number"):
             kwargs[name] = getattr(module, name, getattr(module, "layer_idx", 0))
         elif parameter.default is parameter.empty:
-            return (), f"{type(module).__name__}({name}=...) cannot be rebuilt for one rank's heads"
+            return None, f"{type(module).__name__}({name}=...) cannot be rebuilt for one rank's heads"
     try:
         with torch.device("meta"):
-            share = type(module)(**kwargs)
+            return type(module)(**kwargs), ""
     except Exception as exc:  # the model's own constructor: any error means no rebuilt share
-        return (), f"{type(module).__name__} does not build for one rank's heads ({type(exc).__name__}: {exc})"
-    sizes = tuple(name for name, value in vars(module).items()
-                  if type(value) is int and type(getattr(share, name, None)) is int and value != getattr(share, name)
-                  and getattr(share, name) * tp == value)
-    return sizes, ("" if sizes else f"{type(module).__name__} has no size attribute that scales with its heads")
+        return None, f"{type(module).__name__} does not build for one rank's heads ({type(exc).__name__}: {exc})"
+
+
+def _shape_misses(share: nn.Module | None, expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """The parameters whose shape in ``share`` is not the expected one (all, without a share)."""
+    if share is None:
+        return list(expected)
+    built = {name: tuple(param.shape) for name, param in share.named_parameters()}
+    return [name for name, shape in expected.items() if built.get(name) != shape]
 
 
 def _param_layout(need: torch.Tensor, tp: int):
@@ -936,13 +994,22 @@ def _rank_blocks(owner: list[int], tp: int) -> list[int]:
     return blocks
 
 
-def _block_names(module: nn.Module, sizes: tuple[str, ...], blocks: list[int]) -> tuple[str, ...] | None:
-    """Each block size named by the first of the module's size attributes of that value."""
-    by_value: dict[int, str] = {}
-    for name in sizes:
-        by_value.setdefault(getattr(module, name), name)
-    named = tuple(by_value.get(size) for size in blocks)
-    return None if None in named else named
+def _block_names(module: nn.Module, share: nn.Module, blocks: list[int], tp: int) -> tuple[str, ...] | None:
+    """Each block size named by the module's integer attributes: one (``key_dim``) or a
+    product of two (``n_groups*ssm_state_size``) whose value is the block's and, on one
+    rank's share, the block's divided by tp; None where a block has no such name."""
+    ints = {name: value for name, value in vars(module).items()
+            if type(value) is int and type(getattr(share, name, None)) is int}
+    names = [(name,) for name in ints] + [(a, b) for a in ints for b in ints if a < b]
+    found = []
+    for size in blocks:
+        match = next(("*".join(parts) for parts in names
+                      if math.prod(ints[p] for p in parts) == size
+                      and math.prod(getattr(share, p) for p in parts) * tp == size), None)
+        if match is None:
+            return None
+        found.append(match)
+    return tuple(found)
 
 
 def _head_split_hooks(model: nn.Module, split: HeadSplit, tp: int, rank: int) -> list:

@@ -49,14 +49,18 @@ def _chunk(tensor: torch.Tensor, dim: int, pieces: int, index: int) -> torch.Ten
 
 
 def block_sizes(module: nn.Module, names: tuple[str, ...], where: str) -> list[int]:
-    """The full sizes of packed blocks named by the module's own integer attributes."""
+    """The full sizes of packed blocks named by the module's own integer attributes, one
+    (``key_dim``) or a product of them (``n_groups*ssm_state_size``)."""
     sizes = []
     for name in names:
-        value = getattr(module, name, None)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise LocalViewError(f"{where}: packed block size {name!r} is not an integer attribute of "
-                                 f"{type(module).__name__} (got {value!r})")
-        sizes.append(value)
+        size = 1
+        for part in name.split("*"):
+            value = getattr(module, part, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise LocalViewError(f"{where}: packed block size {part!r} is not an integer attribute of "
+                                     f"{type(module).__name__} (got {value!r})")
+            size *= value
+        sizes.append(size)
     return sizes
 
 

@@ -219,6 +219,9 @@ class ShardingPlanner:
                 continue
             planned_with.update({id(p): fqn for p in module.parameters(recurse=False)})
             try:
+                if not _has_own_params(module) and self.flow_roles.get(fqn) == HEAD_SPLIT_ROLE:
+                    roles[fqn], modules[fqn] = HEAD_SPLIT_ROLE, self._head_split_entry(fqn)
+                    continue
                 if not _has_own_params(module):
                     role = self._container_role(fqn, module, roles)
                     if role is not None:

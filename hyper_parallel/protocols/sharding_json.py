@@ -105,7 +105,9 @@ def sharding_config_to_json(config: ShardingConfig, role: str = "custom", *, whe
 
 
 def _names(value, where: str) -> list[str]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) and n.isidentifier() for n in value):
+    """Attribute names, a packed block's a product of them (``n_groups*ssm_state_size``)."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(n, str) and all(part.isidentifier() for part in n.split("*")) for n in value):
         raise PlanFormatError(f"{where}: expected a list of attribute names, got {value!r}")
     return list(value)
 

@@ -62,9 +62,9 @@ def test_fused_qkv_of_unequal_parts_is_gathered_with_the_reason():
     flow = _flow(_remote("fused_gqa"))
     attention = flow.block_of("decoder.blocks.0.attention.query_key_value")
     # [q | k | v] of unequal widths: only a parent run on its heads could split them, and
-    # this attention keeps no size attribute to run on a share with
+    # this attention cannot be built for one rank's share (its widths come from no head count)
     assert attention.mode == GATHERED_MODE and "packs output blocks of unequal widths [64, 32, 32]" in attention.why
-    assert "no size attribute that scales with its heads" in attention.why
+    assert "does not have one rank's parameter shapes" in attention.why
     assert attention.roles()["decoder.blocks.0.attention.dense"] == "rowwise_split_input"
     mlp = flow.block_of("decoder.blocks.0.mlp.dense_h_to_4h")
     assert mlp.mode == SPLIT_MODE
@@ -577,6 +577,31 @@ def _small_gdn(family: str):
     config.linear_num_key_heads, config.linear_num_value_heads = 2, 4
     config.linear_key_head_dim, config.linear_value_head_dim = 8, 16
     return config
+
+
+def test_a_mamba2_mixer_is_split_on_its_heads_and_groups():
+    """Mamba2's in_proj packs [z | x | B | C | dt] (B and C per group), its convolution
+    [x | B | C]; with groups tp divides, each rank keeps its heads and groups: the per-head
+    vectors and the gated norm's per-channel weight follow them, the blocks are named by
+    the mixer's sizes (B, C: n_groups*ssm_state_size), and its widths are local while it runs."""
+    from bench.families.tiny import tiny_config
+
+    config = tiny_config("mamba2")
+    assert config.n_groups % TP == 0
+    result = _planned(config, ParallelDims(tp=TP))
+    mixer = "backbone.layers.0.mixer"
+    assert result.roles[mixer] == "head_split"
+    entry = result.modules[mixer]
+    assert {name for name, p in entry.state_shardings.items() if str(p["tp"]) == "S(0)"} == {
+        "A_log", "D", "dt_bias", "norm.weight"}
+    assert set(entry.local_sizes) == {"num_heads", "intermediate_size", "n_groups", "conv_dim"}
+    groups = "n_groups*ssm_state_size"
+    assert entry.local_slices["in_proj.weight"] == (0, ("intermediate_size", "intermediate_size", groups, groups,
+                                                        "num_heads"))
+    assert entry.local_slices["conv1d.weight"] == (0, ("intermediate_size", groups, groups))
+    assert result.roles[f"{mixer}.in_proj"] == "colwise_by_parent"
+    assert result.roles[f"{mixer}.out_proj"] == "rowwise"
+    assert f"{mixer}.norm" not in result.modules  # its weight is the parent's to place
 
 
 @pytest.mark.parametrize("family, qkv", [("qwen3_next", "in_proj_qkvz"), ("qwen3_5_text", "in_proj_qkv")])
