@@ -183,12 +183,19 @@ class Dataflow:
     # (a final norm applied to the embeddings too): one call on the sequence piece, another
     # on the whole sequence, whose gradients no single placement describes.
     after_layers_called_again: frozenset[str] = frozenset()
+    # Every module of the traced copy -> its class name: a stand-in is one of the same class
+    # (a hybrid's ``mixer`` is a recurrent layer in one layer and attention in the next).
+    classes: dict[str, str] = field(default_factory=dict)
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
         for block in self.blocks:
             roles.update(block.roles())
         return roles
+
+    def same_class(self, traced: str, module: nn.Module) -> bool:
+        """Whether the traced module ``traced`` is of ``module``'s class (unknown: assumed)."""
+        return self.classes.get(traced, type(module).__name__) == type(module).__name__
 
     def block_of(self, name: str) -> Block | None:
         return next((block for block in self.blocks if name in block.members or name in block.norms), None)
@@ -576,6 +583,7 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
                     value_outputs=trace.value_outputs, misplaced_hand_outs=trace.misplaced_hand_outs,
                     read_outside=frozenset(trace.mode.read_outside),
                     after_layers_called_again=after_layers & trace.called_again,
+                    classes={name: type(module).__name__ for name, module in model.named_modules()},
                     reads=frozenset((pattern(name), pattern(tag[1])) for name, tags in trace.inputs.items()
                                     for tag in tags if tag[0] == "mod" and tag[1] != name))
     if sequence_split is not None:
@@ -1160,8 +1168,8 @@ def roles_for(model: nn.Module, flow: Dataflow) -> dict[str, str]:
     traced = flow.roles()
     stand_ins = StandIns(traced)
     roles = {}
-    for name, _ in model.named_modules():
-        found = {traced[other] for other in stand_ins(name)}
+    for name, module in model.named_modules():
+        found = {traced[other] for other in stand_ins(name) if flow.same_class(other, module)}
         if len(found) == 1:
             roles[name] = found.pop()
     return roles

@@ -412,7 +412,9 @@ class ShardingPlanner:
         other parameters as the heads they serve need them, its size attributes local."""
         splits = {block.heads.name: block.heads for block in self.dataflow.blocks
                   if block.heads is not None and block.mode == SPLIT_MODE}
-        found = {id(splits[name]): splits[name] for name in StandIns(splits)(fqn)}
+        module = self.model.get_submodule(fqn)
+        found = {id(splits[name]): splits[name] for name in StandIns(splits)(fqn)
+                 if self.dataflow.same_class(name, module)}
         if len(found) != 1:
             raise PlanError(f"cannot plan {fqn} on its heads: the traced copy has {len(found)} modules standing "
                             "for it")

@@ -64,7 +64,10 @@ ROWS = {
     ("qwen3_5_text", "tp2"): "a gated delta-net whose in_proj_qkv packs [q | k | v] of unequal widths: its parent "
                              "hands it this rank's rows",
     ("qwen3_next", "dp2"): "a hybrid decoder (gated delta-net, full attention, MoE) under FSDP2",
-    ("mamba2", "tp2"): "a pure state-space model (Mamba2 mixers, one group: kept whole, projections gathered)",
+    ("mamba2", "tp2"): "a pure state-space model: Mamba2 mixers on their heads and groups ([z | x | B | C | dt] "
+                       "blocks named by the mixer's sizes, the gated norm's weight per channel)",
+    ("remote:linear_hybrid", "tp2"): "remote code: a recurrent mixer of its own names run per head (packed [q|k|v], "
+                                     "a convolution through its weight, a per-head decay) beside attention layers",
     ("mamba2", "dp2"): "a pure state-space model under FSDP2",
     ("longcat_flash", "tp2"): "zero-compute identity experts inside the packed experts (HF's moe_identity_expert); "
                               "a router applying its classifier's weight itself; two attentions and MLPs per layer",

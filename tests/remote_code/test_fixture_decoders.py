@@ -1,5 +1,5 @@
 """The remote-code decoder fixtures under tests/data/remote_code/ (meta_reference,
-fused_gqa, list_moe) are proper transformers remote-code models: they build from their
+fused_gqa, list_moe, linear_hybrid) are proper transformers remote-code models: they build from their
 folder with trust_remote_code, are causal, train (finite loss, a gradient for every
 parameter, AdamW lowers the loss) and survive save_pretrained / from_pretrained
 unchanged. bench/family_sweep.py runs them as families; these checks keep the fixtures
@@ -30,6 +30,11 @@ FIXTURES = {
                  "backbone.layers.0.attn.out.weight", "backbone.layers.0.mlp.fc_in.weight",
                  "backbone.layers.1.moe.router.weight", "backbone.layers.1.moe.experts.3.fc_out.weight",
                  "backbone.layers.1.moe.shared_expert.fc_in.weight", "backbone.norm_out.weight", "head.weight"],
+    "linear_hybrid": ["trunk.embed.weight", "trunk.blocks.0.mixer.to_qkv.weight", "trunk.blocks.0.mixer.smooth.weight",
+                      "trunk.blocks.0.mixer.decay", "trunk.blocks.0.mixer.head_norm.weight",
+                      "trunk.blocks.0.mixer.gate.weight", "trunk.blocks.0.mixer.merge.weight",
+                      "trunk.blocks.1.mixer.wqkv.2.weight", "trunk.blocks.1.mixer.wo.weight",
+                      "trunk.blocks.1.w_out.weight", "trunk.final_norm.weight", "unembed.weight"],
 }
 SEQ = 16
 
