@@ -69,6 +69,7 @@ _FRESH = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_
 _SPLIT_ROLE_BY_PARTS = {1: "colwise", 2: "fused_gate_up", 3: "fused_qkv"}
 # The parent computing a block on its heads, and a child whose parameters it places (HeadSplit).
 HEAD_SPLIT_ROLE, PLACED_BY_PARENT_ROLE, COLWISE_BY_PARENT_ROLE = "head_split", "placed_by_parent", "colwise_by_parent"
+_HEAD_ROLES = frozenset({HEAD_SPLIT_ROLE, PLACED_BY_PARENT_ROLE, COLWISE_BY_PARENT_ROLE})
 
 
 @dataclass
@@ -183,8 +184,8 @@ class Dataflow:
     # (a final norm applied to the embeddings too): one call on the sequence piece, another
     # on the whole sequence, whose gradients no single placement describes.
     after_layers_called_again: frozenset[str] = frozenset()
-    # Every module of the traced copy -> its class name: a stand-in is one of the same class
-    # (a hybrid's ``mixer`` is a recurrent layer in one layer and attention in the next).
+    # Every module of the traced copy -> its class name: a head split's stand-in is one of the
+    # same class (a hybrid's ``mixer`` is a recurrent layer in one layer, attention in the next).
     classes: dict[str, str] = field(default_factory=dict)
 
     def roles(self) -> dict[str, str]:
@@ -1169,7 +1170,9 @@ def roles_for(model: nn.Module, flow: Dataflow) -> dict[str, str]:
     stand_ins = StandIns(traced)
     roles = {}
     for name, module in model.named_modules():
-        found = {traced[other] for other in stand_ins(name) if flow.same_class(other, module)}
+        # a head split is its class's own code run on a share: never stood in for by another class
+        found = {traced[other] for other in stand_ins(name)
+                 if traced[other] not in _HEAD_ROLES or flow.same_class(other, module)}
         if len(found) == 1:
             roles[name] = found.pop()
     return roles
