@@ -16,7 +16,12 @@ output's sum, per rank, for:
   attention on each rank (today's method before issue 15);
 - ``allgather_kv``: cp2, each rank its own tokens, K/V all-gathered (load-balanced
   chunks; ``allgather_kv_unbalanced``: contiguous halves);
-- ``ulysses``: cp2, q/k/v exchanged all-to-all to the whole sequence of half the heads.
+- ``ulysses``: cp2, q/k/v exchanged all-to-all to the whole sequence of half the heads;
+- ``recurrent_cp1`` / ``recurrent_cp2``: a hybrid decoder's recurrent layer (a Qwen3-Next
+  gated delta-net, ``bench/hybrid_layer.py``'s) on one rank and at cp2 as ``doit generate``
+  plans it: a recurrence cannot read other ranks' tokens and no state is handed between cp
+  ranks yet, so the plan gathers its input over cp (``gathered_block``) and every rank runs
+  the whole sequence; ``recurrent`` in the JSON says so in figures (time and memory vs cp1).
 
 Per mode and rank: the median fwd+bwd seconds of ``--repeats`` runs (the modes take turns,
 round by round, after a warm-up round; freed memory stays in the heap, ``KEEP_FREED_MEMORY``)
@@ -42,6 +47,7 @@ import tempfile
 from pathlib import Path
 
 from activation_bytes import rank_mesh, step_runner, take_turns
+from hybrid_layer import hybrid_config, linear_attention_runner, parallel_hybrid
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 # glibc malloc serves each large buffer with its own mmap and unmaps it when freed, so every
@@ -128,9 +134,17 @@ def worker(args) -> None:
                                      ("ulysses", "ulysses", False)):
         model = _parallel(copy.deepcopy(base), config, algorithm, balance, mesh_context, dims)
         runners[name] = _runner(model, args.seq_len, args.seq_len // 2, rank)
+    # a gated delta-net layer (Qwen3-Next's linear attention): one process vs cp2 as planned
+    hybrid = hybrid_config(transformers, "qwen3_next")
+    torch.manual_seed(0)
+    recurrent = transformers.AutoModelForCausalLM.from_config(hybrid, dtype=torch.float32)
+    runners["recurrent_cp1"] = linear_attention_runner(copy.deepcopy(recurrent), args.seq_len)
+    split, recurrent_role = parallel_hybrid(copy.deepcopy(recurrent), hybrid, mesh_context, dims)
+    runners["recurrent_cp2"] = linear_attention_runner(split, args.seq_len, args.seq_len // 2, rank)
     results = take_turns(runners, args.repeats)
+    results["recurrent_cp2"]["role"] = recurrent_role
     for name, result in results.items():
-        result["local_queries"] = args.seq_len if name == "cp1" else args.seq_len // 2
+        result["local_queries"] = args.seq_len if name.endswith("cp1") else args.seq_len // 2
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
@@ -159,6 +173,12 @@ def summarize(ranks: list[dict], seq_len: int, attn: str) -> dict:
         "work_balance": {"load_balance": min(balanced) / max(balanced),
                          "contiguous": min(unbalanced) / max(unbalanced)},
         "causal_pairs_per_rank": {"load_balance": balanced, "contiguous": unbalanced},
+        "recurrent": {
+            "layer": "Qwen3-Next gated delta-net (bench/hybrid_layer.py's), as generate plans it at cp2",
+            "role": ranks[0]["recurrent_cp2"].get("role"),
+            "time_ratio": worst["recurrent_cp2"]["seconds"] / worst["recurrent_cp1"]["seconds"],
+            "memory_ratio": worst["recurrent_cp2"]["saved_bytes"] / worst["recurrent_cp1"]["saved_bytes"],
+        },
     }
 
 

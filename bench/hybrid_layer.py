@@ -37,7 +37,7 @@ TRACE_TOKENS = 8
 GOAL = 0.6
 
 
-def _config(transformers, family: str):
+def hybrid_config(transformers, family: str):
     """A small decoder of the family: one linear-attention layer, one full-attention layer."""
     config = transformers.AutoConfig.for_model(
         family, vocab_size=256, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=2,
@@ -50,9 +50,10 @@ def _config(transformers, family: str):
     return config
 
 
-def _parallel(model, config, mesh_context, dims, *, traced: bool):
-    """``model`` parallelized at tp2 as a generated file would: planned with the dataflow
-    of a traced copy (as ``doit generate``), or by names and the TP plan alone."""
+def parallel_hybrid(model, config, mesh_context, dims, *, traced: bool = True):
+    """``model`` parallelized for ``dims`` as a generated file would: planned with the
+    dataflow of a traced copy (as ``doit generate``), or by names and the TP plan alone.
+    Returns it and the role of its first layer's linear attention."""
     import torch
     import transformers
 
@@ -67,7 +68,8 @@ def _parallel(model, config, mesh_context, dims, *, traced: bool):
     if traced:
         copy_ = copy.deepcopy(model)
         ids = torch.randint(0, config.vocab_size, (1, TRACE_TOKENS), generator=torch.Generator().manual_seed(0))
-        flow = analyze(copy_, ids, tp=dims.tp, dry_run=local_widths_dry_run(copy_, ids, dims.tp))
+        flow = analyze(copy_, ids, tp=dims.tp, dry_run=local_widths_dry_run(copy_, ids, dims.tp),
+                       sequence_split="cp" if dims.cp > 1 else None)
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config)
     layout = Layout(dims)
@@ -78,13 +80,16 @@ def _parallel(model, config, mesh_context, dims, *, traced: bool):
     return hyper_parallelize(model, MeshContext(mesh_context.device_mesh, layout), json.loads(json.dumps(document))), role
 
 
-def _runner(model, seq_len: int):
-    """One fwd+bwd of the layer's linear attention: a function returning its seconds and the
-    bytes its forward saved for backward (``activation_bytes``)."""
+def linear_attention_runner(model, seq_len: int, local: int | None = None, rank: int = 0):
+    """One fwd+bwd of the first layer's linear attention on the rank's ``local`` tokens (all
+    by default): a function returning its seconds and the bytes its forward saved for
+    backward (``activation_bytes``)."""
     import torch
 
     layer = model.model.layers[0].linear_attn
     hidden = torch.randn(1, seq_len, HIDDEN, generator=torch.Generator().manual_seed(0))
+    if local is not None and local < seq_len:
+        hidden = hidden[:, rank * local:(rank + 1) * local]
     return step_runner(model, lambda: layer(hidden_states=hidden.clone().requires_grad_(True)))
 
 
@@ -97,14 +102,14 @@ def worker(args) -> None:
 
     dims = ParallelDims(tp=2)
     mesh_context, rank = rank_mesh(dims)
-    config = _config(transformers, args.family)
+    config = hybrid_config(transformers, args.family)
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    runners = {"tp1": _runner(copy.deepcopy(base), args.seq_len)}
+    runners = {"tp1": linear_attention_runner(copy.deepcopy(base), args.seq_len)}
     roles = {}
     for name, traced in (("head_split", True), ("gathered", False)):
-        model, roles[name] = _parallel(copy.deepcopy(base), config, mesh_context, dims, traced=traced)
-        runners[name] = _runner(model, args.seq_len)
+        model, roles[name] = parallel_hybrid(copy.deepcopy(base), config, mesh_context, dims, traced=traced)
+        runners[name] = linear_attention_runner(model, args.seq_len)
     results = take_turns(runners, args.repeats)
     for name, result in results.items():
         result["linear_attn_role"] = roles.get(name, "(one process)")
