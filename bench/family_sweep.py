@@ -125,6 +125,7 @@ from families.tiny import (
     REMOTE_PREFIX,
     class_defaults,
     family_dir,
+    is_composite,
     is_moe,
     is_remote,
     meta_model,
@@ -175,7 +176,7 @@ def skip_reason(family: str) -> str | None:
         return SKIP_BY_READING[family]
     config_class = CONFIG_MAPPING[family]
     subs = sorted(getattr(config_class, "sub_configs", {}) or {})
-    if any(MULTIMODAL_SUBCONFIG.search(name) for name in subs):
+    if any(MULTIMODAL_SUBCONFIG.search(name) for name in subs) and not is_composite(family):
         return f"composite/multimodal config ({', '.join(subs)})"
     defaults = class_defaults(config_class)
     if defaults.get("is_encoder_decoder") is True:

@@ -81,6 +81,10 @@ FAMILY_FIXES = {
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
                      "layer_types": ["sliding_attention", "full_attention"] * 2},
 }
+# A composite (vision-language) config's towers at their smallest: the sweep trains its text
+# decoder; the towers only have to build and save (their weights are real checkpoint names).
+TINY_TOWER = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 2,
+              "temporal_patch_size": 1, "spatial_merge_size": 1, "num_position_embeddings": 16}
 TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 MAX_LAYERS = 4
 
@@ -168,6 +172,8 @@ def tiny_config(family: str):
     read it, never change it. A remote-code fixture's tiny config is its own config.json."""
     if is_remote(family):
         return transformers.AutoConfig.from_pretrained(remote_folder(family), trust_remote_code=True)
+    if is_composite(family):
+        return composite_config(family)
     full = construct_config(family)
     if "num_hidden_layers" in FAMILY_FIXES.get(family, {}) or not isinstance(
             getattr(full, "num_hidden_layers", None), int):
@@ -195,6 +201,30 @@ def tiny_config(family: str):
         if (kinds_of(config) or set()) >= wanted:
             return config
     return cut_depth(full, min(depth, 2 * MAX_LAYERS), family)
+
+
+def is_composite(family: str) -> bool:
+    """A composite (vision-language) config whose causal-LM class is its text decoder alone:
+    ``AutoModelForCausalLM`` builds the decoder from ``text_config`` (Qwen3.5)."""
+    from hyper_parallel.codegen.plan.derive import text_decoder_config
+
+    if is_remote(family) or "text_config" not in (getattr(CONFIG_MAPPING[family], "sub_configs", {}) or {}):
+        return False
+    config = CONFIG_MAPPING[family]()
+    return text_decoder_config(config) is not config
+
+
+def composite_config(family: str):
+    """The composite config with the text family's tiny config as ``text_config`` and towers
+    at their smallest (``TINY_TOWER``, the fields each tower config has)."""
+    config_class = CONFIG_MAPPING[family]
+    text = tiny_config(config_class.sub_configs["text_config"].model_type)
+    towers = {name: {key: value for key, value in TINY_TOWER.items() if key in class_defaults(sub)}
+              for name, sub in config_class.sub_configs.items() if name != "text_config"}
+    for tower in towers.values():
+        if "out_hidden_size" in class_defaults(config_class.sub_configs["vision_config"]):
+            tower["out_hidden_size"] = text.hidden_size  # the projector writes the decoder's width
+    return config_class(text_config=text.to_dict(), **towers)
 
 
 def is_moe(config) -> bool:
@@ -239,11 +269,12 @@ def save_checkpoint(family: str, model_dir: Path) -> None:
     folder runs exactly the fixture's bytes."""
     config = tiny_config(family)
     remote = is_remote(family)
+    # a composite checkpoint is the whole vision-language model's (its towers' tensors too)
+    auto = transformers.AutoModelForImageTextToText if is_composite(family) else AutoModelForCausalLM
     torch.manual_seed(1234)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
-                                                 trust_remote_code=remote)
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation="eager", trust_remote_code=remote)
         model.save_pretrained(model_dir)
     if remote:
         for source in remote_folder(family).glob("*.py"):

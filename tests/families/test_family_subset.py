@@ -61,8 +61,9 @@ ROWS = {
                                "rank's piece of the sequence: its weight gradients are partial sums over cp",
     ("qwen3_next", "tp2"): "a gated delta-net run on its heads: projections packed per key-head group (colwise), "
                            "[q | k | v] convolution channels of unequal widths, head counts local while it runs",
-    ("qwen3_5_text", "tp2"): "a gated delta-net whose in_proj_qkv packs [q | k | v] of unequal widths: its parent "
-                             "hands it this rank's rows",
+    ("qwen3_5", "tp2"): "a composite vision-language checkpoint whose causal LM is its text decoder (planned from "
+                        "text_config, the towers' weights left out); its gated delta-net's in_proj_qkv packs "
+                        "[q | k | v] of unequal widths: its parent hands it this rank's rows",
     ("qwen3_next", "dp2"): "a hybrid decoder (gated delta-net, full attention, MoE) under FSDP2",
     ("mamba2", "tp2"): "a pure state-space model: Mamba2 mixers on their heads and groups ([z | x | B | C | dt] "
                        "blocks named by the mixer's sizes, the gated norm's weight per channel)",

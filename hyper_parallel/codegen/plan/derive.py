@@ -3,6 +3,7 @@
 This is the one stage that imports torch and transformers.
 """
 
+import copy
 import itertools
 from typing import Any
 
@@ -38,6 +39,7 @@ def build_hf_config(spec: CodegenSpec, config_class: type | None = None):
         config = config_class.from_pretrained(str(spec.model_dir))
     else:
         config = AutoConfig.from_pretrained(str(spec.model_dir), trust_remote_code=trusts_remote_code(spec))
+    config = text_decoder_config(config)
     per_layer = getattr(config, "per_layer_attributes", None) or set()
     for key, value in spec.config_overrides.items():
         if getattr(config, "attribute_map", {}).get(key, key) in per_layer:
@@ -58,6 +60,26 @@ def build_hf_config(spec: CodegenSpec, config_class: type | None = None):
             reason = " ".join(str(exc).split())
             raise DeriveError(f"{spec.recipe_path}: model.config_overrides.{key}: {reason}") from None
     _check_config_relations(spec, config)
+    return config
+
+
+def text_decoder_config(config):
+    """A composite (vision-language) config whose causal-LM class is its text decoder alone
+    (Qwen3.5, Qwen3.5-MoE: ``AutoModelForCausalLM`` builds ``*ForCausalLM`` from
+    ``text_config`` and loads the checkpoint's language-model weights, the towers' left
+    out): that text config, which the plan, verify and training all see. Any other config
+    as it is."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config:
+        return config
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return config
+    if getattr(model_class, "config_class", None) is type(text):
+        return copy.deepcopy(text)
     return config
 
 
