@@ -272,6 +272,10 @@ class ShardingPlanner:
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel, traced=self._traced_facts(),
                               split_attention=ATTENTION_ROLE.get(self.context_parallel.algorithm, ""))
+        notes += [f"{block} gathered over cp: its code reads other positions of the sequence (a recurrence, a "
+                  "convolution), so every cp rank runs it on the whole sequence (no state is handed between cp "
+                  "ranks yet); exact, its work and activations not split by cp"
+                  for block in sorted({_layer_glob(fqn) for fqn, role in roles.items() if role == "gathered_block"})]
         apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))

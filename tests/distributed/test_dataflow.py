@@ -676,3 +676,11 @@ def test_a_block_tied_across_layers_gets_one_entry_for_every_place_it_is_reached
     assert len(shared) >= 2
     assert len({str(result.modules[name]) for name in shared}) == 1
     assert len({result.roles[name] for name in shared}) == 1
+
+
+def test_a_recurrent_layer_under_cp_is_gathered_and_the_plan_says_so():
+    """No state is handed between cp ranks: a gated delta-net reads every earlier position,
+    so under cp each rank runs it on the whole sequence, and derive says so in a note."""
+    result = _planned(_small_gdn("qwen3_next"), ParallelDims(cp=2))
+    assert result.roles["model.layers.0.linear_attn"] == "gathered_block"
+    assert any(note.startswith("model.layers.*.linear_attn gathered over cp") for note in result.notes), result.notes
