@@ -244,8 +244,11 @@ class ShardingPlanner:
                     # about): whole weights are exact, the module needs no tensor-parallel role
                     roles[fqn], modules[fqn] = "replicate", ROLE_BUILDERS["replicate"](module, {})
                     continue
-                if isinstance(err, UnclassifiedModule) and self._layer_part(fqn, strictly_inside=True):
-                    unclassified[fqn] = module  # its part of the layer is left whole below
+                if isinstance(err, UnclassifiedModule) and (self._layer_part(fqn, strictly_inside=True) or (
+                        self._layer_part(fqn) is not None and _holds_projections(module))):
+                    # its part of the layer is left whole below (a layer part of its own with
+                    # parameters besides its projections, RWKV's time-mix vectors: whole with them)
+                    unclassified[fqn] = module
                     continue
                 if not isinstance(err, StyleRefusal):
                     if self.dataflow_error:
@@ -799,6 +802,11 @@ class ShardingPlanner:
                        else "which gives a parameter no layout"))
             found[name] = style
         return found
+
+
+def _holds_projections(module: nn.Module) -> bool:
+    """A module with parameterized children (a block, not a lone projection)."""
+    return any(_has_own_params(child) for child in module.modules() if child is not module)
 
 
 def _tied_twin(model: nn.Module, module: nn.Module, planned_with: dict[int, str], modules: Mapping) -> str | None:

@@ -684,3 +684,15 @@ def test_a_recurrent_layer_under_cp_is_gathered_and_the_plan_says_so():
     result = _planned(_small_gdn("qwen3_next"), ParallelDims(cp=2))
     assert result.roles["model.layers.0.linear_attn"] == "gathered_block"
     assert any(note.startswith("model.layers.*.linear_attn gathered over cp") for note in result.notes), result.notes
+
+
+def test_a_layer_part_with_vectors_of_its_own_no_role_places_is_left_whole():
+    """RWKV's feed-forward block: time-mix vectors beside its key/receptance/value
+    projections, no role for the block itself: the whole part is replicated (exact at any
+    tp), and derive says so, instead of refusing the family."""
+    from bench.families.tiny import tiny_config
+
+    result = _planned(tiny_config("rwkv"), ParallelDims(tp=TP))
+    assert any(note.startswith("rwkv.blocks.*.feed_forward replicated whole over tp") for note in result.notes)
+    part = {name: role for name, role in result.roles.items() if name.startswith("rwkv.blocks.0.feed_forward")}
+    assert part and set(part.values()) == {"replicate"}, part
