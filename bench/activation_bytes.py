@@ -71,3 +71,20 @@ def rank_mesh(dims):
 
     torch.set_num_threads(1)
     return MeshContext(build_device_mesh(dims, "cpu"), Layout(dims)), dist.get_rank()
+
+
+def run_ranks(script: str, flags: list[str], env: dict | None = None, ranks: int = 2) -> list[dict]:
+    """Run ``script --worker --out DIR FLAGS`` as ``ranks`` torchrun ranks (one thread each,
+    ``env`` on top) and read back what each rank wrote to ``DIR/rank<N>.json``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                   script, "--worker", "--out", out, *flags]
+        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=3600)
+        return [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(ranks)]

@@ -40,13 +40,9 @@ masked blocks does, whatever this CPU's kernels spend on masked scores.
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from activation_bytes import rank_mesh, step_runner, take_turns
+from activation_bytes import rank_mesh, run_ranks, step_runner, take_turns
 from hybrid_layer import hybrid_config, linear_attention_runner, parallel_hybrid
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
@@ -203,15 +199,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        if not args.system_malloc:
-            env.update(KEEP_FREED_MEMORY)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   __file__, "--worker", "--out", out, "--seq-len", str(args.seq_len), "--repeats",
-                   str(args.repeats), "--attn", args.attn]
-        subprocess.run(command, check=True, env=env, timeout=3600)
-        ranks = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(2)]
+    ranks = run_ranks(__file__, ["--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--attn", args.attn],
+                      env=None if args.system_malloc else KEEP_FREED_MEMORY)
     summary = summarize(ranks, args.seq_len, args.attn)
     text = json.dumps(summary, indent=1)
     print(text)

@@ -24,13 +24,9 @@ the issue's goal for memory: <= 0.6) and the same for ``gathered``.
 import argparse
 import copy
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from activation_bytes import rank_mesh, step_runner, take_turns
+from activation_bytes import rank_mesh, run_ranks, step_runner, take_turns
 
 HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM = 256, 4, 8, 32
 TRACE_TOKENS = 8
@@ -150,13 +146,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   __file__, "--worker", "--out", out, "--family", args.family, "--seq-len", str(args.seq_len),
-                   "--repeats", str(args.repeats)]
-        subprocess.run(command, check=True, env=env, timeout=3600)
-        ranks = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(2)]
+    ranks = run_ranks(__file__, ["--family", args.family, "--seq-len", str(args.seq_len),
+                                 "--repeats", str(args.repeats)])
     summary = summarize(ranks, args)
     text = json.dumps(summary, indent=1)
     print(text)
