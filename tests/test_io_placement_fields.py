@@ -15,7 +15,8 @@ PACKAGE_DIR = Path(hyper_parallel.__file__).parent
 
 def test_the_fields_are_sharding_configs_own():
     names = tuple(field.name for field in dataclasses.fields(ShardingConfig))
-    assert names == ("state_shardings", *IO_PLACEMENT_FIELDS, "local_map", "local_sizes", "local_slices")
+    assert names == ("state_shardings", *IO_PLACEMENT_FIELDS, "local_map", "local_sizes", "local_slices",
+                     "state_handoff")
 
 
 def test_recipes_and_the_plan_format_spell_the_same_fields():

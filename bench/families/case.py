@@ -26,6 +26,8 @@ LAYOUTS = {
     "tp2": {"tp_size": 2},
     "tp2_sp_lp": {"tp_size": 2, "sequence_parallel": True, "loss_parallel": True},
     "cp2": {"cp_size": 2},
+    "cp4": {"cp_size": 4},
+    "tp2_cp2": {"tp_size": 2, "cp_size": 2},
     # context parallel splitting attention: K/V all-gathered over cp, load-balanced chunks
     "cp2_kv": {"cp_size": 2, "context_parallel": {"algorithm": "allgather_kv", "load_balance": True}},
     "cp2_gather": {"cp_size": 2, "context_parallel": {"algorithm": "gather_sequence"}},

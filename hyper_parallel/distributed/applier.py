@@ -63,8 +63,6 @@ from hyper_parallel.distributed.pipeline import (
     whole_sequence_between_stages,
 )
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
-from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
-from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
 from hyper_parallel.distributed.local_views import (  # local_piece re-exported
     block_sizes,
     local_piece,
@@ -72,9 +70,12 @@ from hyper_parallel.distributed.local_views import (  # local_piece re-exported
     owner_of,
     packed_blocks_piece,
 )
+from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
+from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
 from hyper_parallel.distributed.name_match import match_plan_keys
 from hyper_parallel.distributed.partial_grads import reduce_partial_grad
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
+from hyper_parallel.distributed.state_handoff import install_state_handoff
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.axes import CP, EP, TP
 from hyper_parallel.protocols.placement_text import local_shard_shape  # noqa: F401  (re-exported)
@@ -129,6 +130,8 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
             sub_meshes[key] = owner[axes[0]] if len(axes) == 1 else owner[axes]
         _shard_states(module, fqn, config, sub_meshes[key], axes, sharded)
         _install_hooks(module, fqn, config, sub_meshes[key], axes, shared, block=fqn in blocks, order=order)
+        if config.state_handoff and config.state_handoff in axes:
+            _install_state_handoff(module, fqn, config, owner, order)
         if _shards_states_on(config, EP_AXIS):
             install_expert_dispatch(module, fqn, owner.get_group(EP_AXIS), owner.size(owner_axes.index(EP_AXIS)))
         if module is output_embeddings(model):
@@ -317,6 +320,25 @@ def _to_dtensor_parameter(param: nn.Parameter, placements, sub_mesh) -> nn.Param
 
 
 # --- forward hooks ---------------------------------------------------------------------------
+
+
+def _install_state_handoff(module: nn.Module, fqn: str, config: ShardingConfig, mesh,
+                           order: SequenceOrder | None) -> None:
+    """A recurrent block run on each rank's piece, its state handed on along the entry's
+    ``state_handoff`` axis (``state_handoff.py``): after the entry's own input conversions
+    (so it sees the local piece), before its output's."""
+    axis = config.state_handoff
+    if order is not None:
+        raise PlanApplyError(f"plan entry {fqn!r} hands its state on over {axis}, which needs each rank's piece of "
+                             "the sequence contiguous, but context_parallel.load_balance reorders them; regenerate "
+                             "the bundle (the planner gathers such blocks under load balancing)")
+    stream = next((index for index, dst in enumerate(_io_list(config.in_dst))
+                   if dst is not None and dst.get(axis) is not None and isinstance(as_placement(dst[axis]), Shard)),
+                  None)
+    if stream is None:
+        raise PlanApplyError(f"plan entry {fqn!r} hands its state on over {axis}, but none of its inputs is split "
+                             f"over {axis} (in_dst {config.in_dst}); regenerate the bundle")
+    install_state_handoff(module, mesh.get_group(axis), stream_index=stream, where=fqn or "<root>")
 
 
 def _install_hooks(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes,

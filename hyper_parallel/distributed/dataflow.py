@@ -54,7 +54,8 @@ from hyper_parallel.distributed.model_parts import (
     positional_names,
 )
 from hyper_parallel.distributed.local_views import block_sizes, local_piece, local_sizes, owner_of, packed_blocks_piece
-from hyper_parallel.distributed.sequence_dry_run import check_sequence_split
+from hyper_parallel.distributed.sequence_dry_run import check_sequence_split, is_attention, whole_over_cp
+from hyper_parallel.distributed.state_handoff import handoff_blocks, recurrent_candidates
 
 SPLIT_MODE, GATHERED_MODE, WHOLE_MODE = "split", "gathered", "whole"
 _ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flex_attention"})
@@ -187,6 +188,11 @@ class Dataflow:
     # Every module of the traced copy -> its class name: a head split's stand-in is one of the
     # same class (a hybrid's ``mixer`` is a recurrent layer in one layer, attention in the next).
     classes: dict[str, str] = field(default_factory=dict)
+    # Under cp, the recurrent blocks (gathered for what they read outside their modules) whose
+    # state the tiny copy handed on exactly from piece to piece (``state_handoff.py``), and
+    # the others with why not: those stay gathered over cp.
+    state_handoff: frozenset[str] = frozenset()
+    handoff_refusals: dict[str, str] = field(default_factory=dict)
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
@@ -232,7 +238,7 @@ class _Tags(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        for tensor in tensors:
+        for tensor in tensors if not _reads_placement_free_metadata(func) else ():
             owner = self.owners.get(id(tensor)) if isinstance(tensor, nn.Parameter) else None
             if owner is not None and self.running[-1:] != [owner]:
                 self.read_outside.add(owner)  # Gemma 3n's layer clamps and multiplies AltUp's coefs itself
@@ -325,6 +331,17 @@ class _Trace:
     value_outputs: dict[str, tuple[int, ...]]  # every other module: see Dataflow.value_outputs
     misplaced_hand_outs: dict[str, str]  # see Dataflow.misplaced_hand_outs
     called_again: frozenset[str]  # leaves called more than once in the forward
+
+
+# Properties of a parameter that its placement does not change: reading them outside the
+# module (Mamba2's block casts its input to ``self.norm.weight.dtype``) uses no values.
+# (Not ``shape``: a DTensor's is the global one, which code sizing local tensors would misread.)
+_PLACEMENT_FREE_PROPERTIES = frozenset({"dtype", "device", "requires_grad", "is_cuda", "is_floating_point"})
+
+
+def _reads_placement_free_metadata(func) -> bool:
+    return getattr(func, "__name__", "") == "__get__" and getattr(
+        getattr(func, "__self__", None), "__name__", "") in _PLACEMENT_FREE_PROPERTIES
 
 
 def _carries_values(tensor: torch.Tensor) -> bool:
@@ -591,6 +608,11 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
         verdict = check_sequence_split(model, input_ids, flow, cp=sequence_split == "cp")
         flow.sequence_split_error, flow.whole_after_layers = verdict.error, verdict.whole_after_layers
         flow.split_layer_inputs = verdict.split_layer_inputs
+    if sequence_split == "cp":
+        candidates = recurrent_candidates(model, lambda fqn, child: any(True for _ in child.parameters())
+                                          and whole_over_cp(fqn, child, flow.read_outside)
+                                          and not is_attention(fqn, child, {}, flow.attention_inputs))
+        flow.state_handoff, flow.handoff_refusals = handoff_blocks(model, input_ids, candidates, flow.value_inputs)
     return flow
 
 

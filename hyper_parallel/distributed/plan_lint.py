@@ -14,6 +14,7 @@ from hyper_parallel.distributed.local_views import (
     packed_blocks_piece,
 )
 from hyper_parallel.distributed.name_match import match_plan_keys
+from hyper_parallel.distributed.state_handoff import CACHE_PARAMETERS, cache_parameter
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.placement_text import parse_placement_text
 from hyper_parallel.protocols.placements import placement_to_text
@@ -102,6 +103,7 @@ def lint_plan(model: nn.Module, modules: Mapping, mesh) -> None:
     for fqn, key in owner.items():
         module = model.get_submodule(fqn)
         _lint_local_views(fqn, module, modules[key], mesh)
+        _lint_state_handoff(fqn, module, modules[key])
         for name, named in modules[key].state_shardings.items():
             try:
                 holder, leaf = owner_of(module, name)
@@ -133,6 +135,18 @@ def _lint_local_views(fqn: str, module: nn.Module, config, mesh) -> None:
                                 f"{fqn}.{name}")
     except (LocalViewError, AttributeError, KeyError) as err:
         raise PlanError(f"plan entry for {fqn}: {err}") from None
+
+
+def _lint_state_handoff(fqn: str, module: nn.Module, config) -> None:
+    """A block handing its state on over cp computes on local pieces and takes a cache."""
+    if not config.state_handoff:
+        return
+    if config.state_handoff != "cp" or not config.local_map:
+        raise PlanError(f"plan entry for {fqn}: state_handoff {config.state_handoff!r} needs local_map and the cp "
+                        "axis (the recurrent state is handed from cp rank to cp rank)")
+    if cache_parameter(module) is None:
+        raise PlanError(f"plan entry for {fqn}: state_handoff: cp, but {type(module).__name__}.forward takes no "
+                        f"cache ({', '.join(CACHE_PARAMETERS)}) to hand the state through")
 
 
 def _lint_divides(param: str, shape: tuple[int, ...], named: dict[str, str], mesh) -> None:

@@ -274,11 +274,9 @@ class ShardingPlanner:
         notes = self._replicate_layer_parts(whole_parts, modules, roles, overridden)
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
                               loss_parallel=self.loss_parallel, traced=self._traced_facts(),
-                              split_attention=ATTENTION_ROLE.get(self.context_parallel.algorithm, ""))
-        notes += [f"{block} gathered over cp: its code reads other positions of the sequence (a recurrence, a "
-                  "convolution), so every cp rank runs it on the whole sequence (no state is handed between cp "
-                  "ranks yet); exact, its work and activations not split by cp"
-                  for block in sorted({_layer_glob(fqn) for fqn, role in roles.items() if role == "gathered_block"})]
+                              split_attention=ATTENTION_ROLE.get(self.context_parallel.algorithm, ""),
+                              hand_state_on=not self.context_parallel.load_balance)
+        notes += self._cp_recurrent_notes(roles)
         apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
@@ -291,6 +289,26 @@ class ShardingPlanner:
                           recorded_axes=self._recorded_axes(applied), roles=roles, dataflow_error=self.dataflow_error,
                           notes=tuple(notes),
                           context_parallel=self.context_parallel if self.dims.cp > 1 else None)
+
+    def _cp_recurrent_notes(self, roles: dict[str, str]) -> list[str]:
+        """What cp does to the blocks reading other positions of the sequence (recurrences,
+        convolutions): the state handed from rank to rank, or the block gathered, and why."""
+        refusals = self._traced_facts().handoff_refusals
+        handed = sorted({_layer_glob(fqn) for fqn, role in roles.items() if role == "state_handoff"})
+        notes = [f"{block} under cp: each rank runs its piece of the sequence from the state the previous cp rank "
+                 "hands on (the layer's own cache protocol: recurrent state and convolution inputs), one rank "
+                 "after another: exact, activations split by cp, the recurrence's work not" for block in handed]
+        for block in sorted({_layer_glob(fqn) for fqn, role in roles.items() if role == "gathered_block"}):
+            why = next((refusals[fqn] for fqn in sorted(refusals) if _layer_glob(fqn) == block), "")
+            if self.context_parallel.load_balance:
+                why = ("; context_parallel.load_balance gives each rank two pieces from both ends, so no state is "
+                       "handed from rank to rank (load_balance: false hands it on where the layer allows)")
+            elif why:
+                why = f"; its state is not handed from rank to rank: {why}"
+            notes.append(f"{block} gathered over cp: the model's code uses its parameters outside its modules' forward "
+                         f"(a recurrence handing its convolution weight to a kernel), so every cp rank runs it on the "
+                         f"whole sequence{why}; exact, its work and activations not split by cp")
+        return notes
 
     def _layer_part(self, fqn: str, *, strictly_inside: bool = False) -> str | None:
         """The decoder layer's child holding ``fqn`` (``model.layers.3.self_attn`` for
@@ -465,7 +483,9 @@ class ShardingPlanner:
                            split_layer_inputs=self.dataflow.split_layer_inputs,
                            misplaced_hand_outs=self._by_stand_in("misplaced_hand_outs"),
                            read_outside=self._stand_ins("read_outside"),
-                           after_layers_called_again=self._stand_ins("after_layers_called_again"), traced=True)
+                           after_layers_called_again=self._stand_ins("after_layers_called_again"),
+                           state_handoff=self._stand_ins("state_handoff"),
+                           handoff_refusals=self._by_stand_in("handoff_refusals"), traced=True)
 
     def _by_stand_in(self, field: str) -> dict:
         """The model's modules -> what ``Dataflow.<field>`` says of their stand-ins: the

@@ -32,6 +32,8 @@ ROLE_LEGEND: dict[str, str] = {
     "kv_gathered_attention": "attention on the rank's tokens (cp): K and V gathered over cp inside it",
     "ulysses_attention": "attention on the rank's tokens (cp): all-to-all to a head group's whole sequence",
     "gathered_block": "a block that needs the whole sequence: input gathered, output split again",
+    "state_handoff": "a recurrent block on the rank's tokens (cp): its state handed on from the previous cp rank "
+                     "(state_handoff: cp), one rank after another",
     "mlp_block": "per-token MLP: input gathered over tp only; output partial sums reduce-scattered",
     "moe_block": "per-token MoE block: like mlp_block, tokens stay split over cp",
     "custom": "written by the recipe's plan_overrides",

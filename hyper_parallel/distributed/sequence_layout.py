@@ -27,6 +27,10 @@ sequence dim (``R`` below) and only the blocks that need more see more:
 |                            | block hands on a slice (DBRX's norm_attn_norm: each stream output)         |
 | block whose parameters the | under cp gathered like attention (DBRX's experts slice their GLU's         |
 | model reads outside it     | matrices: plain tensors need whole-sequence gradients)                    |
+| recurrent block (gated     | under cp its tokens stay split like an MLP's, and its state is handed from |
+| delta-net, Mamba2 mixer)   | rank to rank through its cache protocol (``state_handoff.py``): role      |
+|                            | ``state_handoff``, where the tiny copy's hand-off was exact and the cp    |
+|                            | pieces are contiguous (no load balancing); else gathered like the above   |
 | lm_head                    | input gathered over tp; logits stay split over cp (and over the vocab     |
 |                            | with loss parallel) into the applier's sharded cross entropy — when the   |
 |                            | model's forward computes its loss through ``self.loss_function``, which   |
@@ -114,6 +118,10 @@ class TracedFacts:
     - ``misplaced_hand_outs``: modules handing out a parameter of their own other than as
       it is to the layer's code (a view, nested, or into another module): under a
       sequence split its gradient cannot be placed; such a module in a layer is refused;
+    - ``state_handoff`` / ``handoff_refusals``: under cp, the recurrent blocks (gathered for
+      ``read_outside``) whose state the tiny copy handed on exactly from piece to piece
+      (``state_handoff.py``): they run on the rank's piece with the state handed on; the
+      others (with why) stay gathered;
     - ``split_error`` / ``whole_after_layers``: the sequence split dry run's verdict
       (``sequence_dry_run.py``): why the model's code cannot run on a piece of the
       sequence, or that the code after the layers needs the stream whole (GPT-2 reshapes
@@ -133,6 +141,8 @@ class TracedFacts:
     read_outside: frozenset[str] = frozenset()
     after_layers_called_again: frozenset[str] = frozenset()
     misplaced_hand_outs: dict[str, str] = field(default_factory=dict)
+    state_handoff: frozenset[str] = frozenset()
+    handoff_refusals: dict[str, str] = field(default_factory=dict)
     split_error: str = ""
     whole_after_layers: bool = False
     split_layer_inputs: tuple[int, ...] = ()
@@ -141,7 +151,7 @@ class TracedFacts:
 
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
                           cp: bool, sp: bool, loss_parallel: bool, traced: TracedFacts = TracedFacts(),
-                          split_attention: str = "") -> None:
+                          split_attention: str = "", hand_state_on: bool = True) -> None:
     """Rewrite ``modules``/``roles`` in place for the requested sequence layout, with what
     the dataflow trace saw (``traced``); ``split_attention``: the role of attention blocks
     keeping each cp rank's tokens (allgather_kv, ulysses), '' to gather the block's input."""
@@ -152,7 +162,7 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
                         f"set loss_parallel: false")
     if cp or sp:
         _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss, traced=traced,
-                        split_attention=split_attention if cp else "")
+                        split_attention=split_attention if cp else "", hand_state_on=hand_state_on)
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
     if loss_parallel:
@@ -207,7 +217,7 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 
 def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
-                    traced: TracedFacts, split_attention: str = "") -> None:
+                    traced: TracedFacts, split_attention: str = "", hand_state_on: bool = True) -> None:
     found = decoder_layers(model)
     if found is None:
         raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
@@ -246,6 +256,12 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             if _is_flat_member(fqn, child, roles):
                 _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
                              flat=fqn in traced.flat_inputs)
+            elif cp and hand_state_on and fqn in traced.state_handoff and whole_over_cp(fqn, child,
+                                                                                         traced.read_outside):
+                # measured on the trace, before the names: a head-split recurrent layer's
+                # per-head norm would otherwise read as attention's
+                _handoff_block(fqn, child, modules, roles, residual, traced=traced, streams=streams,
+                               adds_stream=adds_stream, outputs=outputs)
             elif is_attention(fqn, child, roles, attention_inputs) and split_attention:
                 _refuse_kv_gather(fqn, child, streams=streams, adds_stream=adds_stream, outputs=outputs,
                                   algorithm=TOKEN_ATTENTION_ROLES[split_attention])
@@ -504,6 +520,24 @@ def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: froze
             config.out_dst = config.out_src
         if cp:
             _add_token_split(config, Shard(token_dim))
+
+
+def _handoff_block(fqn, block, modules, roles, residual, *, traced: TracedFacts, streams: tuple[int, ...],
+                   adds_stream: bool, outputs: tuple[int, ...]) -> None:
+    """A recurrent block run on the rank's tokens, its state handed on over cp
+    (``state_handoff.py``): laid out like an MLP block, and the parameters of its members
+    that its own code reads outside their forward (a convolution weight handed to a
+    kernel) placed by the block's entry (dotted), so they are local tensors there."""
+    _mlp_block(fqn, block, modules, roles, residual, cp=True, routers=traced.routers, streams=streams,
+               reads=traced.reads, adds_stream=adds_stream, outputs=outputs)
+    config = modules[fqn]
+    config.state_handoff, roles[fqn] = CP, "state_handoff"
+    for inner in _inner_entries(fqn, block, modules):
+        if inner in traced.read_outside:
+            relative = inner[len(fqn) + 1:]
+            for name, named in modules.pop(inner).state_shardings.items():
+                config.state_shardings[f"{relative}.{name}"] = named
+            roles.pop(inner, None)
 
 
 def _replicated_weights(fqn: str, block: nn.Module, roles: dict[str, str], routers: frozenset[str]) -> list[str]:

@@ -114,6 +114,7 @@ def _sharding_from_dict(fields: dict) -> ShardingConfig:
         local_map=text.local_map,
         local_sizes=text.local_sizes,
         local_slices=text.local_slices,
+        state_handoff=text.state_handoff,
     )
 
 

@@ -26,6 +26,9 @@ an axis not named is ``Replicate``.
   packs blocks of unequal sizes along ``dim`` (``[q | k | v]`` channels), each split
   over ``tp``; no DTensor placement says that, so it is stored replicated and the
   module uses this rank's piece of every block (its gradient summed over ``tp``).
+- ``state_handoff`` (local_map only): a mesh axis (``cp``) along which the module, run
+  on each rank's contiguous piece of the sequence, takes its recurrent state from the
+  previous rank and hands its own on to the next (``distributed/state_handoff.py``).
 
 ``state_shardings`` may name a child's parameter (dotted) where the module's own code
 uses it outside the child's forward (a convolution weight passed to a kernel).
@@ -55,3 +58,4 @@ class ShardingConfig:
     local_map: bool = False
     local_sizes: tuple[str, ...] = ()
     local_slices: dict[str, tuple[int, tuple[str, ...]]] = field(default_factory=dict)
+    state_handoff: str = ""

@@ -9,10 +9,12 @@ An ENTRY (written by ``sharding_config_to_json`` with every key, always in this 
      "state_shardings": {param: {axis: text}},
      "in_src": [named | null, ...] | null, "in_dst": ..., "out_src": ..., "out_dst": ...,
      "local_map": bool,
-     "local_sizes": [attribute, ...], "local_slices": {param: [dim, [attribute, ...]]}}
+     "local_sizes": [attribute, ...], "local_slices": {param: [dim, [attribute, ...]]},
+     "state_handoff": axis}
 
-(the last two only where not empty: a module computed on this rank's heads whose own code
-reshapes by its size attributes, ``ShardingConfig.local_sizes`` / ``local_slices``)
+(the last three only where not empty: a module computed on this rank's heads whose own code
+reshapes by its size attributes, ``ShardingConfig.local_sizes`` / ``local_slices``; a
+recurrent block handing its state on along ``state_handoff``)
 
 The compact form (``compact_entry``, what the generated file prints for a reviewer)
 omits what a reader can infer: ``state_shardings`` when empty, ``in_src``/``out_src``
@@ -31,6 +33,7 @@ one string; the reader accepts it wherever it accepts an entry::
            | "local_map"
            | "local_sizes: " ATTR (" " ATTR)*      e.g. local_sizes: num_v_heads value_dim
            | "local_slices: " SLICE (" " SLICE)*
+           | "state_handoff: " AXIS                 e.g. state_handoff: cp
     SLICE := PARAM "=" DIM "(" ATTR ("," ATTR)* ")"  e.g. conv1d.weight=0(key_dim,key_dim,value_dim)
     IO    := NAMED | "(" ITEM (", " ITEM)* ")" | "-"    per positional input/output; - none
     ITEM  := NAMED | "-"
@@ -54,7 +57,8 @@ from hyper_parallel.protocols.placement_text import (
 )
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-ENTRY_KEYS = ("role", "state_shardings", *IO_PLACEMENT_FIELDS, "local_map", "local_sizes", "local_slices")
+ENTRY_KEYS = ("role", "state_shardings", *IO_PLACEMENT_FIELDS, "local_map", "local_sizes", "local_slices",
+              "state_handoff")
 _SRC_OF = {"in_dst": "in_src", "out_dst": "out_src"}  # an omitted *_dst is its *_src
 
 
@@ -101,7 +105,16 @@ def sharding_config_to_json(config: ShardingConfig, role: str = "custom", *, whe
         entry["local_sizes"] = _names(config.local_sizes, f"{where}.local_sizes")
     if config.local_slices:
         entry["local_slices"] = _slices(config.local_slices, f"{where}.local_slices")
+    if config.state_handoff:
+        entry["state_handoff"] = _axis(config.state_handoff, f"{where}.state_handoff")
     return entry
+
+
+def _axis(value, where: str) -> str:
+    """A mesh axis name (``state_handoff``'s)."""
+    if not isinstance(value, str) or not value.isidentifier():
+        raise PlanFormatError(f"{where}: expected a mesh axis name such as cp, got {value!r}")
+    return str(value)
 
 
 def _names(value, where: str) -> list[str]:
@@ -143,6 +156,7 @@ def sharding_config_from_json(entry: Mapping | str, *, where: str = "entry") -> 
         local_sizes=tuple(_names(entry.get("local_sizes") or [], f"{where}.local_sizes")),
         local_slices={name: (dim, tuple(blocks)) for name, (dim, blocks)
                       in _slices(entry.get("local_slices") or {}, f"{where}.local_slices").items()},
+        state_handoff=_axis(entry["state_handoff"], f"{where}.state_handoff") if entry.get("state_handoff") else "",
     )
     for key in IO_PLACEMENT_FIELDS:
         io = _io_to_json(entry.get(key, entry.get(_SRC_OF.get(key, ""))), f"{where}.{key}")
@@ -168,13 +182,13 @@ def compact_entry(entry: Mapping) -> dict:
             out[dst] = _single_io(entry.get(dst))
     if entry.get("local_map"):
         out["local_map"] = True
-    for key in ("local_sizes", "local_slices"):
+    for key in ("local_sizes", "local_slices", "state_handoff"):
         if entry.get(key):
             out[key] = entry[key]
     return {key: out[key] for key in ENTRY_KEYS if key in out}
 
 
-_FIELD_WORDS = ("in", "out", "local_map", "local_sizes", "local_slices")
+_FIELD_WORDS = ("in", "out", "local_map", "local_sizes", "local_slices", "state_handoff")
 _IO_FIELDS = {"in": ("in_src", "in_dst"), "out": ("out_src", "out_dst")}
 
 
@@ -198,6 +212,8 @@ def entry_line(entry: Mapping) -> str | dict:
     if entry.get("local_slices"):
         fields.append("local_slices: " + " ".join(f"{name}={dim}({','.join(blocks)})"
                                                   for name, (dim, blocks) in entry["local_slices"].items()))
+    if entry.get("state_handoff"):
+        fields.append(f"state_handoff: {entry['state_handoff']}")
     return " | ".join(fields)
 
 
@@ -227,6 +243,8 @@ def entry_from_line(text: str, *, where: str = "entry") -> dict:
             entry["local_sizes"] = value.split()
         elif name == "local_slices":
             entry["local_slices"] = _slices_from_text(value, f"{where}.local_slices")
+        elif name == "state_handoff":
+            entry["state_handoff"] = _axis(value, f"{where}.state_handoff")
         elif name in _IO_FIELDS:
             src, arrow, dst = value.partition("->")
             src_key, dst_key = _IO_FIELDS[name]

@@ -3,6 +3,7 @@ whose module names say nothing (the remote-code fixtures) and on transformers fa
 whose structure needs more than names (a norm over a whole projection, global head counts
 in a reshape, a fused q/k/v of unequal parts, routers, learned positions)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.dataflow import GATHERED_MODE, SPLIT_MODE, analyze, local_widths_dry_run, pattern
 from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.plan_lint import PlanError
@@ -678,12 +680,34 @@ def test_a_block_tied_across_layers_gets_one_entry_for_every_place_it_is_reached
     assert len({result.roles[name] for name in shared}) == 1
 
 
-def test_a_recurrent_layer_under_cp_is_gathered_and_the_plan_says_so():
-    """No state is handed between cp ranks: a gated delta-net reads every earlier position,
-    so under cp each rank runs it on the whole sequence, and derive says so in a note."""
-    result = _planned(_small_gdn("qwen3_next"), ParallelDims(cp=2))
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba2"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_recurrent_layer_under_cp_hands_its_state_on_and_the_plan_says_so(family, tp):
+    """Under cp a gated delta-net or a Mamba2 mixer runs on the rank's piece, its state handed
+    on from the previous cp rank (role state_handoff, ``state_handoff: cp``); the convolution
+    weight its code hands to a kernel is placed by the block's entry (a local tensor there),
+    with or without its heads split over tp; derive says so in a note."""
+    from bench.families.tiny import tiny_config
+
+    config = _small_gdn(family) if family == "qwen3_next" else tiny_config(family)
+    result = _planned(config, ParallelDims(cp=2, tp=tp))
+    block = next(name for name, role in result.roles.items() if role == "state_handoff")
+    entry = result.modules[block]
+    assert entry.state_handoff == "cp" and entry.local_map
+    assert "conv1d.weight" in entry.state_shardings and f"{block}.conv1d" not in result.modules
+    assert bool(entry.local_sizes) == (tp > 1)
+    glob = re.sub(r"\.\d+\.", ".*.", block)
+    assert any(note.startswith(f"{glob} under cp: each rank runs its piece") for note in result.notes), result.notes
+
+
+def test_a_recurrent_layer_under_load_balanced_cp_is_gathered_and_the_plan_says_why():
+    """Load balancing gives each cp rank two pieces from both ends: no state can go from rank
+    to rank, so the block is gathered (exact), and the note names the setting."""
+    result = _planned(_small_gdn("qwen3_next"), ParallelDims(cp=2),
+                      context_parallel=ContextParallel("allgather_kv", True))
     assert result.roles["model.layers.0.linear_attn"] == "gathered_block"
-    assert any(note.startswith("model.layers.*.linear_attn gathered over cp") for note in result.notes), result.notes
+    assert any(note.startswith("model.layers.*.linear_attn gathered over cp") and "load_balance" in note
+               for note in result.notes), result.notes
 
 
 def test_a_layer_part_with_vectors_of_its_own_no_role_places_is_left_whole():

@@ -113,6 +113,9 @@ LINE_CASES = [
     ShardingConfig(state_shardings={"A_log": {"tp": "shard(0)"}, "conv1d.weight": {"tp": "replicate"}},
                    local_map=True, local_sizes=("num_v_heads", "key_dim"),
                    local_slices={"conv1d.weight": (0, ("key_dim", "key_dim", "value_dim"))}),
+    # a recurrent block on the rank's tokens, its state handed on over cp
+    ShardingConfig(in_src=({"cp": "shard(1)"},), in_dst=({"cp": "shard(1)"},), out_src=({"cp": "shard(1)"},),
+                   out_dst=({"cp": "shard(1)"},), local_map=True, state_handoff="cp"),
 ]
 
 
@@ -148,14 +151,21 @@ def test_a_parameter_named_like_a_field_word_keeps_the_dict_form():
     ("colwise | in: (tp=shard(0), tp=sharded)", r"in_src\[1\].*unknown placement"),
     ("head_split | local_slices: conv1d.weight=x(key_dim)", r"local_slices: expected PARAM=DIM\(ATTR,...\)"),
     ("head_split | local_sizes: 2heads", r"local_sizes: expected a list of attribute names"),
+    ("state_handoff | local_map | state_handoff: c p", r"state_handoff: expected a mesh axis name such as cp"),
 ])
 def test_a_malformed_line_names_the_field(line, message):
     with pytest.raises(PlanFormatError, match=message):
         sharding_config_from_json(line, where="modules['m']")
 
 
+def test_the_state_handoff_field_reads_like_the_legend_says():
+    line = entry_line(sharding_config_to_json(LINE_CASES[-1], "state_handoff"))
+    assert line == "state_handoff | in: cp=shard(1) | out: cp=shard(1) | local_map | state_handoff: cp"
+    assert "state_handoff" not in sharding_config_to_json(LINE_CASES[0], "rowwise")
+
+
 def test_the_head_split_fields_read_like_the_legend_says():
-    line = entry_line(sharding_config_to_json(LINE_CASES[-1], "head_split"))
+    line = entry_line(sharding_config_to_json(LINE_CASES[-2], "head_split"))
     assert line == ("head_split | A_log: tp=shard(0) | conv1d.weight: tp=replicate | local_map"
                     " | local_sizes: num_v_heads key_dim | local_slices: conv1d.weight=0(key_dim,key_dim,value_dim)")
     # entries without them keep the keys they always had (plans and bundles do not change)

@@ -65,11 +65,14 @@ ROWS = {
                         "text_config, the towers' weights left out); its gated delta-net's in_proj_qkv packs "
                         "[q | k | v] of unequal widths: its parent hands it this rank's rows",
     ("qwen3_next", "dp2"): "a hybrid decoder (gated delta-net, full attention, MoE) under FSDP2",
+    ("qwen3_next", "cp2"): "a gated delta-net on each cp rank's piece of the sequence, its recurrent state and "
+                           "convolution inputs handed on from the previous cp rank through its cache protocol",
     ("mamba2", "tp2"): "a pure state-space model: Mamba2 mixers on their heads and groups ([z | x | B | C | dt] "
                        "blocks named by the mixer's sizes, the gated norm's weight per channel)",
     ("remote:linear_hybrid", "tp2"): "remote code: a recurrent mixer of its own names run per head (packed [q|k|v], "
                                      "a convolution through its weight, a per-head decay) beside attention layers",
     ("mamba2", "dp2"): "a pure state-space model under FSDP2",
+    ("mamba2", "cp2"): "Mamba2 mixers on each cp rank's piece, the scan's state handed on from rank to rank",
     ("longcat_flash", "tp2"): "zero-compute identity experts inside the packed experts (HF's moe_identity_expert); "
                               "a router applying its classifier's weight itself; two attentions and MLPs per layer",
 }

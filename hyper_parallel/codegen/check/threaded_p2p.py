@@ -6,7 +6,10 @@ pipeline stages hand activations and gradients on with ``isend``/``irecv``.
 a send copies the tensor into a mailbox keyed by (group, source, destination, tag), or
 straight into a receive already waiting there; a receive takes the oldest message of its
 key, or waits for it (its ``Work`` completes when the message arrives). Messages of one
-key arrive in the order they were sent, as over a socket.
+key arrive in the order they were sent, as over a socket. When a rank fails
+(``ProcessLocalGroup.exception_handle``), the receives still waiting fail too, so a rank
+blocked on a message its failed peer will never send raises instead of waiting out the
+timeout.
 """
 
 import collections
@@ -45,6 +48,14 @@ class Mailboxes:
                 self.waiting[key].append((target, future))
         return future
 
+    def fail_waiting(self, exc: BaseException) -> None:
+        """Every receive still waiting fails with ``exc`` (a peer rank failed)."""
+        with self.lock:
+            waiting = [future for queue in self.waiting.values() for _, future in queue]
+            self.waiting.clear()
+        for future in waiting:
+            future.set_exception(RuntimeError(f"a peer rank failed before sending: {exc}"))
+
 
 def _write(target: Any, message: Any) -> None:
     """Fill a receive buffer as a process group does: outside autograd (the stage's
@@ -75,8 +86,16 @@ def installed():
         (target,) = tensors
         return _create_work_from_future(boxes.recv((self.pg_name, src_rank, self._rank, tag), target))
 
+    original_handle = ProcessLocalGroup.__dict__["exception_handle"]
+
+    def exception_handle(cls, exc):
+        original_handle.__func__(cls, exc)
+        boxes.fail_waiting(exc)
+
     ProcessLocalGroup.send, ProcessLocalGroup.recv = send, recv
+    ProcessLocalGroup.exception_handle = classmethod(exception_handle)
     try:
         yield boxes
     finally:
         del ProcessLocalGroup.send, ProcessLocalGroup.recv
+        ProcessLocalGroup.exception_handle = original_handle

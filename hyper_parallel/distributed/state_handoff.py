@@ -1,0 +1,427 @@
+"""Context parallel for recurrent blocks: the state handed on from cp rank to cp rank.
+
+A recurrent block (a gated delta-net, a Mamba2 mixer, a short convolution) reads every
+earlier position through its state, so run on one piece of the sequence it needs the state
+where the piece starts: the scan's recurrent state and the convolution's last inputs.
+transformers' linear-attention layers already take both from their cache when a prompt
+arrives in chunks (chunked prefill): ``get_recurrent_state`` gives the scan's initial
+state, ``update_conv_state`` returns the chunk with the previous inputs in front, and
+``update_recurrent_state`` receives the final state. ``HandOffCache`` is such a cache for
+one call of one block, whose earlier chunk is the previous cp rank's piece: what it gives
+came from rank r-1, what it receives goes on to rank r+1. We write no scan of our own: the
+layer's code runs its chunk from the state it is given.
+
+The hand-off is sequential: rank r runs the block's recurrence once rank r-1 has finished
+its piece, so cp does not split that work (it splits the activations, and every other
+block). Backward runs the other way: the gradient of a handed state goes back to the rank
+that computed it. The pieces must be contiguous, so load balancing (which gives each rank
+two pieces from both ends) keeps such blocks gathered.
+
+Transport: point-to-point over the cp group (``Link``) inside two autograd functions,
+``_Receive`` (forward: from r-1; backward: the gradients back to r-1) and ``_Send``
+(forward: to r+1; backward: their gradients from r+1). ``_Send`` is attached to the block's
+output and also carries what was received, with a zero gradient, so every rank sends its
+gradients back exactly once whatever the block used of what it got. Messages between two
+ranks arrive in the order sent, so the blocks of a layer, and the layers, never mix.
+
+Whether a block follows the protocol is measured at generate time (``handoff_check``): the
+tiny copy's block, run on pieces each handed the previous piece's state in process, must
+give the whole sequence's output and parameter gradients.
+"""
+
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyper_parallel.distributed.model_parts import decoder_layers, locate_input, positional_names
+from hyper_parallel.errors import HyperParallelError
+
+CONV, RECURRENT = 0, 1  # the two kinds of state a linear-attention cache holds
+# The names a transformers block's forward takes its cache by (newest first).
+CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values")
+_MAX_STATES, _MAX_DIMS = 8, 8
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class HandOffError(HyperParallelError):
+    pass
+
+
+class HandOffCache:
+    """The cache one call of a recurrent block gets (module docstring). ``incoming`` gives
+    what the previous piece handed on, ``{(kind, state_idx): tensor}``; it is called at the
+    block's first need, so a rank waits only when its block asks. ``outgoing`` collects
+    what this piece hands on."""
+
+    def __init__(self, incoming: Callable[[], dict]):
+        self._incoming, self._received = incoming, None
+        self.outgoing: dict[tuple[int, int], torch.Tensor] = {}
+
+    def received(self) -> dict:
+        if self._received is None:
+            self._received = self._incoming()
+        return self._received
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return None  # a piece is never a one-token decode step
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.received().get((RECURRENT, state_idx))
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        """The piece's convolution input ``[batch, channels, tokens]`` with the previous
+        piece's last ``kernel - 1`` inputs in front (zeros on the first piece, the
+        convolution's own padding); its own last ones are handed on (reaching back into
+        the previous piece's when this one is shorter)."""
+        if conv_kernel_size is None:
+            raise HandOffError("update_conv_state was called without conv_kernel_size, so the number of earlier "
+                               "inputs the convolution reads is unknown")
+        halo = self.received().get((CONV, state_idx))
+        if halo is None:
+            halo = conv_states.new_zeros(*conv_states.shape[:-1], conv_kernel_size - 1)
+        full = torch.cat([halo.to(conv_states.dtype), conv_states], dim=-1)
+        self.outgoing[(CONV, state_idx)] = full[..., full.shape[-1] - (conv_kernel_size - 1):]
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        self.outgoing[(RECURRENT, state_idx)] = recurrent_states
+        return recurrent_states
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"the block asked its cache for {name!r}, which a cp state hand-off does not give "
+                             "(it gives get/update_conv_state and get/update_recurrent_state)")
+
+
+def cache_parameter(module: nn.Module) -> str | None:
+    """The name the block's forward takes its cache by, or None (no hand-off possible)."""
+    try:
+        names = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in CACHE_PARAMETERS if name in names), None)
+
+
+def with_cache(module: nn.Module, name: str, args: tuple, kwargs: dict, cache) -> tuple[tuple, dict]:
+    """The call's arguments with ``cache`` as the block's cache, wherever the caller put
+    it (by position or by any of its names: a deprecated alias would otherwise win)."""
+    args, kwargs = list(args), {key: value for key, value in kwargs.items() if key not in CACHE_PARAMETERS}
+    names = positional_names(module)
+    if name in names and names.index(name) < len(args):
+        args[names.index(name)] = cache
+    else:
+        kwargs[name] = cache
+    return tuple(args), kwargs
+
+
+def piece_of(value, tokens: int, pieces: int, index: int):
+    """Another input of the block cut to its piece when it runs along the whole sequence
+    (a padding mask ``[batch, tokens]``, a ``cache_position``); anything else as it is."""
+    if not isinstance(value, torch.Tensor) or pieces == 1 or value.dim() == 0:
+        return value
+    dim = 1 if value.dim() >= 2 else 0
+    if value.shape[dim] != tokens * pieces:
+        return value
+    return value.narrow(dim, index * tokens, tokens)
+
+
+def _first_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def _replace_first(output, value):
+    if isinstance(output, torch.Tensor):
+        return value
+    return type(output)([value, *output[1:]]) if isinstance(output, list) else (value, *output[1:])
+
+
+# --- transport -------------------------------------------------------------------------
+
+
+class Link:
+    """This rank's neighbours on the cp group, and the messages to and from them: a header
+    (how many states, each one's kind, index, dtype and shape), then the states."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    @property
+    def has_previous(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def has_next(self) -> bool:
+        return self.rank < self.size - 1
+
+    def send_states(self, keys: list, tensors: list[torch.Tensor], device) -> None:
+        header = torch.zeros(1 + _MAX_STATES * (4 + _MAX_DIMS), dtype=torch.int64)
+        if len(keys) > _MAX_STATES or any(t.dim() > _MAX_DIMS or t.dtype not in _DTYPES for t in tensors):
+            raise HandOffError(f"a cp state hand-off carries at most {_MAX_STATES} states of at most {_MAX_DIMS} "
+                               f"dims in {_DTYPES}; got {[(k, tuple(t.shape), t.dtype) for k, t in zip(keys, tensors)]}")
+        header[0] = len(keys)
+        for slot, ((kind, index), tensor) in enumerate(zip(keys, tensors)):
+            row = [kind, index, _DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+            start = 1 + slot * (4 + _MAX_DIMS)
+            header[start:start + len(row)] = torch.tensor(row)
+        dist.send(header.to(device), group=self.group, group_dst=self.rank + 1)
+        for tensor in tensors:
+            dist.send(tensor.detach().contiguous(), group=self.group, group_dst=self.rank + 1)
+
+    def receive_header(self, device) -> list[tuple[tuple[int, int], torch.dtype, tuple[int, ...]]]:
+        header = torch.zeros(1 + _MAX_STATES * (4 + _MAX_DIMS), dtype=torch.int64, device=device)
+        dist.recv(header, group=self.group, group_src=self.rank - 1)
+        values = header.tolist()
+        specs = []
+        for slot in range(values[0]):
+            kind, index, dtype, ndim, *dims = values[1 + slot * (4 + _MAX_DIMS):1 + (slot + 1) * (4 + _MAX_DIMS)]
+            specs.append(((kind, index), _DTYPES[dtype], tuple(dims[:ndim])))
+        return specs
+
+    def receive(self, specs, device) -> list[torch.Tensor]:
+        tensors = []
+        for _, dtype, shape in specs:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(tensor, group=self.group, group_src=self.rank - 1)
+            tensors.append(tensor)
+        return tensors
+
+    def send_back(self, grads: list[torch.Tensor]) -> None:
+        for grad in grads:
+            dist.send(grad.contiguous(), group=self.group, group_dst=self.rank - 1)
+
+    def receive_back(self, specs: list) -> list[torch.Tensor]:
+        """The gradients of the states sent forward (``specs``: their shape, dtype, device)."""
+        grads = []
+        for shape, dtype, device in specs:
+            grad = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(grad, group=self.group, group_src=self.rank + 1)
+            grads.append(grad)
+        return grads
+
+
+class _Receive(torch.autograd.Function):
+    """The previous rank's states (forward); their gradients back to it (backward)."""
+
+    @staticmethod
+    def forward(ctx, link: Link, specs, device, anchor):
+        ctx.link = link
+        return tuple(link.receive(specs, device))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.link.send_back(list(grads))
+        return None, None, None, None
+
+
+class _Send(torch.autograd.Function):
+    """This rank's states on to the next rank (forward); their gradients from it
+    (backward). Attached to the block's output, with what the block received."""
+
+    @staticmethod
+    def forward(ctx, link: Link, keys: list, count: int, output, *tensors):
+        sent = tensors[:count]
+        if link.has_next:
+            link.send_states(keys, list(sent), output.device)
+        ctx.link = link
+        ctx.specs = [(t.shape, t.dtype, t.device) for t in tensors]
+        ctx.count = count
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        sent, received = ctx.specs[:ctx.count], ctx.specs[ctx.count:]
+        grads = ctx.link.receive_back(sent) if ctx.link.has_next else [_zeros(spec) for spec in sent]
+        return None, None, None, grad_output, *grads, *[_zeros(spec) for spec in received]
+
+
+def _zeros(spec) -> torch.Tensor:
+    shape, dtype, device = spec
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def install_state_handoff(module: nn.Module, group, *, stream_index: int, where: str) -> None:
+    """Run ``module`` on this rank's piece with its state handed on over ``group`` (the cp
+    group): registered after the entry's input conversions (its inputs are local pieces)
+    and before its output conversions."""
+    name = cache_parameter(module)
+    if name is None:
+        raise HandOffError(f"{where}: the plan hands its state on over cp, but {type(module).__name__}.forward "
+                           f"takes no cache ({', '.join(CACHE_PARAMETERS)}); regenerate the bundle")
+    link = Link(group)
+    arg_names = positional_names(module)
+    calls: list[tuple[HandOffCache, list]] = []
+
+    def pre_hook(mod, args, kwargs):
+        holder, key = locate_input(stream_index, list(args), dict(kwargs), arg_names)
+        stream = None if holder is None else holder[key]
+        if not isinstance(stream, torch.Tensor) or stream.dim() < 2:
+            raise HandOffError(f"{where}: input {stream_index} (the stream split over cp) is not a "
+                               f"[batch, tokens, ...] tensor")
+        received: list = []
+        cache = HandOffCache(lambda: _incoming(link, stream.device, received))
+        args, kwargs = with_cache(mod, name, args, kwargs, cache)
+        tokens = stream.shape[1]
+        args = tuple(value if value is stream else piece_of(value, tokens, link.size, link.rank) for value in args)
+        kwargs = {k: value if value is stream else piece_of(value, tokens, link.size, link.rank)
+                  for k, value in kwargs.items()}
+        calls.append((cache, received))
+        return args, kwargs
+
+    def post_hook(mod, args, kwargs, output):
+        cache, received = calls.pop()
+        if link.has_previous:
+            cache.received()  # a block that asked for nothing still takes (and answers) the message
+        first = _first_tensor(output)
+        if first is None:
+            raise HandOffError(f"{where}: the block returned no tensor to carry its handed-on state")
+        keys = sorted(cache.outgoing)
+        attached = _Send.apply(link, keys, len(keys), first, *[cache.outgoing[k] for k in keys], *received)
+        return _replace_first(output, attached)
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    module.register_forward_hook(post_hook, with_kwargs=True, prepend=True)
+
+
+def _incoming(link: Link, device, received: list) -> dict:
+    """What the previous rank handed on (nothing on the first rank), through ``_Receive``
+    so its gradient goes back; ``received`` keeps the tensors for ``_Send`` to carry."""
+    if not link.has_previous:
+        return {}
+    specs = link.receive_header(device)
+    if not specs:
+        return {}
+    anchor = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())
+    tensors = _Receive.apply(link, specs, device, anchor)
+    received.extend(tensors)
+    return {key: tensor for (key, _, _), tensor in zip(specs, tensors)}
+
+
+# --- the generate-time check -----------------------------------------------------------
+
+
+def handoff_blocks(model: nn.Module, input_ids: torch.Tensor, candidates: list[str],
+                   stream_inputs: dict[str, tuple[int, ...]]) -> tuple[frozenset[str], dict[str, str]]:
+    """Which of the ``candidates`` (recurrent blocks of the decoder layers) hand their
+    state on exactly, measured on the tiny copy: (those that do, {the others: why not})."""
+    captured: dict[str, tuple[tuple, dict]] = {}
+
+    def capture(name):
+        def hook(module, args, kwargs):
+            captured.setdefault(name, (tuple(_detached(a) for a in args),
+                                       {k: _detached(v) for k, v in kwargs.items()}))
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(capture(name), with_kwargs=True)
+               for name in candidates]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    passed, refused = set(), {}
+    for name in candidates:
+        if name not in captured:
+            refused[name] = "it did not run in the traced forward"
+            continue
+        args, kwargs = captured[name]
+        why = handoff_check(model.get_submodule(name), args, kwargs, (stream_inputs.get(name) or (0,))[0])
+        if why:
+            refused[name] = why
+        else:
+            passed.add(name)
+    return frozenset(passed), refused
+
+
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def handoff_check(block: nn.Module, args: tuple, kwargs: dict, stream_index: int) -> str:
+    """"" when ``block`` run on pieces of its input, each with a ``HandOffCache`` handed
+    the previous piece's states, gives the whole input's output and parameter gradients;
+    else why not."""
+    name = cache_parameter(block)
+    if name is None:
+        return f"its forward takes no cache ({', '.join(CACHE_PARAMETERS)})"
+    holder, key = locate_input(stream_index, list(args), dict(kwargs), positional_names(block))
+    stream = None if holder is None else holder[key]
+    if not isinstance(stream, torch.Tensor) or stream.dim() < 2:
+        return f"its input {stream_index} is not a [batch, tokens, ...] tensor"
+    length = stream.shape[1]
+    pieces = next((n for n in (4, 2) if length % n == 0 and length // n >= 1), 0)
+    if not pieces:
+        return f"the traced sequence of {length} tokens does not split into pieces"
+    try:
+        whole, whole_grads = _run(block, args, kwargs, None, None)
+        outputs, handed = [], {}
+        tokens = length // pieces
+        for index in range(pieces):
+            piece = stream.narrow(1, index * tokens, tokens)
+            piece_args = tuple(piece if a is stream else piece_of(a, tokens, pieces, index) for a in args)
+            piece_kwargs = {k: piece if v is stream else piece_of(v, tokens, pieces, index) for k, v in kwargs.items()}
+            cache = HandOffCache(lambda given=handed: given)
+            out, _ = _run(block, piece_args, piece_kwargs, name, cache, collect=False)
+            outputs.append(out)
+            handed = cache.outgoing
+        grads = _grads(block, torch.cat(outputs, dim=1))
+    except Exception as exc:  # the block's code does not take the hand-off: gathered instead, with why
+        return f"run on pieces with the state handed on, it raised {type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+    return _compare(whole, whole_grads, torch.cat(outputs, dim=1), grads)
+
+
+def _run(block: nn.Module, args: tuple, kwargs: dict, name: str | None, cache, *, collect: bool = True):
+    """The block's first output (with its graph) and, with ``collect``, the parameter
+    gradients of a fixed projection of it."""
+    if name is not None:
+        args, kwargs = with_cache(block, name, args, kwargs, cache)
+    block.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        out = _first_tensor(block(*args, **kwargs))
+    if out is None:
+        raise HandOffError("the block returned no tensor")
+    return out, (_grads(block, out) if collect else None)
+
+
+def _grads(block: nn.Module, out: torch.Tensor) -> dict[str, torch.Tensor]:
+    block.zero_grad(set_to_none=True)
+    weights = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype).reshape(out.shape)
+    (out * weights).sum().backward()
+    grads = {name: p.grad.detach().clone() for name, p in block.named_parameters() if p.grad is not None}
+    block.zero_grad(set_to_none=True)
+    return grads
+
+
+def _compare(whole: torch.Tensor, whole_grads: dict, pieces: torch.Tensor, grads: dict) -> str:
+    def far(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape != b.shape or bool((a - b).abs().max() > 1e-4 * (1 + b.abs().max()))
+
+    if far(pieces.detach(), whole.detach()):
+        return ("run on pieces with the state handed on, its output differs from the whole sequence's "
+                "(its code does not take the earlier state through its cache)")
+    wrong = sorted(name for name in whole_grads if name not in grads or far(grads[name], whole_grads[name]))
+    if wrong:
+        return f"run on pieces with the state handed on, the gradients of {', '.join(wrong[:3])} differ"
+    return ""
+
+
+def recurrent_candidates(model: nn.Module, is_candidate: Callable[[str, nn.Module], bool]) -> list[str]:
+    """The decoder layers' children ``is_candidate`` picks, in model order."""
+    found = decoder_layers(model)
+    if found is None:
+        return []
+    layers_fqn, layers = found
+    return [f"{layers_fqn}.{index}.{name}" for index, layer in enumerate(layers)
+            for name, child in layer.named_children() if is_candidate(f"{layers_fqn}.{index}.{name}", child)]
