@@ -28,6 +28,7 @@ LAYOUTS = {
     "cp2": {"cp_size": 2},
     "cp4": {"cp_size": 4},
     "tp2_cp2": {"tp_size": 2, "cp_size": 2},
+    "dp2_cp2": {"dp_size": 2, "cp_size": 2},
     # context parallel splitting attention: K/V all-gathered over cp, load-balanced chunks
     "cp2_kv": {"cp_size": 2, "context_parallel": {"algorithm": "allgather_kv", "load_balance": True}},
     "cp2_gather": {"cp_size": 2, "context_parallel": {"algorithm": "gather_sequence"}},

@@ -23,13 +23,17 @@ Transport: point-to-point over the cp group (``Link``) inside two autograd funct
 output and also carries what was received, with a zero gradient, so every rank sends its
 gradients back exactly once whatever the block used of what it got. Messages between two
 ranks arrive in the order sent, so the blocks of a layer, and the layers, never mix.
+Under activation checkpointing a layer's forward runs again in backward; that recompute
+replays what the forward received and sends nothing (``Replays``).
 
 Whether a block follows the protocol is measured at generate time (``handoff_check``): the
 tiny copy's block, run on pieces each handed the previous piece's state in process, must
 give the whole sequence's output and parameter gradients.
 """
 
+import collections
 import inspect
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -230,11 +234,11 @@ class _Send(torch.autograd.Function):
     (backward). Attached to the block's output, with what the block received."""
 
     @staticmethod
-    def forward(ctx, link: Link, keys: list, count: int, output, *tensors):
+    def forward(ctx, link: Link, replay: "_Forward | None", keys: list, count: int, output, *tensors):
         sent = tensors[:count]
         if link.has_next:
             link.send_states(keys, list(sent), output.device)
-        ctx.link = link
+        ctx.link, ctx.replay = link, replay
         ctx.specs = [(t.shape, t.dtype, t.device) for t in tensors]
         ctx.count = count
         return output.view_as(output)
@@ -243,7 +247,7 @@ class _Send(torch.autograd.Function):
     def backward(ctx, grad_output):
         sent, received = ctx.specs[:ctx.count], ctx.specs[ctx.count:]
         grads = ctx.link.receive_back(sent) if ctx.link.has_next else [_zeros(spec) for spec in sent]
-        return None, None, None, grad_output, *grads, *[_zeros(spec) for spec in received]
+        return None, None, None, None, grad_output, *grads, *[_zeros(spec) for spec in received]
 
 
 def _zeros(spec) -> torch.Tensor:
@@ -261,7 +265,8 @@ def install_state_handoff(module: nn.Module, group, *, stream_index: int, where:
                            f"takes no cache ({', '.join(CACHE_PARAMETERS)}); regenerate the bundle")
     link = Link(group)
     arg_names = positional_names(module)
-    calls: list[tuple[HandOffCache, list]] = []
+    replays = Replays(where)
+    calls: list[tuple[HandOffCache, list | None, "_Forward | None"]] = []
 
     def pre_hook(mod, args, kwargs):
         holder, key = locate_input(stream_index, list(args), dict(kwargs), arg_names)
@@ -269,34 +274,91 @@ def install_state_handoff(module: nn.Module, group, *, stream_index: int, where:
         if not isinstance(stream, torch.Tensor) or stream.dim() < 2:
             raise HandOffError(f"{where}: input {stream_index} (the stream split over cp) is not a "
                                f"[batch, tokens, ...] tensor")
-        received: list = []
-        cache = HandOffCache(lambda: _incoming(link, stream.device, received))
+        if recomputing():
+            forward = replays.take()
+            cache, received = HandOffCache(lambda: forward.replayed_inputs()), None
+        else:
+            received, forward = [], replays.record() if torch.is_grad_enabled() else None
+            cache = HandOffCache(lambda: _incoming(link, stream.device, received, forward))
         args, kwargs = with_cache(mod, name, args, kwargs, cache)
         tokens = stream.shape[1]
         args = tuple(value if value is stream else piece_of(value, tokens, link.size, link.rank) for value in args)
         kwargs = {k: value if value is stream else piece_of(value, tokens, link.size, link.rank)
                   for k, value in kwargs.items()}
-        calls.append((cache, received))
+        calls.append((cache, received, forward))
         return args, kwargs
 
     def post_hook(mod, args, kwargs, output):
-        cache, received = calls.pop()
+        cache, received, forward = calls.pop()
+        if received is None:
+            return None  # a recompute: what it computes only refills saved tensors; nothing is sent
         if link.has_previous:
             cache.received()  # a block that asked for nothing still takes (and answers) the message
         first = _first_tensor(output)
         if first is None:
             raise HandOffError(f"{where}: the block returned no tensor to carry its handed-on state")
         keys = sorted(cache.outgoing)
-        attached = _Send.apply(link, keys, len(keys), first, *[cache.outgoing[k] for k in keys], *received)
+        attached = _Send.apply(link, forward, keys, len(keys), first,
+                               *[cache.outgoing[k] for k in keys], *received)
         return _replace_first(output, attached)
 
     module.register_forward_pre_hook(pre_hook, with_kwargs=True)
     module.register_forward_hook(post_hook, with_kwargs=True, prepend=True)
 
 
-def _incoming(link: Link, device, received: list) -> dict:
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: activation checkpointing's
+    recompute (torch.utils.checkpoint, non-reentrant), which must not send or wait again."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Forward:
+    """One forward of a block with gradients: what it received, for a recompute. Held by
+    the forward's ``_Send`` node, so it lives as long as that forward's graph."""
+
+    def __init__(self):
+        self.received: dict = {}
+        self.replayed = False
+
+    def replayed_inputs(self) -> dict:
+        """The received values as the recompute's inputs: requiring gradients as they did in
+        the forward, so its ops save the same tensors (checkpoint compares them)."""
+        return {key: value.detach().requires_grad_(value.is_floating_point()) for key, value in self.received.items()}
+
+
+class Replays:
+    """The forwards of one block a recompute may still ask for, oldest first. Under
+    activation checkpointing a decoder layer's forward runs again during its backward,
+    while the neighbours wait on this rank's gradients: the recompute takes what its
+    forward received instead of waiting for a message no one sends again. Recomputes come
+    in the order of the forwards (a pipeline's microbatches too), one per forward; a
+    forward's entry goes when its graph does (weakly held here), so without checkpointing
+    nothing accumulates."""
+
+    def __init__(self, where: str):
+        self.where, self.forwards = where, collections.deque()
+
+    def record(self) -> _Forward:
+        while self.forwards and self.forwards[0]() is None:
+            self.forwards.popleft()
+        forward = _Forward()
+        self.forwards.append(weakref.ref(forward))
+        return forward
+
+    def take(self) -> _Forward:
+        for ref in self.forwards:
+            forward = ref()
+            if forward is not None and not forward.replayed:
+                forward.replayed = True
+                return forward
+        raise HandOffError(f"{self.where}: recomputed in backward (activation checkpointing), but no forward of it "
+                           "is waiting for its backward; the hand-off cannot replay what it received")
+
+
+def _incoming(link: Link, device, received: list, forward: "_Forward | None") -> dict:
     """What the previous rank handed on (nothing on the first rank), through ``_Receive``
-    so its gradient goes back; ``received`` keeps the tensors for ``_Send`` to carry."""
+    so its gradient goes back; ``received`` keeps the tensors for ``_Send`` to carry, and
+    ``forward`` their values for a recompute."""
     if not link.has_previous:
         return {}
     specs = link.receive_header(device)
@@ -305,7 +367,10 @@ def _incoming(link: Link, device, received: list) -> dict:
     anchor = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())
     tensors = _Receive.apply(link, specs, device, anchor)
     received.extend(tensors)
-    return {key: tensor for (key, _, _), tensor in zip(specs, tensors)}
+    got = {key: tensor for (key, _, _), tensor in zip(specs, tensors)}
+    if forward is not None:
+        forward.received = {key: tensor.detach() for key, tensor in got.items()}
+    return got
 
 
 # --- the generate-time check -----------------------------------------------------------

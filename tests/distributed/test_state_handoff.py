@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.codegen.check import threaded_p2p
 from hyper_parallel.distributed.state_handoff import (
@@ -127,12 +128,16 @@ def _run_ranks(world: int, body) -> list:
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_handing_on_equal_the_whole_sequence(world):
+@pytest.mark.parametrize("world, checkpointed", [(2, ""), (3, ""), (3, "block"), (2, "layer")])
+def test_ranks_handing_on_equal_the_whole_sequence(world, checkpointed):
+    """``checkpointed``: the block under activation checkpointing (non-reentrant, as the
+    trainer's), its forward run again in backward replaying what it received: the block
+    alone (recomputed after its output's backward), or with code after it, as a decoder
+    layer's (recomputed before it)."""
     stream = _stream()
     reference = _gated_delta_net()
     weights = torch.linspace(-1, 1, stream.numel()).reshape(stream.shape)
-    whole = reference(stream)
+    whole = torch.tanh(reference(stream)) if checkpointed == "layer" else reference(stream)
     (whole * weights).sum().backward()
     tokens = TOKENS // world
     blocks = [_gated_delta_net() for _ in range(world)]  # built here: the threads share one random state
@@ -141,7 +146,10 @@ def test_ranks_handing_on_equal_the_whole_sequence(world):
         block = blocks[rank]
         install_state_handoff(block, dist.group.WORLD, stream_index=0, where="linear_attn")
         piece = stream[:, rank * tokens:(rank + 1) * tokens]
-        out = block(piece)
+        if checkpointed == "layer":
+            out = checkpoint(lambda x: torch.tanh(block(x)), piece, use_reentrant=False)
+        else:
+            out = checkpoint(block, piece, use_reentrant=False) if checkpointed else block(piece)
         (out * weights[:, rank * tokens:(rank + 1) * tokens]).sum().backward()
         return out.detach(), {name: p.grad.clone() for name, p in block.named_parameters()}
 

@@ -25,6 +25,7 @@ class Mailboxes:
         self.lock = threading.Lock()
         self.sent: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
         self.waiting: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+        self.failure: BaseException | None = None  # a peer failed: every receive from now on fails
 
     def send(self, key: tuple, tensor: Any) -> None:
         with self.lock:
@@ -41,7 +42,9 @@ class Mailboxes:
 
         future = Future()
         with self.lock:
-            if self.sent[key]:
+            if self.failure is not None and not self.sent[key]:
+                future.set_exception(RuntimeError(f"a peer rank failed before sending: {self.failure}"))
+            elif self.sent[key]:
                 _write(target, self.sent[key].popleft())
                 future.set_result([target])
             else:
@@ -49,8 +52,10 @@ class Mailboxes:
         return future
 
     def fail_waiting(self, exc: BaseException) -> None:
-        """Every receive still waiting fails with ``exc`` (a peer rank failed)."""
+        """Every receive waiting, and every later one with nothing to take, fails with
+        ``exc`` (a peer rank failed)."""
         with self.lock:
+            self.failure = exc
             waiting = [future for queue in self.waiting.values() for _, future in queue]
             self.waiting.clear()
         for future in waiting:
