@@ -19,9 +19,11 @@ output's sum, per rank, for:
 - ``ulysses``: cp2, q/k/v exchanged all-to-all to the whole sequence of half the heads;
 - ``recurrent_cp1`` / ``recurrent_cp2``: a hybrid decoder's recurrent layer (a Qwen3-Next
   gated delta-net, ``bench/hybrid_layer.py``'s) on one rank and at cp2 as ``doit generate``
-  plans it: a recurrence cannot read other ranks' tokens and no state is handed between cp
-  ranks yet, so the plan gathers its input over cp (``gathered_block``) and every rank runs
-  the whole sequence; ``recurrent`` in the JSON says so in figures (time and memory vs cp1).
+  plans it: each rank runs its half of the sequence from the state the previous cp rank
+  hands on (role ``state_handoff``, ``distributed/state_handoff.py``): rank 1 starts when
+  rank 0 has finished, and backward runs the other way, so the recurrence's time is not
+  split (its activations are); ``recurrent`` in the JSON gives the role and the time and
+  memory ratios vs cp1.
 
 Per mode and rank: the median fwd+bwd seconds of ``--repeats`` runs (the modes take turns,
 round by round, after a warm-up round; freed memory stays in the heap, ``KEEP_FREED_MEMORY``)

@@ -609,9 +609,11 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
         flow.sequence_split_error, flow.whole_after_layers = verdict.error, verdict.whole_after_layers
         flow.split_layer_inputs = verdict.split_layer_inputs
     if sequence_split == "cp":
-        candidates = recurrent_candidates(model, lambda fqn, child: any(True for _ in child.parameters())
-                                          and whole_over_cp(fqn, child, flow.read_outside)
-                                          and not is_attention(fqn, child, {}, flow.attention_inputs))
+        # the blocks cp would gather: those reading parameters outside their modules, and
+        # attention by its names (a linear attention has q/k/v projections too); softmax
+        # attention fails the check (it asks its cache for keys, not a state)
+        candidates = recurrent_candidates(model, lambda fqn, child: any(True for _ in child.parameters()) and (
+            whole_over_cp(fqn, child, flow.read_outside) or is_attention(fqn, child, {}, flow.attention_inputs)))
         flow.state_handoff, flow.handoff_refusals = handoff_blocks(model, input_ids, candidates, flow.value_inputs)
     return flow
 

@@ -484,8 +484,17 @@ class ShardingPlanner:
                            misplaced_hand_outs=self._by_stand_in("misplaced_hand_outs"),
                            read_outside=self._stand_ins("read_outside"),
                            after_layers_called_again=self._stand_ins("after_layers_called_again"),
-                           state_handoff=self._stand_ins("state_handoff"),
+                           state_handoff=self._same_class_stand_ins("state_handoff"),
                            handoff_refusals=self._by_stand_in("handoff_refusals"), traced=True)
+
+    def _same_class_stand_ins(self, field: str) -> frozenset[str]:
+        """``_stand_ins`` by stand-ins of the module's own class only: a hybrid's ``self_attn``
+        is a linear attention in one layer and softmax attention in the next."""
+        if self.dataflow is None:
+            return frozenset()
+        traced = StandIns(getattr(self.dataflow, field))
+        return frozenset(name for name, module in self.model.named_modules()
+                         if name and any(self.dataflow.same_class(other, module) for other in traced(name)))
 
     def _by_stand_in(self, field: str) -> dict:
         """The model's modules -> what ``Dataflow.<field>`` says of their stand-ins: the

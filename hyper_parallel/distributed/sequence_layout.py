@@ -256,10 +256,9 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             if _is_flat_member(fqn, child, roles):
                 _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
                              flat=fqn in traced.flat_inputs)
-            elif cp and hand_state_on and fqn in traced.state_handoff and whole_over_cp(fqn, child,
-                                                                                         traced.read_outside):
-                # measured on the trace, before the names: a head-split recurrent layer's
-                # per-head norm would otherwise read as attention's
+            elif cp and hand_state_on and fqn in traced.state_handoff:
+                # measured on the trace, before the names: a linear attention's q/k/v
+                # projections or a head-split layer's per-head norm read as attention's
                 _handoff_block(fqn, child, modules, roles, residual, traced=traced, streams=streams,
                                adds_stream=adds_stream, outputs=outputs)
             elif is_attention(fqn, child, roles, attention_inputs) and split_attention:
