@@ -18,6 +18,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.distributed.config_keys import layer_views
 from hyper_parallel.trainer.metrics import MetricsStream
 
 _LOG = logging.getLogger("hyper_parallel.trainer.base")
@@ -46,11 +47,27 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
         if id(param) in skip:
             continue
         active += param.numel() * (fraction if ".experts." in f".{name}." else 1.0)
+    return 6 * active + 12 * seq_len * _attention_widths(config)
+
+
+def _attention_widths(config) -> float:
+    """heads * head_dim summed over the layers computing attention scores. A heterogeneous
+    config (``per_layer_config``) raises when its per-layer sizes are read for the whole
+    model: each layer's own view is read then."""
+    views = layer_views(config)
+    if len(views) == 1:
+        return _attention_layers(config) * _width(config)
+    types = getattr(config, "layer_types", None)
+    return sum(_width(view) for index, view in enumerate(views)
+               if not isinstance(types, (list, tuple)) or index >= len(types) or _scores(types[index]))
+
+
+def _width(config) -> int:
+    """heads * head_dim of one layer's attention; 0 without heads (a state-space model)."""
     heads = getattr(config, "num_attention_heads", None)
-    if not heads:  # a state-space / recurrent model: no attention scores
-        return 6 * active
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 6 * active + 12 * _attention_layers(config) * heads * head_dim * seq_len
+    if not heads:
+        return 0
+    return heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def _attention_layers(config) -> int:
@@ -60,7 +77,12 @@ def _attention_layers(config) -> int:
     types = getattr(config, "layer_types", None)
     if not isinstance(types, (list, tuple)) or not types:
         return config.num_hidden_layers
-    return sum(1 for kind in types if "attention" in str(kind) and "linear" not in str(kind))
+    return sum(1 for kind in types if _scores(kind))
+
+
+def _scores(kind) -> bool:
+    """Whether a ``layer_types`` entry computes attention scores over the sequence."""
+    return "attention" in str(kind) and "linear" not in str(kind)
 
 
 def peak_memory_bytes(device_type: str) -> int:

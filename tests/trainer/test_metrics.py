@@ -128,3 +128,15 @@ def test_plot_refuses_what_it_cannot_draw_in_one_line(tmp_path, content, message
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and str(metrics) in proc.stderr, proc.stderr
     assert not (tmp_path / "x.png").exists()
 
+
+
+def test_flops_per_token_reads_a_heterogeneous_config_layer_by_layer():
+    """A heterogeneous config (``per_layer_config``: dots3's heads differ per layer) raises
+    when its heads are read for the whole model; the attention term sums each layer's own."""
+    from bench.families.tiny import tiny_config
+
+    config = tiny_config("dots3_note_text")
+    assert config.is_heterogeneous
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    widths = [view.num_attention_heads * view.head_dim for view in config.per_layer_config]
+    assert flops_per_token(model, seq_len=32) - flops_per_token(model, seq_len=16) == 12 * 16 * sum(widths)
