@@ -233,6 +233,8 @@ def derive_weight_map(model: torch.nn.Module, checkpoint_shapes: dict[str, torch
     backend: a ``models/common`` model beside the HF model of the same config, on meta),
     checkpoint keys go through transformers' conversion to the HF model's names first,
     then through the ``checkpoint_conversion`` the model's classes declare."""
+    from transformers.core_model_loading import dot_natural_key
+
     first = source_model if source_model is not None else model
     wanted = (checkpoint_names.model_tensor_names(source_model) if source_model is not None
               else names_before_replacement or checkpoint_names.model_tensor_names(model))
@@ -263,7 +265,8 @@ def derive_weight_map(model: torch.nn.Module, checkpoint_shapes: dict[str, torch
     for target, keys, ops in opaque:
         for key in keys:
             rules.setdefault(key, []).append(Rule(target, ops=ops))
-    return {key: rules[key] for key in sorted(rules, key=_natural)}
+    # transformers' key order (numbers as numbers, never int against str), layer by layer
+    return {key: rules[key] for key in sorted(rules, key=dot_natural_key)}
 
 
 def _convert(model, wanted: list[str], leaf: dict[str, LazyTensor], transforms: list, prefix: str | None):
@@ -336,11 +339,6 @@ def _tensor_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
     shapes.update((name, b.shape) for name, b in model.named_buffers(remove_duplicate=False))
     return shapes
-
-
-def _natural(key: str):
-    """transformers' key order (numbers as numbers), so records read layer by layer."""
-    return [int(part) if part.isdigit() else part for part in key.split(".")]
 
 
 def saved_layout(model: torch.nn.Module) -> dict[str, torch.Size]:
