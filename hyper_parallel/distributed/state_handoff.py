@@ -76,7 +76,10 @@ class HandOffCache:
         return False
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
-        return self.received().get((RECURRENT, state_idx))
+        """A copy, as transformers' cache gives its own buffer: the layer's scan may update
+        its initial state in place, which the piece that handed it on still needs."""
+        state = self.received().get((RECURRENT, state_idx))
+        return None if state is None else state.clone()
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
@@ -96,7 +99,7 @@ class HandOffCache:
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
-        self.outgoing[(RECURRENT, state_idx)] = recurrent_states
+        self.outgoing[(RECURRENT, state_idx)] = recurrent_states.clone()  # as the cache copies it in
         return recurrent_states
 
     def __getattr__(self, name: str):
@@ -429,8 +432,11 @@ def handoff_check(block: nn.Module, args: tuple, kwargs: dict, stream_index: int
     pieces = next((n for n in (4, 2) if length % n == 0 and length // n >= 1), 0)
     if not pieces:
         return f"the traced sequence of {length} tokens does not split into pieces"
+    try:  # the whole sequence without a cache (a traced forward may have passed a filled one)
+        whole, whole_grads = _run(block, args, kwargs, name, None)
+    except Exception as exc:
+        return f"run on the whole sequence, it raised {type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
     try:
-        whole, whole_grads = _run(block, args, kwargs, None, None)
         outputs, handed = [], {}
         tokens = length // pieces
         for index in range(pieces):
@@ -447,11 +453,10 @@ def handoff_check(block: nn.Module, args: tuple, kwargs: dict, stream_index: int
     return _compare(whole, whole_grads, torch.cat(outputs, dim=1), grads)
 
 
-def _run(block: nn.Module, args: tuple, kwargs: dict, name: str | None, cache, *, collect: bool = True):
-    """The block's first output (with its graph) and, with ``collect``, the parameter
-    gradients of a fixed projection of it."""
-    if name is not None:
-        args, kwargs = with_cache(block, name, args, kwargs, cache)
+def _run(block: nn.Module, args: tuple, kwargs: dict, name: str, cache, *, collect: bool = True):
+    """The block's first output (with its graph) with ``cache`` (None: none) as its cache
+    and, with ``collect``, the parameter gradients of a fixed projection of it."""
+    args, kwargs = with_cache(block, name, args, kwargs, cache)
     block.zero_grad(set_to_none=True)
     with torch.enable_grad():
         out = _first_tensor(block(*args, **kwargs))
