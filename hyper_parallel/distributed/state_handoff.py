@@ -51,7 +51,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class HandOffError(HyperParallelError):
-    pass
+    """A block that cannot hand its state on as its plan entry says (named, with why)."""
 
 
 class HandOffCache:
@@ -140,6 +140,7 @@ def piece_of(value, tokens: int, pieces: int, index: int):
 
 
 def _first_tensor(output):
+    """The block's output that carries the stream (a tensor, or a tuple's first)."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -148,6 +149,7 @@ def _first_tensor(output):
 
 
 def _replace_first(output, value):
+    """``output`` with its stream tensor replaced (the one ``_Send`` is attached to)."""
     if isinstance(output, torch.Tensor):
         return value
     return type(output)([value, *output[1:]]) if isinstance(output, list) else (value, *output[1:])
@@ -254,6 +256,7 @@ class _Send(torch.autograd.Function):
 
 
 def _zeros(spec) -> torch.Tensor:
+    """The zero gradient of a state no neighbour answers for (the last rank's sends)."""
     shape, dtype, device = spec
     return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -414,6 +417,7 @@ def handoff_blocks(model: nn.Module, input_ids: torch.Tensor, candidates: list[s
 
 
 def _detached(value):
+    """A captured input without the traced forward's graph."""
     return value.detach() if isinstance(value, torch.Tensor) else value
 
 
