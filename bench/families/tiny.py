@@ -63,6 +63,9 @@ FAMILY_FIXES = {
     "hrm_text": {"num_layers_per_stack": 2, "H_cycles": 1, "L_cycles": 2},
     "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
     "dots1": {"n_shared_experts": 1},  # None (the default) fails in the MoE block
+    # the class's default makes every layer attention; LFM2's checkpoints are mostly short
+    # convolutions (the layer kind the family exists for)
+    "lfm2": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]},
     # Full-attention layers' own head width (per_layer_config) defaults to 512: 8x the tiny
     # hidden size, which no real checkpoint has and which scales float noise past the tolerances.
     "gemma4_text": {"global_head_dim": 32},
