@@ -188,9 +188,9 @@ class Dataflow:
     # Every module of the traced copy -> its class name: a head split's stand-in is one of the
     # same class (a hybrid's ``mixer`` is a recurrent layer in one layer, attention in the next).
     classes: dict[str, str] = field(default_factory=dict)
-    # Under cp, the recurrent blocks (gathered for what they read outside their modules) whose
-    # state the tiny copy handed on exactly from piece to piece (``state_handoff.py``), and
-    # the others with why not: those stay gathered over cp.
+    # Under cp, the blocks cp would gather (for what they read outside their modules, or as
+    # attention by their names) whose state the tiny copy handed on exactly from piece to
+    # piece (``state_handoff.py``), and the others with why not: those stay gathered.
     state_handoff: frozenset[str] = frozenset()
     handoff_refusals: dict[str, str] = field(default_factory=dict)
 

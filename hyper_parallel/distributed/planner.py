@@ -272,11 +272,12 @@ class ShardingPlanner:
             whole_parts.update({part: f"tp_size={self.dims.tp} does not divide {', '.join(uneven_heads)}, so its "
                                       "heads cannot be split" for part in self._attention_parts()})
         notes = self._replicate_layer_parts(whole_parts, modules, roles, overridden)
+        traced = self._traced_facts()
         apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel, traced=self._traced_facts(),
+                              loss_parallel=self.loss_parallel, traced=traced,
                               split_attention=ATTENTION_ROLE.get(self.context_parallel.algorithm, ""),
                               hand_state_on=not self.context_parallel.load_balance)
-        notes += self._cp_recurrent_notes(roles)
+        notes += self._cp_recurrent_notes(roles, traced.handoff_refusals)
         apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
         if refusals:
             raise PlanError(_refusals_message(refusals, modules))
@@ -290,10 +291,10 @@ class ShardingPlanner:
                           notes=tuple(notes),
                           context_parallel=self.context_parallel if self.dims.cp > 1 else None)
 
-    def _cp_recurrent_notes(self, roles: dict[str, str]) -> list[str]:
+    def _cp_recurrent_notes(self, roles: dict[str, str], refusals: dict[str, str]) -> list[str]:
         """What cp does to the blocks reading other positions of the sequence (recurrences,
-        convolutions): the state handed from rank to rank, or the block gathered, and why."""
-        refusals = self._traced_facts().handoff_refusals
+        convolutions): the state handed from rank to rank, or the block gathered, and why
+        (``refusals``: the hand-off check's reasons, by module)."""
         handed = sorted({_layer_glob(fqn) for fqn, role in roles.items() if role == "state_handoff"})
         notes = [f"{block} under cp: each rank runs its piece of the sequence from the state the previous cp rank "
                  "hands on (the layer's own cache protocol: recurrent state and convolution inputs), one rank "

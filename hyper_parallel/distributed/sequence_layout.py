@@ -118,8 +118,9 @@ class TracedFacts:
     - ``misplaced_hand_outs``: modules handing out a parameter of their own other than as
       it is to the layer's code (a view, nested, or into another module): under a
       sequence split its gradient cannot be placed; such a module in a layer is refused;
-    - ``state_handoff`` / ``handoff_refusals``: under cp, the recurrent blocks (gathered for
-      ``read_outside``) whose state the tiny copy handed on exactly from piece to piece
+    - ``state_handoff`` / ``handoff_refusals``: under cp, the blocks cp would gather (for
+      ``read_outside``, or as attention by name) whose state the tiny copy handed on exactly
+      from piece to piece
       (``state_handoff.py``): they run on the rank's piece with the state handed on; the
       others (with why) stay gathered;
     - ``split_error`` / ``whole_after_layers``: the sequence split dry run's verdict
