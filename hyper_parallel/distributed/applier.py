@@ -64,6 +64,8 @@ from hyper_parallel.distributed.pipeline import (
 )
 from hyper_parallel.distributed.expert_dispatch import install_expert_dispatch
 from hyper_parallel.distributed.local_views import (  # local_piece re-exported
+    PACKED_ROWS_ATTRIBUTE,
+    PackedRows,
     block_sizes,
     local_piece,
     local_sizes,
@@ -110,6 +112,7 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
         and cp_size > 1 else None
     sub_meshes: dict[tuple[str, ...], object] = {}
     sharded: dict[int, nn.Parameter] = {}  # id(original parameter) -> DTensor parameter (tied weights)
+    packed: dict[str, PackedRows] = {}  # parameters stored in packed order (local_views.PackedRows)
     shared = SharedInputReductions()
     model.register_forward_pre_hook(shared.clear)
     model.register_forward_hook(shared.clear, always_call=True)
@@ -128,7 +131,7 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
         key = (id(owner), axes)
         if key not in sub_meshes:
             sub_meshes[key] = owner[axes[0]] if len(axes) == 1 else owner[axes]
-        _shard_states(module, fqn, config, sub_meshes[key], axes, sharded)
+        _shard_states(module, fqn, config, sub_meshes[key], axes, sharded, packed)
         _install_hooks(module, fqn, config, sub_meshes[key], axes, shared, block=fqn in blocks, order=order)
         if config.state_handoff and config.state_handoff in axes:
             _install_state_handoff(module, fqn, config, owner, order)
@@ -148,6 +151,8 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
         raise PlanApplyError("the plan keeps each cp rank's tokens through attention but no context_parallel "
                              "settings came with it; pass the plan document's context_parallel to "
                              "apply_sharding_plan")
+    if packed:
+        model.__dict__.setdefault(PACKED_ROWS_ATTRIBUTE, {}).update(packed)
     return model
 
 
@@ -257,7 +262,8 @@ def _placements(named, axes: tuple[str, ...], ndim: int | None = None) -> tuple:
 # --- parameters ------------------------------------------------------------------------------
 
 
-def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes, sharded) -> None:
+def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes, sharded,
+                  packed: dict[str, PackedRows]) -> None:
     for name, named in config.state_shardings.items():
         param = _state_parameter(module, fqn, name)
         if id(param) not in sharded:
@@ -267,9 +273,33 @@ def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh,
             if any(isinstance(p, Partial) for p in placements) and not config.local_map:
                 raise PlanApplyError(f"plan entry {fqn!r} places {name!r} partial, which only a local_map "
                                      "entry can use (as the local tensor it adds to a partial sum)")
-            sharded[id(param)] = _to_dtensor_parameter(param, _stored_placements(placements), sub_mesh)
+            rows = _packed_rows(module, fqn, name, config, placements, sub_mesh, axes)
+            if rows is not None:
+                packed[f"{fqn}.{name}" if fqn else name] = rows
+            sharded[id(param)] = _to_dtensor_parameter(param, _stored_placements(placements), sub_mesh, rows)
         owner, leaf = owner_of(module, name)
         owner._parameters[leaf] = sharded[id(param)]
+
+
+def _packed_rows(module: nn.Module, fqn: str, name: str, config: ShardingConfig, placements, sub_mesh,
+                 axes) -> PackedRows | None:
+    """How a parameter packing unequal blocks (``local_slices``) is stored when the plan
+    shards it over tp (``local_views.PackedRows``); None for every other parameter (one
+    with ``local_slices`` stored replicated takes its piece while its module runs)."""
+    if name not in config.local_slices or TP not in axes:
+        return None
+    dim, blocks = config.local_slices[name]
+    mesh_dim = axes.index(TP)
+    placement = placements[mesh_dim]
+    if not isinstance(placement, Shard):
+        return None
+    where = fqn or "<root>"
+    if isinstance(placement, _StridedShard) or placement.dim != dim or any(
+            isinstance(p, Shard) and p.dim == dim for i, p in enumerate(placements) if i != mesh_dim):
+        raise PlanApplyError(f"plan entry {where!r}: {name!r} packs blocks along dim {dim} (local_slices) but is "
+                             f"placed {tuple(placements)}; a packed parameter is stored shard({dim}) over tp and "
+                             "split along no other mesh dim, or replicated")
+    return PackedRows(dim, tuple(block_sizes(module, blocks, where)), sub_mesh.size(mesh_dim), mesh_dim)
 
 
 def _places_nothing(config: ShardingConfig, axes) -> bool:
@@ -305,11 +335,16 @@ def _stored_placements(placements) -> tuple:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
-def _to_dtensor_parameter(param: nn.Parameter, placements, sub_mesh) -> nn.Parameter:
+def _to_dtensor_parameter(param: nn.Parameter, placements, sub_mesh, rows: PackedRows | None = None) -> nn.Parameter:
+    """The parameter as a DTensor holding this rank's piece (in packed order where
+    ``rows`` says so)."""
     coords = sub_mesh.get_coordinate()
     local = param.detach()
     for placement, coord, mesh_dim in zip(placements, coords, range(sub_mesh.ndim)):
-        local = local_piece(local, placement, sub_mesh.size(mesh_dim), coord)
+        if rows is not None and mesh_dim == rows.mesh_dim:
+            local = packed_blocks_piece(local, rows.dim, list(rows.sizes), rows.pieces, coord, "parameter")
+        else:
+            local = local_piece(local, placement, sub_mesh.size(mesh_dim), coord)
     local = local.clone()  # own the shard's memory rather than view the full tensor
     dtensor = DTensor.from_local(local, sub_mesh, placements, run_check=False,
                                  shape=param.shape, stride=param.stride())
@@ -542,8 +577,8 @@ def _install_local_parameter_swap(module: nn.Module, fqn: str, config: ShardingC
                 local = _partial_parameter(param, partial_dims[name], grads)
             else:
                 local = param.to_local(grad_placements=grads)
-            if name in config.local_slices:
-                dim, blocks = config.local_slices[name]
+            if name in config.local_slices and not (TP in axes and isinstance(param.placements[axes.index(TP)], Shard)):
+                dim, blocks = config.local_slices[name]  # stored replicated: this rank's piece now
                 local = packed_blocks_piece(local, dim, block_sizes(mod, blocks, where), pieces, index,
                                             f"{where}.{name}")
             owner._parameters[leaf] = local

@@ -8,12 +8,16 @@ block is planned split), so that what is measured is what runs.
   contiguous chunk; ``_StridedShard``: that chunk of each of its equal blocks).
 - ``packed_blocks_piece``: the piece of a tensor packing blocks of *unequal* sizes along
   one dim (Qwen3-Next's depthwise convolution over ``[q | k | v]`` channels, ``key_dim``,
-  ``key_dim`` and ``value_dim`` wide): that chunk of each block. No DTensor placement
-  says this layout, so such a parameter is stored replicated and each rank uses this
-  piece (``ShardingConfig.local_slices``); its gradient is then a partial sum over the axis.
+  ``key_dim`` and ``value_dim`` wide): that chunk of each block (``ShardingConfig.local_slices``).
+  No DTensor placement says this layout, so such a parameter is either stored ``Shard(dim)``
+  over tp with its rows in *packed order* (``PackedRows``: each rank's piece of every
+  block contiguous, rank after rank), or, where FSDP2 shards the rows further over dp,
+  stored replicated, each rank using its piece (its gradient a partial sum over tp).
 - ``local_sizes``: the integer attributes a module's own code reshapes by (head counts,
   widths) at one rank's share (``ShardingConfig.local_sizes``).
 """
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -99,3 +103,49 @@ def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     ``conv1d.weight``) and the parameter's own name there."""
     path, _, leaf = name.rpartition(".")
     return (module.get_submodule(path) if path else module), leaf
+
+
+PACKED_ROWS_ATTRIBUTE = "hyper_packed_rows"  # on the model: parameter name -> PackedRows
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """How a parameter packing blocks of unequal ``sizes`` along ``dim`` is stored
+    ``Shard(dim)`` over ``pieces`` tp ranks: its global tensor holds rank 0's piece of
+    every block (block order), then rank 1's, and so on; a rank's local tensor is then
+    exactly ``packed_blocks_piece`` of the model's tensor. The one place that order is
+    defined: loading, the dry run, verify's gather, the checkpoint (which saves each
+    block as a tensor of its own, so a checkpoint does not depend on the tp size) and
+    export read it from here. ``mesh_dim``: the tp dim of the parameter's mesh."""
+
+    dim: int
+    sizes: tuple[int, ...]
+    pieces: int
+    mesh_dim: int
+
+    def segments(self, index: int) -> list[tuple[int, int]]:
+        """The model tensor's row ranges (along ``dim``) rank ``index`` holds, block by block."""
+        out, start = [], 0
+        for size in self.sizes:
+            step = size // self.pieces
+            out.append((start + index * step, start + (index + 1) * step))
+            start += size
+        return out
+
+    def stored_rows(self) -> torch.Tensor:
+        """Row ``i`` of the stored (global) tensor is row ``stored_rows()[i]`` of the model's."""
+        return torch.cat([torch.arange(lo, hi) for index in range(self.pieces)
+                          for lo, hi in self.segments(index)])
+
+    def local_blocks(self) -> list[tuple[int, int]]:
+        """(start, length) of each block's rows within one rank's local tensor."""
+        out, start = [], 0
+        for size in self.sizes:
+            out.append((start, size // self.pieces))
+            start += size // self.pieces
+        return out
+
+
+def packed_rows(model: nn.Module) -> dict[str, "PackedRows"]:
+    """The model's parameters stored in packed order, by name (empty for most models)."""
+    return model.__dict__.get(PACKED_ROWS_ATTRIBUTE, {})

@@ -4,6 +4,7 @@ parameter (or config key), the dimension and the sizes involved."""
 from collections.abc import Mapping
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, expert_count, layer_views
 from hyper_parallel.distributed.local_views import (
@@ -17,7 +18,7 @@ from hyper_parallel.distributed.name_match import match_plan_keys
 from hyper_parallel.distributed.state_handoff import CACHE_PARAMETERS, cache_parameter
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.placement_text import parse_placement_text
-from hyper_parallel.protocols.placements import placement_to_text
+from hyper_parallel.protocols.placements import as_placement, placement_to_text
 
 # config key -> what tp splits; each must be divisible by tp_size
 _TP_SPLIT_KEYS = (
@@ -130,6 +131,11 @@ def _lint_local_views(fqn: str, module: nn.Module, config, mesh) -> None:
     try:
         local_sizes(module, config.local_sizes, tp, fqn)
         for name, (dim, blocks) in config.local_slices.items():
+            placed = (config.state_shardings.get(name) or {}).get("tp")
+            placed = None if placed is None else as_placement(placed)
+            if placed is not None and not isinstance(placed, Replicate) and placed != Shard(dim):
+                raise LocalViewError(f"{name} packs blocks along dim {dim} (local_slices) but is placed {placed} over "
+                                     f"tp: a packed parameter is stored shard({dim}) (packed order) or replicated")
             holder, leaf = owner_of(module, name)
             packed_blocks_piece(holder._parameters[leaf], dim, block_sizes(module, blocks, fqn), tp, 0,
                                 f"{fqn}.{name}")

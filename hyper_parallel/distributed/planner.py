@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.layout import Layout
@@ -445,8 +445,14 @@ class ShardingPlanner:
             raise PlanError(f"cannot plan {fqn} on its heads: the traced copy has {len(found)} modules standing "
                             "for it")
         split = next(iter(found.values()))
-        return ShardingConfig(state_shardings={name: {TP: placement} for name, placement in split.states.items()},
-                              local_map=True, local_sizes=split.sizes, local_slices=dict(split.slices))
+        states = {name: {TP: placement} for name, placement in split.states.items()}
+        if self.dims.dp == 1:
+            # A packed parameter of unequal blocks is stored sharded, in packed order
+            # (local_views.PackedRows). Under FSDP2, which splits its rows again over dp,
+            # it stays replicated over tp and each rank takes its piece as it runs.
+            states.update({name: {TP: Shard(dim)} for name, (dim, _) in split.slices.items()})
+        return ShardingConfig(state_shardings=states, local_map=True, local_sizes=split.sizes,
+                              local_slices=dict(split.slices))
 
     def _named_role(self, fqn: str, module: nn.Module) -> str | None:
         try:

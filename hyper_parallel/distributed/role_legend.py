@@ -24,7 +24,8 @@ ROLE_LEGEND: dict[str, str] = {
     "local_params_summed": "own parameters placed as the TP plan says; the output is a partial sum",
     "replicate": "whole weights on every rank; gradients summed over the axes splitting the input",
     "head_split": "a recurrent layer (gated delta-net) run on this rank's heads: local_sizes divided by tp, "
-                  "local_slices: this rank's piece of each packed block (replicated, gradients summed over tp)",
+                  "local_slices: this rank's piece of each packed block (stored so when placed shard: packed order; "
+                  "placed replicate under FSDP2: taken as it runs, gradients summed over tp)",
     "colwise_by_parent": "output rows of unequal packed blocks split; the head_split parent hands it its rows",
     "identity_share": "an identity expert: its output becomes a share of a partial sum",
     "sequence_split": "the residual stream is split over the sequence from here on",

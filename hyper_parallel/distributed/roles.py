@@ -208,8 +208,8 @@ def fused_gate_up(module: nn.Module, hints: dict) -> ShardingConfig:
 def colwise_by_parent(module: nn.Module, hints: dict) -> ShardingConfig:
     """A projection packing blocks of unequal widths (a gated delta-net's ``[q | k | v]``),
     each split over tp: no placement says that layout, so its parent (``head_split``)
-    places the weight, replicated, and hands it this rank's rows of every block while it
-    runs (``ShardingConfig.local_slices``). Its output is this rank's rows, so the
+    places the weight (in packed order, or replicated under FSDP2) and hands it this
+    rank's rows of every block while it runs (``ShardingConfig.local_slices``). Its output is this rank's rows, so the
     gradient of its replicated input is a partial sum (``out: shard(-1)`` says the work is split)."""
     return ShardingConfig(in_src=(_on_tp(Replicate()),), in_dst=(_on_tp(Replicate()),),
                           out_src=(_on_tp(Shard(-1)),), out_dst=(_on_tp(Shard(-1)),), local_map=True)

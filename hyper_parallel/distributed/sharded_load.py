@@ -29,6 +29,7 @@ from hyper_parallel.distributed.checkpoint_names import (
     StoredTensor,
     model_tensor_names,
 )
+from hyper_parallel.distributed.local_views import PackedRows, packed_rows
 from hyper_parallel.distributed.weight_map import RecordedMap, WeightMapError, derive_weight_map, to_text
 from hyper_parallel.distributed.weight_map_sources import weight_map_sources
 from hyper_parallel.errors import HyperParallelError
@@ -65,24 +66,27 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
     return out
 
 
-def local_segments(global_shape, placements, coords, mesh_sizes) -> list[Segments]:
-    """Per dimension, the index ranges of the global tensor this rank holds."""
+def local_segments(global_shape, placements, coords, mesh_sizes, rows: PackedRows | None = None) -> list[Segments]:
+    """Per dimension, the index ranges of the global tensor this rank holds (of the
+    model's tensor, for one stored in packed order: ``rows``)."""
     segments: list[Segments] = [[(0, size)] for size in global_shape]
-    for placement, coord, size in zip(placements, coords, mesh_sizes):
-        if isinstance(placement, _StridedShard):
+    for mesh_dim, (placement, coord, size) in enumerate(zip(placements, coords, mesh_sizes)):
+        if rows is not None and mesh_dim == rows.mesh_dim:
+            segments[rows.dim] = rows.segments(coord)
+        elif isinstance(placement, _StridedShard):
             dim = placement.dim % len(global_shape)
             (start, stop), = segments[dim]
             block = (stop - start) // placement.split_factor
-            segments[dim] = [_chunk_range(start + k * block, start + (k + 1) * block, size, coord)
+            segments[dim] = [chunk_range(start + k * block, start + (k + 1) * block, size, coord)
                              for k in range(placement.split_factor)]
         elif isinstance(placement, Shard):
             dim = placement.dim % len(global_shape)
             (start, stop), = segments[dim]
-            segments[dim] = [_chunk_range(start, stop, size, coord)]
+            segments[dim] = [chunk_range(start, stop, size, coord)]
     return segments
 
 
-def _chunk_range(start: int, stop: int, pieces: int, index: int) -> tuple[int, int]:
+def chunk_range(start: int, stop: int, pieces: int, index: int) -> tuple[int, int]:
     """The range ``torch.chunk`` gives piece ``index`` of ``pieces``."""
     length = stop - start
     step = -(-length // pieces)
@@ -142,13 +146,14 @@ def _fill(model, origin: str, where, leaf, *, strict, weight_map, key_mapping, s
     loaded: set[int] = set()
     sources = _sources(model, origin, where, leaf, weight_map, key_mapping, source_model,
                        lambda line: _note(report, line))
+    packed = packed_rows(model)
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]:
         source = sources.get(name)
         if source is None:
             if id(tensor) not in loaded:  # a tied weight stored once is fine
                 report.missing.append(name)
             continue
-        _copy_local(name, tensor, source, origin)
+        _copy_local(name, tensor, source, origin, packed.get(name))
         loaded.add(id(tensor))
         report.tensors += 1
         report.bytes_read += tensor.to_local().nbytes if isinstance(tensor, DTensor) else tensor.nbytes
@@ -199,14 +204,15 @@ def _persistent_buffers(model: torch.nn.Module):
                 yield (f"{module_name}.{name}" if module_name else name), buf
 
 
-def _copy_local(name: str, tensor: torch.Tensor, source: LazyTensor, origin: str) -> None:
+def _copy_local(name: str, tensor: torch.Tensor, source: LazyTensor, origin: str,
+                rows: PackedRows | None = None) -> None:
     if tuple(source.shape) != tuple(tensor.shape):
         raise ShardedLoadError(f"{origin}: {name}: checkpoint shape {tuple(source.shape)}, "
                                f"model expects {tuple(tensor.shape)}")
     full = [[(0, size)] for size in source.shape]
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
-        segments = local_segments(source.shape, tensor.placements, mesh.get_coordinate(), tuple(mesh.shape))
+        segments = local_segments(source.shape, tensor.placements, mesh.get_coordinate(), tuple(mesh.shape), rows)
         local = tensor.to_local()
         local.copy_(source.read(segments).to(local.dtype))
     else:

@@ -24,8 +24,10 @@ an axis not named is ``Replicate``.
 - ``local_slices`` (local_map only): parameter (relative to the module; a child's is
   dotted, ``conv1d.weight``) -> ``(dim, block size attribute names)``: the parameter
   packs blocks of unequal sizes along ``dim`` (``[q | k | v]`` channels), each split
-  over ``tp``; no DTensor placement says that, so it is stored replicated and the
-  module uses this rank's piece of every block (its gradient summed over ``tp``).
+  over ``tp``; no DTensor placement says that, so it is placed ``shard(dim)`` and stored
+  in packed order (each rank's piece of every block, rank after rank:
+  ``distributed.local_views.PackedRows``), or placed replicated (under FSDP2) and the
+  module uses this rank's piece of every block as it runs (its gradient summed over ``tp``).
 - ``state_handoff`` (local_map only): a mesh axis (``cp``) along which the module, run
   on each rank's contiguous piece of the sequence, takes its recurrent state from the
   previous rank and hands its own on to the next (``distributed/state_handoff.py``).

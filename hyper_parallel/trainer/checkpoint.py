@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.distributed.local_views import PackedRows, packed_rows
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.axes import SIZE_AXES
 from hyper_parallel.trainer.checkpoint_check import (
@@ -190,6 +191,40 @@ def _split_strided(key: str, tensor: DTensor) -> dict[str, _Part]:
     return parts
 
 
+def _split_packed(key: str, tensor: DTensor, rows: PackedRows) -> dict[str, _Part]:
+    """A parameter (or its optimizer state) stored in packed order over tp (blocks of
+    unequal sizes, ``local_views.PackedRows``) as one ``Shard(dim)`` DTensor per block,
+    in the model's order: the checkpoint then holds the blocks as the model has them,
+    whatever the tp size, and joined they are the model's tensor (export). Keys:
+    ``<key>@part<k>of<s>``, as a strided tensor's blocks (the saved shapes tell their sizes)."""
+    local = tensor.to_local()
+    shape = list(tensor.shape)
+    parts = {}
+    for k, ((start, length), size) in enumerate(zip(rows.local_blocks(), rows.sizes)):
+        block = local.narrow(rows.dim, start, length).detach().clone(memory_format=torch.contiguous_format)
+        shape[rows.dim] = size
+        saved = DTensor.from_local(block, tensor.device_mesh, tensor.placements, run_check=False,
+                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        parts[f"{key}@part{k}of{len(rows.sizes)}"] = _Part(local, rows.dim, start, length, saved)
+    return parts
+
+
+def _packed_state(key: str, value, packed: dict[str, PackedRows]) -> PackedRows | None:
+    """The packed order of a state entry: a parameter (``model.<name>``) or one of its
+    optimizer states (``optim.state.<name>.<stat>``, flattened), stored as the parameter is."""
+    if not packed or not isinstance(value, DTensor):
+        return None
+    if key.startswith("model."):
+        rows = packed.get(key[len("model."):])
+    elif key.startswith("optim.state."):
+        rows = packed.get(key[len("optim.state."):].rpartition(".")[0])
+    else:
+        return None
+    if rows is None or value.dim() <= rows.dim or value.shape[rows.dim] != sum(rows.sizes):
+        return None  # a scalar state (AdamW's step) or another shape: stored as it is
+    return rows
+
+
 def _contiguous_strided(tensor: DTensor) -> bool:
     """Whether the tensor's one ``_StridedShard`` is FSDP2's over a plain ``Shard`` of the
     same dimension on later mesh dims (dp over a tp-sharded embedding or projection):
@@ -207,16 +242,22 @@ def _contiguous_strided(tensor: DTensor) -> bool:
     return factor == math.prod(tensor.device_mesh.size(j) for j in later) and factor > 1
 
 
-def _dcp_view(state: dict, prefix: str = "") -> tuple[dict, list[_Part]]:
+def _dcp_view(state: dict, prefix: str = "", packed: dict[str, PackedRows] | None = None
+              ) -> tuple[dict, list[_Part]]:
     """``state`` as DCP saves it: the same nesting and tensors, with each strided-shard
-    DTensor replaced by its blocks (``_split_strided``). Returns the view and the blocks,
-    which ``_restore_parts`` copies back after a load."""
+    DTensor and each tensor stored in packed order (``packed``: the model's, by parameter
+    name) replaced by its blocks (``_split_strided``, ``_split_packed``). Returns the view
+    and the blocks, which ``_restore_parts`` copies back after a load."""
     view, parts = {}, []
     for name, value in state.items():
         key = f"{prefix}{name}"
         if isinstance(value, dict):
-            view[name], inner = _dcp_view(value, f"{key}.")
+            view[name], inner = _dcp_view(value, f"{key}.", packed)
             parts.extend(inner)
+        elif (rows := _packed_state(key, value, packed or {})) is not None:
+            for part_key, part in _split_packed(key, value, rows).items():
+                view[part_key[len(prefix):]] = part.saved
+                parts.append(part)
         elif isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements) \
                 and not _contiguous_strided(value):
             for part_key, part in _split_strided(key, value).items():
@@ -372,7 +413,7 @@ class Checkpointer:
             return None
         path = Path(choice[0])
         state = self._state()
-        view, parts = _dcp_view(state)
+        view, parts = _dcp_view(state, packed=packed_rows(self.model))
         try:  # another model's or a damaged checkpoint: one line naming the tensor or file
             record = read_marker(path / MARKER, self.where)
             if record.get("format") != FORMAT:
@@ -434,11 +475,11 @@ class Checkpointer:
             "layout": {k: getattr(dims, f"{k}_size") for k in SIZE_AXES},
         }
         if self.settings.async_:
-            view, _ = _dcp_view(self._state())
+            view, _ = _dcp_view(self._state(), packed=packed_rows(self.model))
             future = dcp.async_save(view, checkpoint_id=str(tmp), process_group=self._async_group)
             self._pending = (future, tmp, final, record)
             return
-        view, _ = _dcp_view(self._state())
+        view, _ = _dcp_view(self._state(), packed=packed_rows(self.model))
         dcp.save(view, checkpoint_id=str(tmp))
         self._publish(tmp, final, record)
 

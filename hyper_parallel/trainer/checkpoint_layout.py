@@ -4,15 +4,18 @@ layout → one process).
 
 DCP reshards a plainly sharded tensor by itself: each rank asks for the chunk its
 placements give it. A packed tensor split over tp (``_StridedShard``, a fused gate_up
-projection) is saved as its blocks, ``<key>@part<k>of<s>`` (``checkpoint._split_strided``),
-and a layout without that placement saves the tensor whole under ``<key>``. So a
-resume at another layout may find the other form. The view is adapted to the form the
-checkpoint holds (read from its DCP metadata), and after the load the values are
-copied into the model's tensors:
+projection; or blocks of unequal sizes stored in packed order, ``local_views.PackedRows``)
+is saved as its blocks, ``<key>@part<k>of<s>`` (``checkpoint._split_strided``,
+``_split_packed``), and a layout without that placement saves the tensor whole under
+``<key>``. So a resume at another layout may find the other form. The view is adapted
+to the form the checkpoint holds (read from its DCP metadata), and after the load the
+values are copied into the model's tensors:
 
-- saved as blocks, loaded unpacked: one holder per block, the rank's part of
-  ``tensor.narrow(dim, k * L, L)`` (the packed dimension is not split in this layout);
-- saved whole, loaded strided: one holder of the whole packed dimension (the strided
+- saved as blocks, loaded unpacked: one holder per block, the rank's part of the
+  block's rows (the blocks' sizes from the saved shapes); where this layout splits that
+  dimension (FSDP2's rows over dp) the holder has the whole block and each rank copies
+  the rows it holds;
+- saved whole, loaded as blocks: one holder of the whole packed dimension (the split
   mesh axis replicated), from which each block's chunk is copied.
 """
 
@@ -26,7 +29,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from hyper_parallel.distributed.sharded_load import chunk_range
 from hyper_parallel.errors import HyperParallelError
 
 _LOG = logging.getLogger(__name__)
@@ -93,17 +98,19 @@ def _block_holders(name: str, key: str, tensor: torch.Tensor, saved: dict[str, t
     """Saved as ``s`` blocks along one dimension, loaded here unpacked: a holder per block."""
     blocks = sorted((int(m["k"]), int(m["s"]), k) for k in saved if (m := _PART.match(k)) and m["key"] == key)
     count = blocks[0][1]
-    shape = saved[blocks[0][2]]
-    dims = [d for d, (a, b) in enumerate(zip(shape, tensor.shape)) if a != b]
-    if len(blocks) != count or len(dims) != 1 or shape[dims[0]] * count != tensor.shape[dims[0]]:
-        raise LayoutError(f"{key}: saved as {len(blocks)} block(s) of shape {tuple(shape)}, which do not make "
-                          f"this layout's {tuple(tensor.shape)}")
-    dim, length = dims[0], shape[dims[0]]
-    out = {}
-    for k in range(count):
-        holder, copy_back = _block(tensor, dim, k * length, length, key)
+    shapes = [saved[k] for _, _, k in blocks]
+    dims = {d for shape in shapes for d, (a, b) in enumerate(zip(shape, tensor.shape)) if a != b}
+    dim = next(iter(dims), None)
+    if len(blocks) != count or len(dims) != 1 or any(len(s) != tensor.dim() for s in shapes) \
+            or sum(s[dim] for s in shapes) != tensor.shape[dim]:
+        raise LayoutError(f"{key}: saved as {len(blocks)} block(s) of shapes {[tuple(s) for s in shapes]}, which "
+                          f"do not make this layout's {tuple(tensor.shape)}")
+    out, start = {}, 0
+    for k, shape in enumerate(shapes):  # equal blocks (a strided split) or unequal (packed order)
+        holder, copy_back = _block(tensor, dim, start, shape[dim], key)
         out[f"{name}@part{k}of{count}"] = holder
         restores.append(Restore(copy_back))
+        start += shape[dim]
     return out
 
 
@@ -114,8 +121,7 @@ def _block(tensor: torch.Tensor, dim: int, start: int, length: int, key: str):
         holder = tensor.detach().narrow(dim, start, length).clone()
         return holder, lambda: tensor.detach().narrow(dim, start, length).copy_(holder)
     if any(isinstance(p, Shard) and p.dim % tensor.dim() == dim for p in tensor.placements):
-        raise LayoutError(f"{key}: saved as blocks along dim {dim}, which this layout shards "
-                          f"({tuple(tensor.placements)}); resuming into that is not supported yet")
+        return _block_of_split_dim(tensor, dim, start, length, key)
     local = tensor.to_local()
     block = local.detach().narrow(dim, start, length).clone()
     shape = list(tensor.shape)
@@ -130,17 +136,50 @@ def _block(tensor: torch.Tensor, dim: int, start: int, length: int, key: str):
     return holder, copy_back
 
 
+def _block_of_split_dim(tensor: DTensor, dim: int, start: int, length: int, key: str):
+    """A holder for a block along a dim this layout shards over one mesh dim (FSDP2's rows
+    over dp, of a tensor a tp layout saved as blocks): the whole block on every rank of
+    that mesh dim, and the copy of the rows this rank holds."""
+    split = [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard) and p.dim % tensor.dim() == dim]
+    if len(split) != 1 or isinstance(tensor.placements[split[0]], _StridedShard):
+        raise LayoutError(f"{key}: saved as blocks along dim {dim}, which this layout shards "
+                          f"({tuple(tensor.placements)}); resuming into that is not supported yet")
+    mesh, axis = tensor.device_mesh, split[0]
+    lo, hi = chunk_range(0, tensor.shape[dim], mesh.size(axis), mesh.get_coordinate()[axis])
+    local = tensor.to_local()
+    placements = list(tensor.placements)
+    placements[axis] = Replicate()
+    buffer_shape = list(local.shape)
+    buffer_shape[dim] = length
+    buffer = local.new_empty(buffer_shape)
+    shape = list(tensor.shape)
+    shape[dim] = length
+    holder = DTensor.from_local(buffer, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                stride=torch.empty(shape, device="meta").stride())
+
+    def copy_back():
+        """The block's rows that fall in this rank's rows."""
+        first, last = max(lo, start), min(hi, start + length)
+        if first < last:
+            local.detach().narrow(dim, first - lo, last - first).copy_(buffer.narrow(dim, first - start, last - first))
+
+    return holder, copy_back
+
+
 def _whole_holder(by_saved: dict, blocks: list[DTensor]) -> tuple[DTensor, Restore]:
     """Saved whole, loaded strided: a holder whose strided mesh axis is replicated (so it
     holds the whole packed dimension), and the copy of each block's chunk from it."""
     first = by_saved[id(blocks[0])]
-    dim, count = first.dim, len(blocks)
+    dim = first.dim
     mesh, placements = first.saved.device_mesh, list(first.saved.placements)
     axis = next(i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim)
     placements[axis] = Replicate()
-    block_global = first.saved.shape[dim]
+    starts, total = [], 0  # each block's offset in the whole (blocks of unequal sizes: packed order)
+    for block in blocks:
+        starts.append(total)
+        total += by_saved[id(block)].saved.shape[dim]
     shape = list(first.saved.shape)
-    shape[dim] = block_global * count
+    shape[dim] = total
     local_shape = list(first.local.shape)
     local_shape[dim] = shape[dim]
     buffer = first.local.new_empty(local_shape)
@@ -150,9 +189,9 @@ def _whole_holder(by_saved: dict, blocks: list[DTensor]) -> tuple[DTensor, Resto
 
     def copy_back():
         """Each block's chunk for this rank, out of the whole packed dimension loaded."""
-        for k, block in enumerate(blocks):
+        for start, block in zip(starts, blocks):
             part = by_saved[id(block)]
-            chunk = buffer.narrow(dim, k * block_global + coordinate * part.length, part.length)
+            chunk = buffer.narrow(dim, start + coordinate * part.length, part.length)
             part.local.narrow(dim, part.start, part.length).copy_(chunk)
 
     return holder, Restore(copy_back)

@@ -163,14 +163,18 @@ class _Reader:
         if name not in self.trained:
             raise ExportError(f"{self.checkpoint}: the weight map names {name}, which the checkpoint lacks")
         shape, dtype, keys = self.trained[name]
+        saved = self.storage.read_metadata().state_dict_metadata
         pieces = []
         for key in keys:
-            piece = torch.empty(shape, dtype=dtype)
+            piece = torch.empty(saved[key].size, dtype=dtype)
             dcp.load({key: piece}, storage_reader=self.storage, no_dist=True)
             pieces.append(piece)
         if len(pieces) == 1:
             return pieces[0]
-        return torch.cat(pieces, dim=_packed_dim(name, shape, len(pieces), self.by_target[name]))
+        # blocks of unequal sizes (local_views.PackedRows) differ along the dim they join on
+        unequal = [d for d in range(len(shape)) if len({piece.shape[d] for piece in pieces}) > 1]
+        dim = unequal[0] if len(unequal) == 1 else _packed_dim(name, shape, len(pieces), self.by_target[name])
+        return torch.cat(pieces, dim=dim)
 
 
 def _packed_dim(name: str, block: torch.Size, count: int, rules: list[Rule]) -> int:

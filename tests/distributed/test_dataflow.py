@@ -595,7 +595,7 @@ def test_a_mamba2_mixer_is_split_on_its_heads_and_groups():
     assert result.roles[mixer] == "head_split"
     entry = result.modules[mixer]
     assert {name for name, p in entry.state_shardings.items() if str(p["tp"]) == "S(0)"} == {
-        "A_log", "D", "dt_bias", "norm.weight"}
+        "A_log", "D", "dt_bias", "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias"}
     assert set(entry.local_sizes) == {"num_heads", "intermediate_size", "n_groups", "conv_dim"}
     groups = "n_groups*ssm_state_size"
     assert entry.local_slices["in_proj.weight"] == (0, ("intermediate_size", "intermediate_size", groups, groups,
@@ -618,7 +618,7 @@ def test_a_gated_delta_net_is_split_on_its_heads(family, qkv):
     assert result.roles[layer] == "head_split"
     entry = result.modules[layer]
     assert {name: str(p["tp"]) for name, p in entry.state_shardings.items() if "proj" not in name} == {
-        "A_log": "S(0)", "dt_bias": "S(0)", "conv1d.weight": "R"}
+        "A_log": "S(0)", "dt_bias": "S(0)", "conv1d.weight": "S(0)"}  # packed order (local_views.PackedRows)
     assert set(entry.local_sizes) == {"num_v_heads", "num_k_heads", "key_dim", "value_dim", "conv_dim"}
     assert entry.local_slices["conv1d.weight"] == (0, ("key_dim", "key_dim", "value_dim"))
     assert f"{layer}.conv1d" not in result.modules  # its weight is the parent's to place
@@ -630,6 +630,17 @@ def test_a_gated_delta_net_is_split_on_its_heads(family, qkv):
         assert result.roles[f"{layer}.{qkv}"] == "colwise_by_parent"
         assert entry.local_slices[f"{qkv}.weight"] == (0, ("key_dim", "key_dim", "value_dim"))
         assert result.roles[f"{layer}.in_proj_z"] == "colwise"
+
+
+def test_a_packed_parameter_stays_replicated_over_tp_where_fsdp2_splits_its_rows():
+    """Packed order is one tp split of the rows; FSDP2 would split them again over dp, so
+    under dp the packed convolution is stored replicated over tp and each rank takes its
+    piece as the layer runs (the same local_slices)."""
+    result = _planned(_small_gdn("qwen3_next"), ParallelDims(tp=TP, dp=2))
+    entry = result.modules["model.layers.0.linear_attn"]
+    assert str(entry.state_shardings["conv1d.weight"]["tp"]) == "R"
+    assert str(entry.state_shardings["A_log"]["tp"]) == "S(0)"
+    assert entry.local_slices["conv1d.weight"] == (0, ("key_dim", "key_dim", "value_dim"))
 
 
 def test_a_head_split_whose_sizes_tp_does_not_divide_is_refused_naming_them():

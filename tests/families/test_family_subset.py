@@ -22,6 +22,8 @@ have the status it has today: ``pass``, or ``refused`` with the known, intended 
 listed in ``REFUSED``.
 """
 
+import re
+
 import pytest
 
 from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
@@ -79,6 +81,11 @@ ROWS = {
 # (family, layout) -> reason substring of a refusal; every other row must pass.
 REFUSED: dict[tuple[str, str], str] = {("llama4_text", "tp2_sp_lp"): "returns its tokens flattened",
                                        ("phimoe", "tp2_sp_lp"): "accelerator.sequence_parallel split the tokens"}
+# (family, layout) -> a plan line its bundle must hold: packed parameters of unequal blocks
+# stored sharded over tp (packed order), not replicated
+BUNDLE_LINES = {("qwen3_next", "tp2"): "conv1d.weight: tp=shard(0)",
+                ("mamba2", "tp2"): "in_proj.weight: tp=shard(0)",
+                ("qwen3_5", "tp2"): "in_proj_qkv.weight: tp=shard(0)"}
 LAYOUTS = ("tp2", "cp2")
 TORCHRUN_FAMILIES = {"phimoe"}  # its router samples experts in training
 TIMEOUT_S = 300
@@ -106,3 +113,8 @@ def test_family_row(subset_project, family, layout, monkeypatch):
         assert REFUSED[(family, layout)] in case.reason, detail
     else:
         assert case.status == "pass", detail
+    if (family, layout) in BUNDLE_LINES:
+        folder = subset_project / "recipes" / family_dir(family) / layout / "generated"
+        text = "".join(path.read_text() for path in folder.glob("modeling_*.py"))
+        text = re.sub(r'"\s*\n\s*"', "", text)  # the plan's lines are string pieces on several lines
+        assert BUNDLE_LINES[(family, layout)] in text, detail

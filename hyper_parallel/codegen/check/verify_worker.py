@@ -357,7 +357,10 @@ def gathered_grads(model, whole: dict[str, tuple], *, pipelined: bool) -> tuple[
     gather, in one order."""
     import torch.distributed as dist
 
+    from hyper_parallel.distributed.local_views import packed_rows
+
     held = dict(model.named_parameters())
+    packed = packed_rows(model)
     with_grad = {name for name, param in held.items() if param.grad is not None}
     if pipelined:  # which names have a gradient somewhere
         found = [None] * dist.get_world_size()
@@ -370,20 +373,22 @@ def gathered_grads(model, whole: dict[str, tuple], *, pipelined: bool) -> tuple[
             continue
         param = held.get(name)
         try:
-            grads[name], spreads[name] = _gather(None if param is None else param.grad, shape, dtype)
+            grads[name], spreads[name] = _gather(None if param is None else param.grad, shape, dtype,
+                                                 packed.get(name))
         except RuntimeError as exc:
             raise RuntimeError(f"gathering the gradient of {name}: {exc}") from exc
     return grads, spreads
 
 
-def _gather(tensor, shape: tuple[int, ...], dtype) -> tuple[Any, float]:
+def _gather(tensor, shape: tuple[int, ...], dtype, rows=None) -> tuple[Any, float]:
     """The whole tensor of ``shape``, rebuilt on every rank from each rank's local piece
     (where each piece sits: ``local_elements`` on an index grid; a plain tensor is one
     piece every rank holds; None: a rank that holds none of it, another pipeline stage's
     parameter), and how far the ranks' copies of the same element disagree: replicas that
     differ would train different weights, so averaging them must not hide it. (DTensor's
     ``full_tensor`` cannot undo FSDP2's strided shard over edp on expert weights that are
-    sharded over ep as well.)"""
+    sharded over ep as well, nor a packed parameter's order: ``rows``, its
+    ``local_views.PackedRows``.)"""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial
@@ -396,6 +401,8 @@ def _gather(tensor, shape: tuple[int, ...], dtype) -> tuple[Any, float]:
             local = tensor.full_tensor()  # a sum still pending: DTensor reduces it
         else:
             mesh = tensor.device_mesh
+            if rows is not None:  # the stored tensor's elements, in packed order
+                index = index.index_select(rows.dim, rows.stored_rows())
             index = local_elements(index, tensor.placements, [mesh.size(dim) for dim in range(mesh.ndim)],
                                    mesh.get_coordinate())
             local = tensor.to_local()
