@@ -172,7 +172,7 @@ class TrainingConfig:
     seed: int = 0
     log_every: int = 1
     activation_checkpointing: bool = False
-    compile: bool = False
+    compile: bool = False  # torch.compile each decoder layer (models/hf/compile.py), after the plan, before FSDP2
     max_grad_norm: float | None = None  # clip the global gradient norm to this; None: no clipping
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # A mapping (MixedPrecisionConfig), or the string "none".

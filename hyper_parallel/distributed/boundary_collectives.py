@@ -79,6 +79,11 @@ class SharedInputReductions:
     def all_reduce_in_backward(self, tensor: torch.Tensor, groups) -> torch.Tensor:
         if not groups or not tensor.requires_grad:
             return tensor
+        if torch.compiler.is_compiling():
+            # Under torch.compile each consumer reduces its own share (the same sum, one
+            # all-reduce per consumer): a cache of traced tensors would become extra graph
+            # outputs aliasing their inputs, which torch refuses beside DTensor parameters.
+            return _AllReduceInBackward.apply(tensor, tuple(groups))
         key = (id(tensor), tuple(id(group) for group in groups), torch.is_grad_enabled())
         hit = self._entries.get(key)
         if hit is not None and hit[0]() is tensor:  # the same live tensor, not a reused id

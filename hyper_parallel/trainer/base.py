@@ -20,6 +20,7 @@ from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
 from hyper_parallel.distributed.pipeline import TiedEmbeddingGradients, tied_embeddings
 from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
+from hyper_parallel.models.hf.compile import compiled_modules
 from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_device_type, target_device
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import (
@@ -133,7 +134,13 @@ class BaseTrainer:
     def _build_model(self) -> torch.nn.Module:
         """The recipe's model through HyperAutoModel (the recipe itself knows no models),
         with the backend the recipe resolves to."""
-        return HyperAutoModel.from_pretrained(self.config, mesh_context=self.mesh_context)
+        model = HyperAutoModel.from_pretrained(self.config, mesh_context=self.mesh_context)
+        if self.config.training.compile and self.rank == 0:
+            compiled = compiled_modules(model)
+            _LOG.info(f"training.compile: {len(compiled)} module(s) compiled with torch.compile "
+                      f"({', '.join(compiled[:2])}{', ...' if len(compiled) > 2 else ''}); the first step "
+                      "includes their compilation")
+        return model
 
     def _build_pipeline(self):
         """torch's schedule over this rank's pipeline stage (distributed/pipeline.py), one

@@ -88,6 +88,10 @@ LAYOUTS = {
     # gradient norm summed over the stages); tests/trainer/test_pipeline_training.py
     # compares every gradient of the pipeline layouts
     "pp2": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1},
+    # training.compile: each decoder layer compiled (inductor) with the DTensor plan, and
+    # under FSDP2; equal to one eager process as every other layout
+    "tp2_compiled": {"nproc_per_node": 2, "tp_size": 2, "compile": True},
+    "dp2_fsdp2_compiled": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1, "compile": True},
     # context parallel splitting attention (K/V all-gathered over cp, load-balanced chunks),
     # with the fused attention replacement, sequence parallel and the vocab-sharded loss
     "tp2_cp2_ep2_sp_lp_replaced_allgather_kv": {
@@ -105,6 +109,7 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
     if accelerator.pop("replacements", False):
         data["plan_overrides"] = REPLACEMENTS
     max_grad_norm = accelerator.pop("max_grad_norm", None)
+    data["training"]["compile"] = accelerator.pop("compile", False)
     data["accelerator"].update(accelerator)
     data["model"]["init"] = "pretrained"  # the weights saved below
     world = accelerator["nproc_per_node"]
@@ -118,6 +123,8 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
                     nproc=world, env={MAX_PROCS_ENV: "1"}, preload=(QWEN3_MOE_MODELING,))
     assert_ran(proc)
     assert f"step {STEPS}/{STEPS}" in proc.stdout
+    if data["training"]["compile"]:  # the layers ran compiled: inductor's code, not eager
+        assert "training.compile: 2 module(s) compiled" in proc.stdout, proc.stdout[-2000:]
     if accelerator.get("pp_size", 1) > 1:  # the split the stages run, said at start
         assert ("pipeline: 2 stages over pp 2 (1f1b, 2 micro-batches per step); decoder layers by stage: [0, 1) [1, 2)"
                 in proc.stdout), proc.stdout[-2000:]

@@ -31,6 +31,7 @@ from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
 from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
 from hyper_parallel.models.hf import model_builder as mb
+from hyper_parallel.models.hf.compile import compile_decoder_layers
 from hyper_parallel.models.hf.backend import (
     BackendError,
     ModelingBackend,
@@ -175,14 +176,16 @@ def fsdp_mixed_precision(config: TrainerConfig) -> Any:
 
 def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
                                mesh_context: MeshContext | None) -> nn.Module:
-    """The runtime's part after the plan: activation checkpointing, FSDP2
-    ``fully_shard`` over dp, then ``torch.compile`` — each only when the recipe asks."""
+    """The runtime's part after the plan: activation checkpointing, ``torch.compile`` of
+    the decoder layers, FSDP2 ``fully_shard`` over dp — each only when the recipe asks."""
     training = config.training
     if training.activation_checkpointing:
         if not hasattr(model, "gradient_checkpointing_enable"):
             raise mb.ModelBuildError(f"{config.where}: training.activation_checkpointing: "
                                      f"{type(model).__name__} does not support gradient checkpointing")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if training.compile:  # before FSDP2 wraps the layers (torchtitan's order)
+        compile_decoder_layers(model)
     if mesh_context is not None and config.accelerator.dp_size > 1:
         from hyper_parallel.distributed.fsdp import fully_shard_over_dp
 
@@ -190,6 +193,4 @@ def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
         fully_shard_over_dp(model, mesh_context.device_mesh["dp"],
                             expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None,
                             mp_policy=fsdp_mixed_precision(config))
-    if training.compile:
-        model.compile()
     return model
