@@ -14,6 +14,7 @@ forward output). Not meant to be started by hand: ``verify.py`` writes the job.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -235,13 +236,19 @@ def probe_plan(plan: dict[str, Any], model) -> dict[str, Any]:
     return {**plan, "modules": {key: entry for key, entry in plan["modules"].items() if not cut_off(key)}}
 
 
+# Thread ranks build their whole probe model and shard it one at a time (no collective
+# may run in between: the meshes are built before): otherwise every rank holds a whole
+# model at once, which at 256 ranks was most of the process's peak memory.
+_ONE_WHOLE_MODEL = threading.Lock()
+
+
 def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
     from hyper_parallel.distributed.grad_norm import global_grad_norm
     from hyper_parallel.config.layout import Layout
-    from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
+    from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh, build_expert_mesh
 
     rank = dist.get_rank()
     layout = Layout.from_dict(job["layout"], where="verify job")
@@ -249,14 +256,17 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
     progress(job, "building the mesh")
     mesh = build_device_mesh(dims, "cpu")
     context = MeshContext(device_mesh=mesh, layout=layout)
-    progress(job, "building the probe model")
-    module, model, tokens = build_probe_model(job)
-    whole = {name: (tuple(param.shape), param.dtype) for name, param in model.named_parameters()}
-    if job["pipeline"]:
-        _keep_this_ranks_stages(job, model, layout, mesh)
-    progress(job, "applying hyper_parallelize")
-    module.HYPER_PARALLEL_PLAN = probe_plan(module.HYPER_PARALLEL_PLAN, model)
-    module.hyper_parallelize(model, context)
+    if dims.ep > 1:  # its process groups are collective: built by every rank before the lock below
+        context.expert_mesh = build_expert_mesh(dims, "cpu")
+    with _ONE_WHOLE_MODEL if job["mode"] == "threads" else contextlib.nullcontext():
+        progress(job, "building the probe model")
+        module, model, tokens = build_probe_model(job)
+        whole = {name: (tuple(param.shape), param.dtype) for name, param in model.named_parameters()}
+        if job["pipeline"]:
+            _keep_this_ranks_stages(job, model, layout, mesh)
+        progress(job, "applying hyper_parallelize")
+        module.HYPER_PARALLEL_PLAN = probe_plan(module.HYPER_PARALLEL_PLAN, model)
+        module.hyper_parallelize(model, context)
     _track_running(model, module.HYPER_PARALLEL_PLAN["modules"], running, finished)
     if dims.dp > 1:
         from hyper_parallel.distributed.fsdp import fully_shard_over_dp
@@ -295,7 +305,10 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
         record["norms"].append(global_grad_norm(counted, pp=dims.pp))
         record["losses"].append(value.item())
         record["spreads"].append(spreads)
-        record["grads"].append(grads)
+        # Only rank 0 writes the record: the others drop their copy of the whole gradients
+        # at once (at 256 thread ranks, every rank's copy was most of the process's memory).
+        record["grads"].append(grads if rank == 0 else None)
+        del grads
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if rank == 0:
@@ -428,7 +441,9 @@ def _gather(tensor, shape: tuple[int, ...], dtype, rows=None) -> tuple[Any, floa
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial
 
-    index = torch.arange(math.prod(shape)).reshape(shape)
+    numel = math.prod(shape)
+    # element numbers as int32 where they fit: every thread rank holds one such grid at once
+    index = torch.arange(numel, dtype=torch.int32 if numel < 2**31 else torch.int64).reshape(shape)
     if tensor is None:
         index, local = index.reshape(-1)[:0], torch.zeros(0, dtype=dtype)
     elif isinstance(tensor, DTensor):
