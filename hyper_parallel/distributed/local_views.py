@@ -78,12 +78,8 @@ def packed_blocks_piece(tensor: torch.Tensor, dim: int, sizes: list[int], pieces
     uneven = [size for size in sizes if size % pieces]
     if uneven:
         raise LocalViewError(f"{where}: packed blocks {sizes} do not divide into {pieces} equal pieces")
-    out, start = [], 0
-    for size in sizes:
-        step = size // pieces
-        out.append(tensor.narrow(dim, start + index * step, step))
-        start += size
-    return torch.cat(out, dim=dim)
+    segments = PackedRows(dim, tuple(sizes), pieces, mesh_dim=0).segments(index)
+    return torch.cat([tensor.narrow(dim, lo, hi - lo) for lo, hi in segments], dim=dim)
 
 
 def local_sizes(module: nn.Module, names: tuple[str, ...], pieces: int, where: str) -> dict[str, int]:
