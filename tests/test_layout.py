@@ -28,6 +28,28 @@ def test_the_context_parallel_setting_is_the_effective_one():
     assert at_cp2.layout.context_parallel == ContextParallel("allgather_kv", True)
 
 
+def test_a_recipe_without_an_algorithm_gets_allgather_kv_load_balanced_by_default():
+    """cp_size 2 and no ``accelerator.context_parallel``: the attention work is split
+    (allgather_kv, load-balanced), marked as the default (blocks that cannot run it gather,
+    config/context_parallel.py); a recipe naming the algorithm gets it as named."""
+    accelerator = load_training_config(REPO / TINY_RECIPE).accelerator
+    at_cp2 = dataclasses.replace(accelerator, cp_size=2, tp_size=1)
+    assert at_cp2.context_parallel.algorithm is None
+    assert at_cp2.layout.context_parallel == ContextParallel("allgather_kv", True, by_default=True)
+    assert at_cp2.layout.as_dict()["cp_algorithm"] == "allgather_kv"
+    assert at_cp2.layout.as_dict()["cp_by_default"] is True
+    assert Layout.from_dict(at_cp2.layout.as_dict(), where="meta") == at_cp2.layout
+    named = dataclasses.replace(at_cp2, context_parallel=dataclasses.replace(
+        at_cp2.context_parallel, algorithm="allgather_kv"))
+    assert named.layout.context_parallel == ContextParallel("allgather_kv", True)
+    assert "cp_by_default" not in named.layout.as_dict()
+    assert named.layout.differences(at_cp2.layout) == ["context_parallel"]
+    # a layout written without the cp keys (every bundle before them) gathers the sequence
+    written = {key: value for key, value in at_cp2.layout.as_dict().items() if not key.startswith("cp_")}
+    assert Layout.from_dict(written, where="meta").context_parallel == ContextParallel("gather_sequence", False)
+    assert at_cp2.layout.describe().endswith("cp_algorithm=allgather_kv cp_load_balance=True cp_by_default=True")
+
+
 def test_differences_name_every_axis_and_option():
     base = Layout(dims=ParallelDims(dp=4, ep=2))
     assert base.differences(base) == []

@@ -5,6 +5,12 @@ for a layout: with ``cp_size`` 1 there is nothing to split, and only ``allgather
 has a load balance (``gather_sequence`` computes the whole sequence on every rank,
 ``ulysses`` every head group's whole sequence), so the others normalize to
 ``load_balance: False``; two recipes that split the same way then sign the same.
+
+A recipe that leaves ``algorithm`` out gets ``DEFAULT_CP_ALGORITHM`` (allgather_kv, which
+splits the attention work) *by default* (``by_default``): an attention block that cannot run
+it (attention outside transformers' interface, ALiBi, an implementation other than eager or
+sdpa, ...) then gathers the sequence as ``gather_sequence`` does, and the plan's notes say
+which and why. A recipe that names the algorithm gets it or a refusal naming the block.
 """
 
 from dataclasses import dataclass
@@ -16,8 +22,13 @@ from hyper_parallel.errors import HyperParallelError
 #     sequence's attention (exact; attention work and activations not split);
 #   allgather_kv: each rank keeps its tokens; K and V are all-gathered over cp;
 #   ulysses: all-to-all between sequence and heads around the attention function.
+SPLITTING_ALGORITHMS = ("allgather_kv", "ulysses")
 CP_ALGORITHMS = ("gather_sequence", "allgather_kv", "ulysses")
-DEFAULT_CP_ALGORITHM = "gather_sequence"
+# What a recipe without ``algorithm`` gets (load-balanced where the sequence allows).
+DEFAULT_CP_ALGORITHM = "allgather_kv"
+# What a layout written without the cp keys means: every bundle made before they existed
+# gathered the sequence, and a layout of that algorithm still writes none.
+UNWRITTEN_CP_ALGORITHM = "gather_sequence"
 
 
 class ContextParallelError(ValueError, HyperParallelError):
@@ -26,8 +37,9 @@ class ContextParallelError(ValueError, HyperParallelError):
 
 @dataclass(frozen=True)
 class ContextParallel:
-    algorithm: str = DEFAULT_CP_ALGORITHM
+    algorithm: str = UNWRITTEN_CP_ALGORITHM
     load_balance: bool = False
+    by_default: bool = False  # the recipe left the algorithm out: blocks that cannot split gather
 
     def __post_init__(self) -> None:
         if self.algorithm not in CP_ALGORITHMS:
@@ -35,23 +47,14 @@ class ContextParallel:
                              f"got {self.algorithm!r}")
 
     @classmethod
-    def effective(cls, algorithm: str, load_balance: bool, cp: int) -> "ContextParallel":
+    def effective(cls, algorithm: str, load_balance: bool, cp: int, by_default: bool = False) -> "ContextParallel":
         """The settings as they act at ``cp`` ranks (see the module docstring)."""
         if cp <= 1:
             return cls()
-        return cls(algorithm, bool(load_balance) and algorithm == "allgather_kv")
+        return cls(algorithm, bool(load_balance) and algorithm == "allgather_kv",
+                   bool(by_default) and algorithm in SPLITTING_ALGORITHMS)
 
     @property
     def splits_attention(self) -> bool:
         """Each cp rank keeps only its own tokens through the attention block."""
-        return self.algorithm in ("allgather_kv", "ulysses")
-
-    def as_json(self) -> dict:
-        return {"algorithm": self.algorithm, "load_balance": self.load_balance}
-
-    @classmethod
-    def from_json(cls, data, where: str = "context_parallel") -> "ContextParallel":
-        if not isinstance(data, dict) or set(data) != {"algorithm", "load_balance"} or not isinstance(
-                data["load_balance"], bool):
-            raise ContextParallelError(f"{where}: expected {{'algorithm': str, 'load_balance': bool}}, got {data!r}")
-        return cls(data["algorithm"], data["load_balance"])
+        return self.algorithm in SPLITTING_ALGORITHMS

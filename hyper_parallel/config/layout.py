@@ -13,14 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hyper_parallel.config.context_parallel import ContextParallel
+from hyper_parallel.config.context_parallel import DEFAULT_CP_ALGORITHM, UNWRITTEN_CP_ALGORITHM, ContextParallel
 from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.config.pipeline import PipelineSettings
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.axes import SIZE_AXES
 
 _FLAGS = ("sequence_parallel", "loss_parallel")
-_CP_KEYS = ("cp_algorithm", "cp_load_balance")
+_CP_KEYS = ("cp_algorithm", "cp_load_balance", "cp_by_default")
 _PP_KEYS = ("pp_schedule", "pp_split_points", "pp_virtual_stages")
 
 
@@ -39,18 +39,21 @@ class Layout:
     def __post_init__(self) -> None:
         chosen = self.context_parallel
         object.__setattr__(self, "context_parallel",
-                           ContextParallel.effective(chosen.algorithm, chosen.load_balance, self.dims.cp))
+                           ContextParallel.effective(chosen.algorithm, chosen.load_balance, self.dims.cp,
+                                                     chosen.by_default))
         if self.dims.pp == 1:
             object.__setattr__(self, "pipeline", PipelineSettings())
 
     @classmethod
     def of(cls, accelerator: Any) -> "Layout":
-        """The layout of a recipe's ``accelerator`` section."""
+        """The layout of a recipe's ``accelerator`` section (an algorithm left out is
+        ``DEFAULT_CP_ALGORITHM``, by default)."""
         chosen, pipeline = accelerator.context_parallel, accelerator.pipeline
         points = tuple(pipeline.split_points) if pipeline.split_points is not None else None
         return cls(dims=accelerator.parallel_dims, sequence_parallel=accelerator.sequence_parallel,
                    loss_parallel=accelerator.loss_parallel,
-                   context_parallel=ContextParallel(chosen.algorithm, chosen.load_balance),
+                   context_parallel=ContextParallel(chosen.algorithm or DEFAULT_CP_ALGORITHM, chosen.load_balance,
+                                                    by_default=chosen.algorithm is None),
                    pipeline=PipelineSettings(pipeline.schedule, points, pipeline.virtual_stages))
 
     dp = property(lambda self: self.dims.dp)
@@ -67,10 +70,12 @@ class Layout:
         """The layout as signatures, the meta and the banner write it: the sizes, sp and
         loss parallel, and the context-parallel keys only where cp splits attention another
         way than gather_sequence (the method every bundle had before the keys existed,
-        which therefore signs as it did)."""
-        cp_keys = {"cp_algorithm": self.context_parallel.algorithm,
-                   "cp_load_balance": self.context_parallel.load_balance} if self.cp > 1 and (
-            self.context_parallel.algorithm != "gather_sequence") else {}
+        which therefore signs as it did); ``cp_by_default`` where the recipe left the
+        algorithm to its default."""
+        chosen = self.context_parallel
+        cp_keys = {"cp_algorithm": chosen.algorithm, "cp_load_balance": chosen.load_balance,
+                   **({"cp_by_default": True} if chosen.by_default else {})} if self.cp > 1 and (
+            chosen.algorithm != UNWRITTEN_CP_ALGORITHM) else {}
         points = self.pipeline.split_points
         pp_keys = {"pp_schedule": self.pipeline.schedule,
                    "pp_split_points": list(points) if points is not None else None,
@@ -90,7 +95,7 @@ class Layout:
         missing = [key for key in (*SIZE_AXES, *_FLAGS) if key not in data]
         if unknown or missing:
             raise LayoutError(f"{where}: expected the keys {', '.join((*SIZE_AXES, *_FLAGS))} (and cp_algorithm, "
-                              f"cp_load_balance where cp splits attention; pp_schedule, pp_split_points, "
+                              f"cp_load_balance, cp_by_default where cp splits attention; pp_schedule, pp_split_points, "
                               f"pp_virtual_stages where pp "
                               f"splits the model); "
                               f"{'missing ' + ', '.join(missing) if missing else ''}"
@@ -98,10 +103,12 @@ class Layout:
         for key in _FLAGS:
             if not isinstance(data[key], bool):
                 raise LayoutError(f"{where}.{key}: expected true or false, got {data[key]!r}")
+        if not isinstance(data.get("cp_by_default", False), bool):
+            raise LayoutError(f"{where}.cp_by_default: expected true or false, got {data['cp_by_default']!r}")
         try:
             dims = ParallelDims(**{axis: data[axis] for axis in SIZE_AXES})
-            chosen = ContextParallel(data.get("cp_algorithm", ContextParallel.algorithm),
-                                     bool(data.get("cp_load_balance", False)))
+            chosen = ContextParallel(data.get("cp_algorithm", UNWRITTEN_CP_ALGORITHM),
+                                     bool(data.get("cp_load_balance", False)), data.get("cp_by_default", False))
             points = data.get("pp_split_points")
             pipeline = PipelineSettings(data.get("pp_schedule", PipelineSettings.schedule),
                                         tuple(points) if isinstance(points, list) else points,

@@ -16,12 +16,14 @@ from hyper_parallel.config.plan_override import PlanOverride, PlanOverrideError,
 from hyper_parallel.config.schema import (
     CP_ALGORITHMS,
     DATASET_KINDS,
+    DEFAULT_CP_ALGORITHM,
     DEVICE_TYPES,
     LR_DECAYS,
     MAX_SEQ_LEN,
     MIXED_PRECISION_DTYPES,
     MODEL_INITS,
     MODELING_BACKENDS,
+    SPLITTING_ALGORITHMS,
     TEXT_SAMPLE_BY,
     TOKENIZED_KINDS,
     TORCH_DTYPES,
@@ -149,20 +151,23 @@ def validate_training_config(config: TrainerConfig, where: str) -> None:
 
 
 def _validate_context_parallel(config: TrainerConfig, where: str) -> None:
-    """``accelerator.context_parallel``: a known algorithm, one this version implements."""
+    """``accelerator.context_parallel``: a known algorithm, one this version implements.
+    Left out, the algorithm is the default (allgather_kv): the attention implementation it
+    does not wrap is then the planner's to gather, not a refusal here."""
     key = "accelerator.context_parallel.algorithm"
-    algorithm = config.accelerator.context_parallel.algorithm
-    if algorithm not in CP_ALGORITHMS:
-        raise RecipeError(f"{where}: {key}: expected one of {', '.join(CP_ALGORITHMS)}, got {algorithm!r}; "
+    chosen = config.accelerator.context_parallel
+    if chosen.algorithm is not None and chosen.algorithm not in CP_ALGORITHMS:
+        raise RecipeError(f"{where}: {key}: expected one of {', '.join(CP_ALGORITHMS)}, got {chosen.algorithm!r}; "
                           f"e.g. algorithm: allgather_kv")
+    algorithm = chosen.algorithm or DEFAULT_CP_ALGORITHM
     cp, seq_len = config.accelerator.cp_size, config.training.seq_len
-    if algorithm == "allgather_kv" and cp > 1 and config.accelerator.context_parallel.load_balance \
-            and seq_len % (2 * cp):
-        raise RecipeError(f"{where}: accelerator.context_parallel.load_balance: the sequence is cut into 2*cp_size = "
-                          f"{2 * cp} chunks, but training.seq_len is {seq_len}; use a multiple of {2 * cp}, or "
-                          f"load_balance: false")
+    if algorithm == "allgather_kv" and cp > 1 and chosen.load_balance and seq_len % (2 * cp):
+        default = "" if chosen.algorithm else f" (true by default, with {key}'s default {DEFAULT_CP_ALGORITHM})"
+        raise RecipeError(f"{where}: accelerator.context_parallel.load_balance{default}: the sequence is cut into "
+                          f"2*cp_size = {2 * cp} chunks, but training.seq_len is {seq_len}; use a multiple of "
+                          f"{2 * cp}, or load_balance: false")
     attention = config.model.attn_implementation
-    if algorithm in ("allgather_kv", "ulysses") and cp > 1 and attention not in ("eager", "sdpa"):
+    if chosen.algorithm in SPLITTING_ALGORITHMS and cp > 1 and attention not in ("eager", "sdpa"):
         raise RecipeError(f"{where}: {key}: {algorithm} wraps the eager or sdpa attention, but "
                           f"model.attn_implementation is {attention!r}; set model.attn_implementation: sdpa (or "
                           f"eager), or {key}: gather_sequence")
@@ -185,9 +190,10 @@ def _refuse_keys_without_effect(config: TrainerConfig, where: str) -> None:
     if pp_keys and acc.pp_size == 1:
         raise RecipeError(f"{where}: {pp_keys[0]}: has no effect with pp_size 1 (the model is not split into "
                           f"stages); set accelerator.pp_size > 1, or remove accelerator.pipeline")
-    if "accelerator.context_parallel.load_balance" in written and acc.context_parallel.algorithm != "allgather_kv":
+    algorithm = acc.context_parallel.algorithm or DEFAULT_CP_ALGORITHM
+    if "accelerator.context_parallel.load_balance" in written and algorithm != "allgather_kv":
         raise RecipeError(f"{where}: accelerator.context_parallel.load_balance: applies to algorithm allgather_kv "
-                          f"only (its chunk order), but algorithm is {acc.context_parallel.algorithm!r}; remove "
+                          f"only (its chunk order), but algorithm is {algorithm!r}; remove "
                           f"load_balance, or set algorithm: allgather_kv")
 
 

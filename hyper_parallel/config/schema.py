@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from hyper_parallel.config.context_parallel import CP_ALGORITHMS, DEFAULT_CP_ALGORITHM  # noqa: F401 (re-exported)
+from hyper_parallel.config.context_parallel import (  # noqa: F401 (re-exported)
+    CP_ALGORITHMS,
+    DEFAULT_CP_ALGORITHM,
+    SPLITTING_ALGORITHMS,
+)
 from hyper_parallel.config.pipeline import DEFAULT_PP_SCHEDULE
 from hyper_parallel.config.parallel_dims import ParallelDims
 from hyper_parallel.config.plan_override import PlanOverride
@@ -49,10 +53,12 @@ class ModelConfig:
 @dataclass
 class ContextParallelConfig:
     """``accelerator.context_parallel``: how attention is split when ``cp_size > 1``.
+    ``algorithm`` left out (None): ``DEFAULT_CP_ALGORITHM`` where each attention block can
+    run it, the sequence gathered where one cannot (config/context_parallel.py).
     ``load_balance``: (allgather_kv) the sequence is cut into 2*cp chunks and rank r
     holds chunks r and 2*cp-1-r, so every rank has the same causal-attention work."""
 
-    algorithm: str = DEFAULT_CP_ALGORITHM
+    algorithm: str | None = None
     load_balance: bool = True
 
 

@@ -141,11 +141,12 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
             _install_sharded_loss(model, fqn, config, sub_meshes[key], axes, order)
     if context_parallel is not None and context_parallel.splits_attention and cp_size > 1:
         attention = _token_attention(model, modules, roles or {})
-        if not attention:
+        if not attention and (roles is None or not context_parallel.by_default):
             raise PlanApplyError(f"context_parallel.algorithm {context_parallel.algorithm}: the plan has no "
                                  f"{' or '.join(TOKEN_ATTENTION_ROLES)} entry (pass the plan document's roles); "
                                  "regenerate the bundle")
-        install_context_parallel(model, attention, device_mesh, order, algorithm=context_parallel.algorithm)
+        if attention:  # none where the default algorithm left every attention block gathered
+            install_context_parallel(model, attention, device_mesh, order, algorithm=context_parallel.algorithm)
     elif cp_size > 1 and set(TOKEN_ATTENTION_ROLES) & set((roles or {}).values()):
         # attention on local queries and local K/V only would be silently wrong
         raise PlanApplyError("the plan keeps each cp rank's tokens through attention but no context_parallel "

@@ -273,10 +273,12 @@ class ShardingPlanner:
                                       "heads cannot be split" for part in self._attention_parts()})
         notes = self._replicate_layer_parts(whole_parts, modules, roles, overridden)
         traced = self._traced_facts()
-        apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel, traced=traced,
-                              split_attention=ATTENTION_ROLE.get(self.context_parallel.algorithm, ""),
-                              hand_state_on=not self.context_parallel.load_balance)
+        gathered = apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
+                                         loss_parallel=self.loss_parallel, traced=traced,
+                                         split_attention=ATTENTION_ROLE.get(self.context_parallel.algorithm, ""),
+                                         split_by_default=self.context_parallel.by_default,
+                                         hand_state_on=not self.context_parallel.load_balance)
+        notes += self._gathered_attention_notes(gathered)
         notes += self._cp_recurrent_notes(roles, traced.handoff_refusals)
         apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
         if refusals:
@@ -290,6 +292,18 @@ class ShardingPlanner:
                           recorded_axes=self._recorded_axes(applied), roles=roles, dataflow_error=self.dataflow_error,
                           notes=tuple(notes),
                           context_parallel=self.context_parallel if self.dims.cp > 1 else None)
+
+    def _gathered_attention_notes(self, gathered: dict[str, str]) -> list[str]:
+        """The attention blocks the default algorithm could not split, one note per layer
+        pattern with the first block's reason: the plan's reader sees where cp does not
+        split the attention work, and why."""
+        algorithm = self.context_parallel.algorithm
+        first: dict[str, str] = {}
+        for fqn in sorted(gathered):
+            first.setdefault(_layer_glob(fqn), gathered[fqn])
+        return [f"{block} gathered over cp: accelerator.context_parallel.algorithm is left to its default "
+                f"({algorithm}), which this block cannot run: {why}; every cp rank computes its attention over the "
+                f"whole sequence (exact, as gather_sequence; its work not split by cp)" for block, why in first.items()]
 
     def _cp_recurrent_notes(self, roles: dict[str, str], refusals: dict[str, str]) -> list[str]:
         """What cp does to the blocks reading other positions of the sequence (recurrences,

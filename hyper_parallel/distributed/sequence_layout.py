@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from hyper_parallel.distributed.context_parallel import ATTENTION_NAMES
 from hyper_parallel.distributed.dataflow import pattern
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.plan_lint import PlanError
@@ -152,10 +153,15 @@ class TracedFacts:
 
 def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
                           cp: bool, sp: bool, loss_parallel: bool, traced: TracedFacts = TracedFacts(),
-                          split_attention: str = "", hand_state_on: bool = True) -> None:
+                          split_attention: str = "", split_by_default: bool = False,
+                          hand_state_on: bool = True) -> dict[str, str]:
     """Rewrite ``modules``/``roles`` in place for the requested sequence layout, with what
     the dataflow trace saw (``traced``); ``split_attention``: the role of attention blocks
-    keeping each cp rank's tokens (allgather_kv, ulysses), '' to gather the block's input."""
+    keeping each cp rank's tokens (allgather_kv, ulysses), '' to gather the block's input;
+    ``split_by_default``: the recipe left the algorithm to its default, so an attention
+    block that cannot keep its tokens gathers them instead of being refused. Returns those
+    blocks, each with why."""
+    gathered: dict[str, str] = {}
     sharded_loss = loss_goes_through_loss_function(model)
     if loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
@@ -163,11 +169,13 @@ def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], 
                         f"set loss_parallel: false")
     if cp or sp:
         _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss, traced=traced,
-                        split_attention=split_attention if cp else "", hand_state_on=hand_state_on)
+                        split_attention=split_attention if cp else "", split_by_default=split_by_default,
+                        hand_state_on=hand_state_on, gathered=gathered)
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
     if loss_parallel:
         _keep_logits_vocab_sharded(modules, roles)
+    return gathered
 
 
 def _embedding_on_cp(model: nn.Module, modules: dict[str, ShardingConfig]) -> None:
@@ -218,8 +226,11 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 
 def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
-                    traced: TracedFacts, split_attention: str = "", hand_state_on: bool = True) -> None:
+                    traced: TracedFacts, split_attention: str = "", split_by_default: bool = False,
+                    hand_state_on: bool = True, gathered: dict[str, str] | None = None) -> None:
     found = decoder_layers(model)
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    gathered = {} if gathered is None else gathered
     if found is None:
         raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
                         "but the model has no nn.ModuleList of layers")
@@ -262,9 +273,10 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
                 # projections or a head-split layer's per-head norm read as attention's
                 _handoff_block(fqn, child, modules, roles, residual, traced=traced, streams=streams,
                                adds_stream=adds_stream, outputs=outputs)
-            elif is_attention(fqn, child, roles, attention_inputs) and split_attention:
-                _refuse_kv_gather(fqn, child, streams=streams, adds_stream=adds_stream, outputs=outputs,
-                                  algorithm=TOKEN_ATTENTION_ROLES[split_attention])
+            elif is_attention(fqn, child, roles, attention_inputs) and split_attention and _keeps_tokens(
+                    fqn, child, split_attention=split_attention, by_default=split_by_default,
+                    implementation=implementation, gathered=gathered, streams=streams, adds_stream=adds_stream,
+                    outputs=outputs):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, reads=traced.reads,
                                  role=split_attention)
             elif is_attention(fqn, child, roles, attention_inputs):
@@ -433,34 +445,56 @@ _ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 # A module class of the project's own that gathers K/V itself (the fused attention
 # replacement) says so with this class attribute.
 KV_GATHER_MARK = "hyper_gathers_kv_over_cp"
+# The attention implementations the cp wrappers run inside (context_parallel.ATTENTION_NAMES:
+# the implementation's name, or its wrapper's once the applier routed it).
+_SPLITTABLE_IMPLEMENTATIONS = (*ATTENTION_NAMES, *ATTENTION_NAMES.values())
 
 
-def _refuse_kv_gather(fqn: str, block: nn.Module, *, streams: tuple[int, ...], adds_stream: bool,
-                      outputs: tuple[int, ...], algorithm: str = "allgather_kv") -> None:
-    """allgather_kv and ulysses need the block's attention to go through the attention
-    interface (or the project's own gathering attention) and a block with one stream in and
-    out: the applier wraps the attention function and slices the rotary embeddings the
-    block is handed; anything else would see only the rank's keys."""
-    key = "accelerator.context_parallel.algorithm"
-    fix = f"set {key}: gather_sequence (every cp rank computes the whole sequence's attention)"
+def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], adds_stream: bool,
+                       outputs: tuple[int, ...], algorithm: str, implementation: str | None) -> str:
+    """Why ``block`` cannot keep each cp rank's tokens through its attention ('' when it
+    can). allgather_kv and ulysses need the block's attention to go through the attention
+    interface (or the project's own gathering attention) with an eager or sdpa
+    implementation (``implementation``: the model config's; None for a model of the
+    project's own), and a block with one stream in and out: the applier wraps the attention
+    function and slices the rotary embeddings the block is handed; anything else would see
+    only the rank's keys."""
+    what = f"{fqn} ({type(block).__name__})"
     if streams != (0,) or adds_stream or outputs != (0,):
-        raise PlanError(f"{key}: {algorithm}: {fqn} ({type(block).__name__}) takes or hands on more than one "
-                        f"stream (it adds the residual itself, or returns several), which {algorithm} cannot "
-                        f"place yet; {fix}")
+        return (f"{what} takes or hands on more than one stream (it adds the residual itself, or returns several), "
+                f"which {algorithm} cannot place yet")
     if any(getattr(type(module), KV_GATHER_MARK, False) for module in block.modules()):
-        if algorithm != "allgather_kv":
-            raise PlanError(f"{key}: {algorithm}: {fqn} ({type(block).__name__}) is the project's fused attention, "
-                            f"which gathers K/V itself (allgather_kv) and does not exchange heads; set {key}: "
-                            f"allgather_kv")
-        return
+        return "" if algorithm == "allgather_kv" else (
+            f"{what} is the project's fused attention, which gathers K/V itself (allgather_kv) and does not "
+            f"exchange heads")
     sources = [_forward_source(module) for module in block.modules()]
     if not any(_ATTENTION_INTERFACE in source for source in sources):
-        raise PlanError(f"{key}: {algorithm}: {fqn} ({type(block).__name__}) computes attention in its own code, "
-                        f"not through transformers' attention interface ({_ATTENTION_INTERFACE}), so its keys "
-                        f"and values cannot be exchanged over cp; {fix}")
+        return (f"{what} computes attention in its own code, not through transformers' attention interface "
+                f"({_ATTENTION_INTERFACE}), so its keys and values cannot be exchanged over cp")
     if any("alibi" in source for source in sources):
-        raise PlanError(f"{key}: {algorithm}: {fqn} ({type(block).__name__}) takes ALiBi position biases "
-                        f"computed for the whole sequence, which {algorithm} does not slice; {fix}")
+        return f"{what} takes ALiBi position biases computed for the whole sequence, which {algorithm} does not slice"
+    if implementation is not None and implementation not in _SPLITTABLE_IMPLEMENTATIONS:
+        return (f"{what} runs the attention implementation {implementation!r}, and {algorithm} wraps eager or sdpa "
+                f"(model.attn_implementation)")
+    return ""
+
+
+def _keeps_tokens(fqn: str, block: nn.Module, *, split_attention: str, by_default: bool,
+                  implementation: str | None, gathered: dict[str, str], **shape) -> bool:
+    """Whether the attention block ``fqn`` keeps each cp rank's tokens (role
+    ``split_attention``). One that cannot is refused where the recipe named the algorithm;
+    where it is the default it gathers the sequence instead, and ``gathered`` records why."""
+    algorithm = TOKEN_ATTENTION_ROLES[split_attention]
+    why = _kv_gather_refusal(fqn, block, algorithm=algorithm, implementation=implementation, **shape)
+    if not why:
+        return True
+    key = "accelerator.context_parallel.algorithm"
+    if not by_default:
+        fix = ("allgather_kv" if "fused attention" in why else
+               "gather_sequence (every cp rank computes the whole sequence's attention)")
+        raise PlanError(f"{key}: {algorithm}: {why}; set {key}: {fix}")
+    gathered[fqn] = why
+    return False
 
 
 def _forward_source(module: nn.Module) -> str:

@@ -4,9 +4,10 @@
 # From transformers.models.qwen3_moe.modeling_qwen3_moe (transformers 5.24.0), edited: this banner replaces
 #   transformers' own, relative imports made absolute, HYPER_REPLACEMENTS applied before self.post_init(),
 #   HYPER_PARALLEL_PLAN and hyper_parallelize() appended.
-# Parallel: dp=1 cp=2 tp=2 ep=2 pp=1 sequence_parallel=True loss_parallel=True device_type=npu world_size=4; applied:
-#   tp, cp, ep, loss_parallel, sp; recorded only: none. The trainer owns: the device mesh, data parallel (FSDP2),
-#   running the pipeline stages (the plan records the split), activation checkpointing, torch.compile.
+# Parallel: dp=1 cp=2 tp=2 ep=2 pp=1 sequence_parallel=True loss_parallel=True cp_algorithm=allgather_kv
+#   cp_load_balance=True cp_by_default=True device_type=npu world_size=4; applied: tp, cp, ep, loss_parallel, sp;
+#   recorded only: none. The trainer owns: the device mesh, data parallel (FSDP2), running the pipeline stages (the
+#   plan records the split), activation checkpointing, torch.compile.
 # --------------------------------------------------------------------------------------------------
 
 # Copyright 2025 The Qwen team, Alibaba Group and the HuggingFace Inc. team. All rights reserved.
@@ -726,31 +727,43 @@ HYPER_SOURCE_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
 # The frozen sharding plan, one line per module key (a module name or a glob): role | placements | in/out layouts.
 # roles:
-#   vocab_embedding  embedding rows (the vocabulary) split; the partial lookups are summed
-#   colwise          weight split by output rows; output stays split on the last dim
-#   rowwise          weight split by input columns; input arrives split, output a partial sum
-#   head_norm        per-head norm on head-split activations; weight gradients summed over tp
-#   packed_experts   stacked experts: gate_up and down split over tp, the expert dim over ep
-#   replicate        whole weights on every rank; gradients summed over the axes splitting the input
-#   lm_head          output head: vocabulary rows split; logits gathered or fed to the sharded loss
-#   sequence_split   the residual stream is split over the sequence from here on
-#   attention_block  attention: its input gathered over the sequence split, output split again
-#   moe_block        per-token MoE block: like mlp_block, tokens stay split over cp
+#   vocab_embedding        embedding rows (the vocabulary) split; the partial lookups are summed
+#   colwise                weight split by output rows; output stays split on the last dim
+#   rowwise                weight split by input columns; input arrives split, output a partial sum
+#   head_norm              per-head norm on head-split activations; weight gradients summed over tp
+#   packed_experts         stacked experts: gate_up and down split over tp, the expert dim over ep
+#   replicate              whole weights on every rank; gradients summed over the axes splitting the input
+#   lm_head                output head: vocabulary rows split; logits gathered or fed to the sharded loss
+#   sequence_split         the residual stream is split over the sequence from here on
+#   kv_gathered_attention  attention on the rank's tokens (cp): K and V gathered over cp inside it
+#   moe_block              per-token MoE block: like mlp_block, tokens stay split over cp
 # placements: AXIS=replicate|shard(dim)|partial (summands)|packed_shard(dim,parts) (each part split), else replicate
 # fields: PARAM: placements; in/out: as arriving [-> as needed], (a, b) per position, - none; local_map: local tensors
 HYPER_PARALLEL_PLAN = {
     "format": 2,
-    "layout": {"dp": 1, "cp": 2, "tp": 2, "ep": 2, "pp": 1, "sequence_parallel": True, "loss_parallel": True},
+    "layout": {
+        "dp": 1,
+        "cp": 2,
+        "tp": 2,
+        "ep": 2,
+        "pp": 1,
+        "sequence_parallel": True,
+        "loss_parallel": True,
+        "cp_algorithm": "allgather_kv",
+        "cp_load_balance": True,
+        "cp_by_default": True,
+    },
     "applied_axes": ["tp", "cp", "ep", "loss_parallel", "sp"],
     "recorded_axes": {},
     "modules": {
         "model.embed_tokens":
             "vocab_embedding | weight: tp=shard(0) | in: tp=replicate | out: tp=partial -> tp=replicate",
         "model.layers.*.self_attn.[qkv]_proj":
-            "colwise | weight: tp=shard(0) | in: tp=replicate | out: tp=shard(-1) | local_map",
+            "colwise | weight: tp=shard(0) | in: cp=shard(1) tp=replicate | out: cp=shard(1) tp=shard(-1) | local_map",
         "model.layers.*.self_attn.o_proj":
-            "rowwise | weight: tp=shard(1) | in: tp=shard(-1) | out: tp=partial | local_map",
-        "model.layers.*.self_attn.[qk]_norm": "head_norm | weight: tp=replicate | in: tp=shard(-2) | local_map",
+            "rowwise | weight: tp=shard(1) | in: cp=shard(1) tp=shard(-1) | out: cp=shard(1) tp=partial | local_map",
+        "model.layers.*.self_attn.[qk]_norm":
+            "head_norm | weight: tp=replicate | in: cp=shard(1) tp=shard(-2) | local_map",
         "model.layers.*.mlp.experts":
             "packed_experts | down_proj: tp=shard(2) ep=shard(0) | gate_up_proj: tp=packed_shard(1,2) ep=shard(0)"
             " | in: (tp=replicate ep=shard(0), tp=replicate ep=shard(0), tp=replicate ep=shard(0))"
@@ -765,8 +778,8 @@ HYPER_PARALLEL_PLAN = {
             " | out: cp=shard(1) tp=shard(-1) | local_map",
         "model.layers.0": "sequence_split | in: cp=replicate tp=replicate -> cp=shard(1) tp=shard(1) | local_map",
         "model.layers.*.self_attn":
-            "attention_block | in: cp=shard(1) tp=shard(1) -> cp=replicate tp=replicate"
-            " | out: (cp=replicate tp=partial, -) -> (cp=shard(1) tp=shard(1), -) | local_map",
+            "kv_gathered_attention | in: cp=shard(1) tp=shard(1) -> cp=shard(1) tp=replicate"
+            " | out: (cp=shard(1) tp=partial, -) -> (cp=shard(1) tp=shard(1), -) | local_map",
         "model.layers.*.mlp":
             "moe_block | in: cp=shard(1) tp=shard(1) -> cp=shard(1) tp=replicate"
             " | out: cp=shard(1) tp=partial -> cp=shard(1) tp=shard(1) | local_map",

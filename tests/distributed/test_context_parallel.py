@@ -140,6 +140,50 @@ def test_allgather_kv_refuses_attention_outside_the_attention_interface():
     # the baseline still plans it (whole-sequence attention on every cp rank)
     result = _planned(config, ParallelDims(cp=2), context_parallel=ContextParallel("gather_sequence", False))
     assert result.roles["transformer.h.0.self_attention"] == "attention_block"
+    # left to its default, the recipe gets the block gathered, and a note naming it and why
+    result = _planned(config, ParallelDims(cp=2), context_parallel=ContextParallel("allgather_kv", True, True))
+    assert result.roles["transformer.h.0.self_attention"] == "attention_block"
+    assert result.context_parallel == ContextParallel("allgather_kv", True, by_default=True)
+    [note] = [note for note in result.notes if "gathered over cp" in note]
+    assert note.startswith("transformer.h.*.self_attention gathered over cp: accelerator.context_parallel.algorithm "
+                           "is left to its default (allgather_kv)")
+    assert "BloomAttention" in note and "more than one stream" in note
+
+
+def test_the_default_algorithm_gathers_attention_of_an_implementation_it_does_not_wrap():
+    """allgather_kv wraps eager and sdpa: by default a model running another attention
+    implementation gathers its attention blocks (named) instead of being refused; named
+    in the recipe, it is refused."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+    from hyper_parallel.distributed.plan_lint import PlanError
+    from hyper_parallel.distributed.planner import ShardingPlanner
+    from tests.distributed.test_dataflow import _flow, _tiny
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    tiny, dims = _tiny(config), ParallelDims(cp=2)
+    flow = _flow(tiny, tp=1, sequence_split="cp")
+
+    def planned(implementation: str, context_parallel: ContextParallel):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny.config)
+        model.config._attn_implementation = implementation
+        return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow,
+                               context_parallel=context_parallel).plan()
+
+    result = planned("flex_attention", ContextParallel("allgather_kv", True, by_default=True))
+    assert {result.roles[f"model.layers.{i}.self_attn"] for i in range(2)} == {"attention_block"}
+    assert any("model.layers.*.self_attn gathered over cp" in note and "'flex_attention'" in note
+               for note in result.notes)
+    with pytest.raises(PlanError, match=r"algorithm: allgather_kv: model\.layers\.0\.self_attn \(MistralAttention\) "
+                                        r"runs the attention implementation 'flex_attention'"):
+        planned("flex_attention", ContextParallel("allgather_kv", True))
+    result = planned("sdpa", ContextParallel("allgather_kv", True, by_default=True))
+    assert result.roles["model.layers.0.self_attn"] == "kv_gathered_attention"
+    assert not any("gathered over cp" in note for note in result.notes)
 
 
 def test_allgather_kv_plan_keeps_tokens_split_through_attention():
