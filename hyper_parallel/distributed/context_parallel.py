@@ -191,6 +191,14 @@ class CpAttention:
         local = length // self.size
         return torch.arange(self.rank * local, (self.rank + 1) * local, device=device)
 
+    def whole_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cp rank's K and V ([batch, kv heads, local tokens, dim]): the whole
+        sequence's, in natural order (all-gathered, its adjoint a reduce-scatter)."""
+        key, value = gather_over_cp(key, self.group, 2), gather_over_cp(value, self.group, 2)
+        if self.order is not None:
+            key, value = self.order.restore(key, 2), self.order.restore(value, 2)
+        return key, value
+
 
 def gather_kv(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask, *, sliding_window: int | None = None, additive: bool = False):
@@ -269,10 +277,7 @@ class KvExchange:
 def _gathered(module: nn.Module, context: CpAttention, query, key, value):
     """K and V gathered over cp in natural order, and this rank's queries' positions."""
     _check_split(module, context, query, key.shape[2] * context.size)
-    key = gather_over_cp(key, context.group, 2)
-    value = gather_over_cp(value, context.group, 2)
-    if context.order is not None:
-        key, value = context.order.restore(key, 2), context.order.restore(value, 2)
+    key, value = context.whole_kv(key, value)
     return key, value, context.local_positions(key.shape[2], query.device)
 
 
@@ -414,6 +419,24 @@ def ulysses_attention(module: nn.Module, function, query, key, value, attention_
     return _heads_to_sequence(output, context), None
 
 
+def inner_attention(module: nn.Module, inner: str):
+    """The attention function the wrappers call inside: the model file's own eager one,
+    or transformers' sdpa."""
+    if inner == "eager":
+        return _eager_function(module)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def kv_gathered_attention(module: nn.Module, inner: str, query, key, value, attention_mask, **kwargs):
+    """allgather_kv through the mask: K/V gathered (``gather_kv``), the inner attention on
+    this rank's queries with the mask rows of their global positions."""
+    key, value, attention_mask = gather_kv(module, query, key, value, attention_mask,
+                                           sliding_window=kwargs.get("sliding_window"), additive=inner == "eager")
+    return inner_attention(module, inner)(module, query, key, value, attention_mask, **kwargs)
+
+
 def _make_wrapper(inner: str):
     """The attention function registered as ``ATTENTION_NAMES[inner]``."""
 
@@ -424,23 +447,13 @@ def _make_wrapper(inner: str):
                 out = ulysses_without_mask(module, query, key, value, attention_mask, **kwargs)
                 if out is not None:
                     return out, None
-            if inner == "eager":
-                function = _eager_function(module)
-            else:
-                from transformers.integrations.sdpa_attention import sdpa_attention_forward as function
-            return ulysses_attention(module, function, query, key, value, attention_mask, **kwargs)
+            return ulysses_attention(module, inner_attention(module, inner), query, key, value, attention_mask,
+                                     **kwargs)
         if inner == "sdpa":
             out = causal_without_mask(module, query, key, value, attention_mask, **kwargs)
             if out is not None:
                 return out, None
-        if inner == "eager":
-            function = _eager_function(module)
-        else:
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward as function
-        key, value, attention_mask = gather_kv(module, query, key, value, attention_mask,
-                                               sliding_window=kwargs.get("sliding_window"),
-                                               additive=inner == "eager")
-        return function(module, query, key, value, attention_mask, **kwargs)
+        return kv_gathered_attention(module, inner, query, key, value, attention_mask, **kwargs)
 
     attention.__name__ = f"{ATTENTION_NAMES[inner]}_attention_forward"
     return attention

@@ -56,6 +56,7 @@ from hyper_parallel.distributed.model_parts import (
 from hyper_parallel.distributed.local_views import block_sizes, local_piece, local_sizes, owner_of, packed_blocks_piece
 from hyper_parallel.distributed.sequence_dry_run import check_sequence_split, is_attention, whole_over_cp
 from hyper_parallel.distributed.state_handoff import handoff_blocks, recurrent_candidates
+from hyper_parallel.distributed.token_attention_dry_run import token_attention_refusals
 
 SPLIT_MODE, GATHERED_MODE, WHOLE_MODE = "split", "gathered", "whole"
 _ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flex_attention"})
@@ -193,6 +194,9 @@ class Dataflow:
     # piece (``state_handoff.py``), and the others with why not: those stay gathered.
     state_handoff: frozenset[str] = frozenset()
     handoff_refusals: dict[str, str] = field(default_factory=dict)
+    # Under cp, the attention blocks whose dry run on one rank's tokens failed, with why
+    # (``token_attention_dry_run.py``): allgather_kv / ulysses cannot keep their tokens split.
+    token_attention_refusals: dict[str, str] = field(default_factory=dict)
 
     def roles(self) -> dict[str, str]:
         roles = {name: "replicate" for name in self.standalone | self.routers}
@@ -615,6 +619,9 @@ def analyze(model: nn.Module, input_ids: torch.Tensor, *, tp: int,
         candidates = recurrent_candidates(model, lambda fqn, child: any(True for _ in child.parameters()) and (
             whole_over_cp(fqn, child, flow.read_outside) or is_attention(fqn, child, {}, flow.attention_inputs)))
         flow.state_handoff, flow.handoff_refusals = handoff_blocks(model, input_ids, candidates, flow.value_inputs)
+        attention = recurrent_candidates(model, lambda fqn, child: any(True for _ in child.parameters()) and (
+            not whole_over_cp(fqn, child, flow.read_outside)) and is_attention(fqn, child, {}, flow.attention_inputs))
+        flow.token_attention_refusals = token_attention_refusals(model, input_ids, attention, flow.value_inputs)
     return flow
 
 

@@ -506,7 +506,9 @@ class ShardingPlanner:
                            read_outside=self._stand_ins("read_outside"),
                            after_layers_called_again=self._stand_ins("after_layers_called_again"),
                            state_handoff=self._same_class_stand_ins("state_handoff"),
-                           handoff_refusals=self._by_stand_in("handoff_refusals"), traced=True)
+                           handoff_refusals=self._by_stand_in("handoff_refusals"),
+                           token_attention_refusals=self._by_stand_in("token_attention_refusals", same_class=True),
+                           traced=True)
 
     def _same_class_stand_ins(self, field: str) -> frozenset[str]:
         """``_stand_ins`` by stand-ins of the module's own class only: a hybrid's ``self_attn``
@@ -517,17 +519,20 @@ class ShardingPlanner:
         return frozenset(name for name, module in self.model.named_modules()
                          if name and any(self.dataflow.same_class(other, module) for other in traced(name)))
 
-    def _by_stand_in(self, field: str) -> dict:
+    def _by_stand_in(self, field: str, *, same_class: bool = False) -> dict:
         """The model's modules -> what ``Dataflow.<field>`` says of their stand-ins: the
         positions of their inputs (``value_inputs``) or outputs (``value_outputs``) that
-        carried the stream, how they hand out a parameter (``misplaced_hand_outs``)."""
+        carried the stream, how they hand out a parameter (``misplaced_hand_outs``); with
+        ``same_class``, of stand-ins of the module's own class only."""
         if self.dataflow is None:
             return {}
         facts = getattr(self.dataflow, field)
         traced = StandIns(facts)
         found = {}
-        for name, _ in self.model.named_modules():
+        for name, module in self.model.named_modules():
             stand_ins = traced(name) if name else []
+            if same_class:
+                stand_ins = [other for other in stand_ins if self.dataflow.same_class(other, module)]
             if stand_ins:
                 found[name] = facts[stand_ins[0]]
         return found

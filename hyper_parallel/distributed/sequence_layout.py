@@ -101,6 +101,8 @@ class TracedFacts:
       the stream (tokens flattened to [tokens, hidden]); sequence parallel refuses them;
     - ``after_layers``: leaves off the decoder layers reading what the layers wrote (OPT's
       project_out after the final norm): they compute on the split sequence;
+    - ``token_attention_refusals``: (cp) attention blocks whose dry run on one rank's tokens
+      failed, with why (``token_attention_dry_run``): they cannot keep their tokens split;
     - ``value_inputs``: module -> positions of its inputs carrying the stream; a block
       converts each (CTRL's attention takes it as v, k and q), by default its first input;
     - ``value_outputs``: module -> positions of its outputs carrying the stream; a block
@@ -146,6 +148,7 @@ class TracedFacts:
     state_handoff: frozenset[str] = frozenset()
     handoff_refusals: dict[str, str] = field(default_factory=dict)
     split_error: str = ""
+    token_attention_refusals: dict[str, str] = field(default_factory=dict)
     whole_after_layers: bool = False
     split_layer_inputs: tuple[int, ...] = ()
     traced: bool = False  # the facts come from a trace (else every set is empty for want of one)
@@ -276,7 +279,7 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             elif is_attention(fqn, child, roles, attention_inputs) and split_attention and _keeps_tokens(
                     fqn, child, split_attention=split_attention, by_default=split_by_default,
                     implementation=implementation, gathered=gathered, streams=streams, adds_stream=adds_stream,
-                    outputs=outputs):
+                    outputs=outputs, dry_run=traced.token_attention_refusals.get(fqn, "")):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, reads=traced.reads,
                                  role=split_attention)
             elif is_attention(fqn, child, roles, attention_inputs):
@@ -451,14 +454,16 @@ _SPLITTABLE_IMPLEMENTATIONS = (*ATTENTION_NAMES, *ATTENTION_NAMES.values())
 
 
 def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], adds_stream: bool,
-                       outputs: tuple[int, ...], algorithm: str, implementation: str | None) -> str:
+                       outputs: tuple[int, ...], algorithm: str, implementation: str | None,
+                       dry_run: str = "") -> str:
     """Why ``block`` cannot keep each cp rank's tokens through its attention ('' when it
     can). allgather_kv and ulysses need the block's attention to go through the attention
     interface (or the project's own gathering attention) with an eager or sdpa
     implementation (``implementation``: the model config's; None for a model of the
     project's own), and a block with one stream in and out: the applier wraps the attention
     function and slices the rotary embeddings the block is handed; anything else would see
-    only the rank's keys."""
+    only the rank's keys. ``dry_run``: why the block failed its dry run on one rank's
+    tokens (``token_attention_dry_run``), '' when it passed or did not run."""
     what = f"{fqn} ({type(block).__name__})"
     if streams != (0,) or adds_stream or outputs != (0,):
         return (f"{what} takes or hands on more than one stream (it adds the residual itself, or returns several), "
@@ -476,6 +481,8 @@ def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], 
     if implementation is not None and implementation not in _SPLITTABLE_IMPLEMENTATIONS:
         return (f"{what} runs the attention implementation {implementation!r}, and {algorithm} wraps eager or sdpa "
                 f"(model.attn_implementation)")
+    if dry_run:
+        return f"{what}: a dry run of the block on one cp rank's tokens, on a tiny copy: {dry_run}"
     return ""
 
 

@@ -280,3 +280,30 @@ def test_ulysses_refuses_heads_tp_times_cp_does_not_divide():
                                         r"algorithm: allgather_kv"):
         ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims),
                         context_parallel=ContextParallel("ulysses", False)).plan()
+
+
+def test_the_dry_run_on_one_rank_s_tokens_finds_attention_code_using_the_whole_sequence():
+    """Qwen4-Exp's softmax attention builds a key-selection mask over the tokens it is
+    handed and combines it with the whole sequence's mask: the static checks pass it, the
+    dry run on one cp rank's tokens (token_attention_dry_run) fails it, naming the error;
+    a plain attention (Llama, eager and sdpa) passes."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from bench.families.tiny import tiny_config
+    from hyper_parallel.distributed.token_attention_dry_run import token_attention_refusals
+
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    config = tiny_config("qwen4_exp_text")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    softmax = [f"model.layers.{index}.self_attn" for index, kind in enumerate(config.layer_types)
+               if kind != "linear_attention"]
+    refused = token_attention_refusals(model, ids, softmax, {})
+    assert set(refused) == set(softmax)
+    assert "on its tokens it fails: RuntimeError" in refused[softmax[0]]
+    for implementation in ("eager", "sdpa"):
+        plain = AutoModelForCausalLM.from_config(LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2), attn_implementation=implementation)
+        assert token_attention_refusals(plain, ids, ["model.layers.0.self_attn", "model.layers.1.self_attn"],
+                                        {}) == {}, implementation

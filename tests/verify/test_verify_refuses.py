@@ -13,6 +13,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 BUNDLE = "recipes/tiny_cpu/generated"
 CP2 = {"tp_size": 1, "cp_size": 2}
+# The cases that break the gathered attention name that algorithm (the default splits attention).
+CP2_GATHERED = {**CP2, "context_parallel": {"algorithm": "gather_sequence"}}
 
 BROKEN = {
     # colwise_gather_output read as an output head: q is gathered, o_proj expects it split.
@@ -22,13 +24,13 @@ BROKEN = {
          "plan entry 'model.layers.*.self_attn.q_proj'"]),
     # Attention's input no longer gathered over cp: each rank attends over half a sequence.
     "attention_gather_removed": (
-        CP2, {"match": "model.layers.*.self_attn", "in_dst": [{"cp": "shard(1)"}],
+        CP2_GATHERED, {"match": "model.layers.*.self_attn", "in_dst": [{"cp": "shard(1)"}],
               "out_src": [{"cp": "shard(1)"}, None]},
         ["model.layers.*.self_attn"]),
     # o_proj's input declared split over cp after attention gathered it: the loss is the
     # same, the weight's gradient is summed over both cp ranks (2x).
     "o_proj_gradient_counted_twice_over_cp": (
-        CP2, {"match": "model.layers.*.self_attn.o_proj", "in_src": [{"cp": "shard(1)"}],
+        CP2_GATHERED, {"match": "model.layers.*.self_attn.o_proj", "in_src": [{"cp": "shard(1)"}],
               "in_dst": [{"cp": "shard(1)"}]},
         ["gradient of model.layers.0.self_attn.o_proj.weight", "plan entry 'model.layers.*.self_attn.o_proj'",
          "error is in backward"]),
