@@ -33,7 +33,8 @@ and the bytes the
 forward saved for backward (autograd's saved tensors, unique storages, the weights left
 out: the block's activation memory; CPU has no allocator peak to read). The JSON has
 ``time_ratio`` and ``memory_ratio`` (allgather_kv balanced at cp2 over cp1, the slowest /
-largest rank: the issue's goals are <= 0.6 each), the same against gather_sequence
+largest rank: goals time <= 0.55 as the median of ``--runs 5`` (issue 33), memory <= 0.6;
+with several runs every ratio is its median and ``spread`` its [min, max]), the same against gather_sequence
 (``*_vs_gather_sequence``), the same for ulysses (``ulysses_*``), ``balance``: the
 slowest over the fastest rank's allgather_kv time with load balance (the issue's goal:
 <= 1.15; ``balance_without_load_balance`` the same for contiguous halves), and

@@ -503,7 +503,9 @@ def docs_header(summary, command, partial, cases, peer, commits="") -> list[str]
         f"tp 2 (world 2) against one process, {TRAIN_STEPS} AdamW steps in training mode, each step seeded alike "
         "(loss rtol 1e-5, gradient norm rtol "
         "1e-4, the same noise rule): pass / fail / unsupported (no `base_model_tp_plan`);",
-        "- layouts: `tp2`; `tp2_sp_lp` = tp2 + sequence parallel + loss parallel; `cp2`; `dp2` (FSDP2); for MoE "
+        "- layouts: `tp2`; `tp2_sp_lp` = tp2 + sequence parallel + loss parallel; `cp2` (no "
+        "`context_parallel` keys: the default algorithm, allgather_kv load-balanced, an attention block that "
+        "cannot run it gathered as the plan's notes say); `dp2` (FSDP2); for MoE "
         "families `ep2` (dp2 + ep2, world 2) and `tp2_ep2` (tp2 + dp2 + ep2, world 4) — ep is borrowed from "
         "dp x cp; `n/a`: the layout does not apply;",
         "- `remote:<name>`: a decoder transformers does not ship, from the project's remote-code fixtures "

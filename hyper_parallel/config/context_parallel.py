@@ -9,7 +9,7 @@ has a load balance (``gather_sequence`` computes the whole sequence on every ran
 A recipe that leaves ``algorithm`` out gets ``DEFAULT_CP_ALGORITHM`` (allgather_kv, which
 splits the attention work) *by default* (``by_default``): an attention block that cannot run
 it (attention outside transformers' interface, ALiBi, an implementation other than eager or
-sdpa, ...) then gathers the sequence as ``gather_sequence`` does, and the plan's notes say
+sdpa, code that fails its dry run on one rank's tokens, ...) then gathers the sequence as ``gather_sequence`` does, and the plan's notes say
 which and why. A recipe that names the algorithm gets it or a refusal naming the block.
 """
 
@@ -24,7 +24,7 @@ from hyper_parallel.errors import HyperParallelError
 #   ulysses: all-to-all between sequence and heads around the attention function.
 SPLITTING_ALGORITHMS = ("allgather_kv", "ulysses")
 CP_ALGORITHMS = ("gather_sequence", "allgather_kv", "ulysses")
-# What a recipe without ``algorithm`` gets (load-balanced where the sequence allows).
+# What a recipe without ``algorithm`` gets (with ``load_balance``, true by default).
 DEFAULT_CP_ALGORITHM = "allgather_kv"
 # What a layout written without the cp keys means: every bundle made before they existed
 # gathered the sequence, and a layout of that algorithm still writes none.

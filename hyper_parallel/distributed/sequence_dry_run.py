@@ -63,7 +63,7 @@ class _Points:
     sliced: dict[str, tuple[int, ...]] = field(default_factory=dict)  # module -> stream outputs cut to the piece
 
 
-class _Unusable(HyperParallelError):
+class Unusable(HyperParallelError):
     """The unsplit copy does not run, or computes non-finite values, so nothing compares."""
 
 
@@ -97,9 +97,9 @@ def check_sequence_split(model: nn.Module, input_ids: torch.Tensor, flow, *, cp:
         return SequenceSplitCheck()  # no decoder layers: the sequence layout refuses the model itself
     try:
         try:
-            with _perturbed(model):
+            with perturbed(model):
                 return _verdict(model, input_ids, flow, points, cp=cp)
-        except _Unusable:  # the perturbed copy does not run (or computes inf/nan): its own weights
+        except Unusable:  # the perturbed copy does not run (or computes inf/nan): its own weights
             return _verdict(model, input_ids, flow, points, cp=cp)
     except Exception as exc:  # nothing checked is nothing claimed: the split is refused with why
         return SequenceSplitCheck(error=f"the unsplit tiny copy did not run through the dry run: "
@@ -107,7 +107,7 @@ def check_sequence_split(model: nn.Module, input_ids: torch.Tensor, flow, *, cp:
 
 
 @contextlib.contextmanager
-def _perturbed(model: nn.Module) -> Iterator[None]:
+def perturbed(model: nn.Module) -> Iterator[None]:
     """The copy's parameters and float buffers with a little noise while the dry run runs:
     a path that starts at zero (a token shift behind a zero-initialized gate, or a mixing
     buffer a checkpoint sets) mixes tokens once training moves the gate or the checkpoint
@@ -253,13 +253,13 @@ def _reference_inputs(model: nn.Module, input_ids: torch.Tensor, points: _Points
     try:
         _forward(model, input_ids)
     except Exception as exc:
-        raise _Unusable(f"{type(exc).__name__}: {exc}") from exc
+        raise Unusable(f"{type(exc).__name__}: {exc}") from exc
     finally:
         for handle in handles:
             handle.remove()
     if not all(torch.isfinite(value).all() for entry in seen.values() for value in entry.values()
                if value.is_floating_point()):
-        raise _Unusable("non-finite values")
+        raise Unusable("non-finite values")
     return seen, len(layer_calls)
 
 

@@ -279,7 +279,8 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             elif is_attention(fqn, child, roles, attention_inputs) and split_attention and _keeps_tokens(
                     fqn, child, split_attention=split_attention, by_default=split_by_default,
                     implementation=implementation, gathered=gathered, streams=streams, adds_stream=adds_stream,
-                    outputs=outputs, dry_run=traced.token_attention_refusals.get(fqn, "")):
+                    outputs=outputs, dry_run=traced.token_attention_refusals.get(fqn, ""),
+                    read_outside=traced.read_outside):
                 _attention_block(fqn, child, modules, roles, residual, cp=cp, reads=traced.reads,
                                  role=split_attention)
             elif is_attention(fqn, child, roles, attention_inputs):
@@ -455,7 +456,7 @@ _SPLITTABLE_IMPLEMENTATIONS = (*ATTENTION_NAMES, *ATTENTION_NAMES.values())
 
 def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], adds_stream: bool,
                        outputs: tuple[int, ...], algorithm: str, implementation: str | None,
-                       dry_run: str = "") -> str:
+                       dry_run: str = "", read_outside: frozenset[str] = frozenset()) -> str:
     """Why ``block`` cannot keep each cp rank's tokens through its attention ('' when it
     can). allgather_kv and ulysses need the block's attention to go through the attention
     interface (or the project's own gathering attention) with an eager or sdpa
@@ -463,7 +464,9 @@ def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], 
     project's own), and a block with one stream in and out: the applier wraps the attention
     function and slices the rotary embeddings the block is handed; anything else would see
     only the rank's keys. ``dry_run``: why the block failed its dry run on one rank's
-    tokens (``token_attention_dry_run``), '' when it passed or did not run."""
+    tokens (``token_attention_dry_run``), '' when it passed or did not run;
+    ``read_outside``: modules whose parameters the model's code uses outside their forward
+    (JetMoE's attention experts): kept tokens make them DTensors there among plain tensors."""
     what = f"{fqn} ({type(block).__name__})"
     if streams != (0,) or adds_stream or outputs != (0,):
         return (f"{what} takes or hands on more than one stream (it adds the residual itself, or returns several), "
@@ -476,6 +479,11 @@ def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], 
     if not any(_ATTENTION_INTERFACE in source for source in sources):
         return (f"{what} computes attention in its own code, not through transformers' attention interface "
                 f"({_ATTENTION_INTERFACE}), so its keys and values cannot be exchanged over cp")
+    outside = sorted(f"{fqn}.{name}" if name else fqn for name, _ in block.named_modules()
+                     if (f"{fqn}.{name}" if name else fqn) in read_outside)
+    if outside:
+        return (f"{what}: the model's code uses the parameters of {outside[0]} outside its forward, where they stay "
+                f"plain tensors beside the cp-split ones")
     if any("alibi" in source for source in sources):
         return f"{what} takes ALiBi position biases computed for the whole sequence, which {algorithm} does not slice"
     if implementation is not None and implementation not in _SPLITTABLE_IMPLEMENTATIONS:

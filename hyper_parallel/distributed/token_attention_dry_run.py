@@ -31,6 +31,7 @@ from hyper_parallel.distributed.context_parallel import (
     kv_gathered_attention,
 )
 from hyper_parallel.distributed.model_parts import locate_input, positional_names
+from hyper_parallel.distributed.sequence_dry_run import perturbed, Unusable
 
 _RANKS, _RANK = 2, 1  # the rank rehearsed: load-balanced, it holds two chunks from the middle
 _REHEARSAL_NAMES = {inner: f"hyper_cp_dry_run_{inner}" for inner in ATTENTION_NAMES}
@@ -88,11 +89,10 @@ def _register() -> None:
     _registered = True
 
 
-def token_attention_refusals(model: nn.Module, input_ids: torch.Tensor, candidates: list[str],
-                             stream_inputs: dict[str, tuple[int, ...]]) -> dict[str, str]:
-    """{candidate attention block: why it cannot keep each cp rank's tokens}, measured on
-    the tiny copy (module docstring); blocks that can are absent. Blocks of a model whose
-    attention implementation the wrappers do not run are left to the static checks."""
+def _refusals(model: nn.Module, input_ids: torch.Tensor, candidates: list[str],
+              stream_inputs: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """``token_attention_refusals`` on the copy as it is. Blocks of a model whose attention
+    implementation the wrappers do not run are left to the static checks."""
     inner = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if inner not in ATTENTION_NAMES or input_ids.shape[1] % (2 * _RANKS):
         return {}
@@ -110,7 +110,11 @@ def token_attention_refusals(model: nn.Module, input_ids: torch.Tensor, candidat
                for name in candidates]
     try:
         with torch.no_grad():
-            model(input_ids=input_ids)
+            logits = getattr(model(input_ids=input_ids), "logits", None)
+        if isinstance(logits, torch.Tensor) and not torch.isfinite(logits).all():
+            raise Unusable("non-finite logits")
+    except Exception as exc:
+        raise Unusable(f"{type(exc).__name__}: {exc}") from exc
     finally:
         for handle in handles:
             handle.remove()
@@ -122,6 +126,22 @@ def token_attention_refusals(model: nn.Module, input_ids: torch.Tensor, candidat
             if why:
                 refused[name] = why
     return refused
+
+
+def token_attention_refusals(model: nn.Module, input_ids: torch.Tensor, candidates: list[str],
+                             stream_inputs: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """{candidate attention block: why it cannot keep each cp rank's tokens}, measured on
+    the tiny copy (module docstring) with a little noise on its weights, as the sequence
+    dry run does: a path starting at zero (a delayed value projection behind a zero gate)
+    mixes tokens once training moves it. Blocks that pass are absent."""
+    try:
+        with perturbed(model):
+            return _refusals(model, input_ids, candidates, stream_inputs)
+    except Unusable:  # the perturbed copy does not run: its own weights
+        try:
+            return _refusals(model, input_ids, candidates, stream_inputs)
+        except Unusable as exc:  # nothing checked is nothing claimed
+            return {name: f"the tiny copy did not run for the dry run: {exc}" for name in candidates}
 
 
 def _rehearse(block: nn.Module, args: tuple, kwargs: dict, whole_output: torch.Tensor, inner: str,
