@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 BUNDLE = "recipes/tiny_cpu/generated"
 LAUNCH_TIMEOUT_S = 300
+PRELOAD = ["transformers", "hyper_parallel.trainer.__main__", "transformers.models.qwen3_moe.modeling_qwen3_moe"]
 
 
 def _free_port() -> int:
@@ -63,9 +64,11 @@ def _run_two_nodes(nodes) -> list[subprocess.CompletedProcess]:
     env_extra = {MAX_PROCS_ENV: "1", "OMP_NUM_THREADS": "1"}  # verify's ranks as threads inside the job
     procs = []
     for node, project in enumerate(nodes):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-                   "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-                   "-m", "hyper_parallel.trainer", "--config", TINY_RECIPE]
+        # torchrun's own agent and rendezvous, its ranks forked from a launcher that imported
+        # transformers and the trainer once per node (hyper_parallel.launch.forked_torchrun)
+        command = [sys.executable, "-m", "hyper_parallel.launch.forked_torchrun", "--preload", ",".join(PRELOAD), "--",
+                   "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                   f"--master_port={port}", "-m", "hyper_parallel.trainer", "--config", TINY_RECIPE]
         procs.append(subprocess.Popen(command, cwd=project, env={**os.environ, **env_extra}, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
     done = []

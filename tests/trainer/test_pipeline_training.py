@@ -6,6 +6,7 @@ FSDP2 over dp, and ep over the dp ranks of each stage."""
 
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
 from hyper_parallel.trainer.export import export_checkpoint
 from hyper_parallel.trainer.metrics import read_metrics
 from hyper_parallel.trainer.reference import reference_training
+from tests.batch_launch import Batches
 from tests.launch import assert_ran, torchrun
-from tests.project_fixtures import REPO, TINY_RECIPE
+from tests.project_fixtures import REPO, TINY_RECIPE, make_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -87,15 +89,36 @@ def _recipe(project, layout: str):
     return recipe
 
 
+def _launch(world: int, out, cases):
+    return torchrun(["-m", "tests.trainer.pipeline_worker", "--out", str(out), "--cases", str(cases)], REPO,
+                    nproc=world, preload=(QWEN3_MOE_MODELING,), env={MAX_PROCS_ENV: "1"}, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory):
+    """Every layout's own project (its recipe, weights and bundle), trained by one torchrun
+    launch per world size, each layout in turn in the same ranks with a new trainer
+    (tests/batch_launch.py): rank start-up (python, torch, transformers) once per launch,
+    not once per layout. Each test reads its own layout's per-rank results, so a failure
+    names the layout. Returns the batches and each layout's recipe and results folder."""
+    root = tmp_path_factory.mktemp("pipeline_training")
+    cases, recipes = {}, {}
+    for layout in sorted(LAYOUTS):
+        project = make_project(root / layout / "project")
+        recipe, ranks = _recipe(project, layout), root / layout / "ranks"
+        recipes[layout] = recipe, ranks
+        cases[layout] = (LAYOUTS[layout]["nproc_per_node"], [
+            "--recipe", str(recipe), "--steps", str(STEPS), "--out", str(ranks),
+            "--workspace", str(project / "generated")])
+    return Batches(root / "out", cases, _launch), recipes
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_pipeline_training_matches_one_process_in_loss_and_every_gradient(project, tmp_path, layout):
-    recipe = _recipe(project, layout)
+def test_pipeline_training_matches_one_process_in_loss_and_every_gradient(batches, layout):
+    batched, recipes = batches
+    recipe, out = recipes[layout]
     world = LAYOUTS[layout]["nproc_per_node"]
-    out = tmp_path / "ranks"
-    proc = torchrun(["-m", "tests.trainer.pipeline_worker", "--recipe", str(recipe), "--steps", str(STEPS),
-                     "--out", str(out)], REPO, nproc=world, preload=(QWEN3_MOE_MODELING,),
-                    env={MAX_PROCS_ENV: "1", "HYPER_PARALLEL_WORKSPACE": str(project / "generated")})
-    assert_ran(proc)
+    assert [Path(r["saved"]) for r in batched.results(layout)] == [out / f"rank{rank}.pt" for rank in range(world)]
     # the bundle's plan records the split the stages ran (and the review diff shows it)
     modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
     one_layer_stages = ", ".join(f"[{i}, {i + 1}]" for i in range(LAYOUTS[layout].get("layers", 2)))

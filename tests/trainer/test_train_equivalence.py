@@ -5,7 +5,11 @@ Rank 0 generates the bundle at start; its verify stage runs the ranks as threads
 process (verify's own mode above its process cap, ``$HYPER_PARALLEL_VERIFY_MAX_PROCS``;
 tests/verify/test_verify_modes.py shows both modes give the same verdict and figures).
 Training is what is under test here, and at world 4 a torchrun verify starts five more
-torch processes on a 2-core machine for each layout."""
+torch processes on a 2-core machine for each layout.
+
+The eager layouts of a world size train one after another in one launch, a new trainer
+each (tests/trainer/train_cases_worker.py), each in its own project and bundle: rank
+start-up once per world size. The compiled ones start the trainer CLI as a user does."""
 
 import math
 
@@ -19,12 +23,13 @@ from hyper_parallel.config import load_training_config
 from hyper_parallel.trainer.data import global_batch, micro_batches
 from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
 from hyper_parallel.trainer.metrics import read_metrics
+from tests.batch_launch import Batches
 from tests.launch import assert_ran, torchrun
-from tests.project_fixtures import TINY_RECIPE
+from tests.project_fixtures import REPO, TINY_RECIPE, make_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-STEPS = 10
+STEPS = 4
 
 
 def _save_weights(model_dir) -> None:
@@ -101,8 +106,15 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layout):
+# The compiled layouts train in a launch of their own (the trainer CLI); the others, by world
+# size, in one launch each (tests/trainer/train_cases_worker.py: a new trainer per layout).
+COMPILED = sorted(layout for layout in LAYOUTS if LAYOUTS[layout].get("compile"))
+BATCHED = sorted(layout for layout in LAYOUTS if layout not in COMPILED)
+
+
+def _prepare(project, layout: str):
+    """The tiny recipe at ``layout`` trained ``STEPS`` steps from weights saved beside it:
+    the recipe's path, its content and its accelerator keys."""
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
     accelerator = dict(LAYOUTS[layout])
@@ -112,22 +124,65 @@ def test_gen_backend_training_matches_single_process_hf(project, tmp_path, layou
     data["training"]["compile"] = accelerator.pop("compile", False)
     data["accelerator"].update(accelerator)
     data["model"]["init"] = "pretrained"  # the weights saved below
-    world = accelerator["nproc_per_node"]
     data["training"].update(steps=STEPS, global_batch_size=4, micro_batch_size=2, seq_len=12,
                             max_grad_norm=max_grad_norm)
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     _save_weights(recipe.parent / data["model"]["pretrained_model_name_or_path"])
+    return recipe, data, accelerator
 
+
+def _launch(world: int, out, cases):
+    return torchrun(["-m", "tests.trainer.train_cases_worker", "--out", str(out), "--cases", str(cases)], out,
+                    nproc=world, env={MAX_PROCS_ENV: "1", "PYTHONPATH": str(REPO)}, preload=(QWEN3_MOE_MODELING,),
+                    timeout=900)
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory):
+    """Every batched layout's own project (recipe, weights, bundle), trained by one launch
+    per world size (tests/batch_launch.py: a failure names its layout); per layout its
+    recipe, content, accelerator keys, metrics file and log prefix."""
+    root = tmp_path_factory.mktemp("train_equivalence")
+    cases, runs = {}, {}
+    for layout in BATCHED:
+        project = make_project(root / layout / "project")
+        recipe, data, accelerator = _prepare(project, layout)
+        metrics, log = root / layout / "metrics.json", root / layout / "trainer.log"
+        runs[layout] = recipe, data, accelerator, metrics, log
+        cases[layout] = (accelerator["nproc_per_node"], ["--recipe", str(recipe), "--metrics", str(metrics),
+                                                        "--log", str(log), "--workspace", str(project / "generated")])
+    return Batches(root / "out", cases, _launch), runs
+
+
+@pytest.mark.parametrize("layout", BATCHED)
+def test_gen_backend_training_matches_single_process_hf(batches, layout):
+    batched, runs = batches
+    recipe, data, accelerator, metrics, log = runs[layout]
+    batched.results(layout)
+    world = accelerator["nproc_per_node"]
+    out = "".join(log.with_name(f"{log.name}.rank{rank}").read_text() for rank in range(world))
+    _assert_matches(recipe, data, accelerator, out, metrics)
+
+
+@pytest.mark.parametrize("layout", COMPILED)
+def test_compiled_gen_backend_training_matches_single_process_hf(project, tmp_path, layout):
+    recipe, data, accelerator = _prepare(project, layout)
     metrics = tmp_path / "metrics.json"
     proc = torchrun(["-m", "hyper_parallel.trainer", "--config", str(recipe), "--metrics", str(metrics)], project,
-                    nproc=world, env={MAX_PROCS_ENV: "1"}, preload=(QWEN3_MOE_MODELING,))
+                    nproc=accelerator["nproc_per_node"], env={MAX_PROCS_ENV: "1"}, preload=(QWEN3_MOE_MODELING,))
     assert_ran(proc)
-    assert f"step {STEPS}/{STEPS}" in proc.stdout
+    _assert_matches(recipe, data, accelerator, proc.stdout, metrics)
+
+
+def _assert_matches(recipe, data, accelerator, out: str, metrics) -> None:
+    """The run's output (the trainer's log lines) and metrics: every step's loss and
+    gradient norm equal to one HF process's."""
+    assert f"step {STEPS}/{STEPS}" in out
     if data["training"]["compile"]:  # the layers ran compiled: inductor's code, not eager
-        assert "training.compile: 2 module(s) compiled" in proc.stdout, proc.stdout[-2000:]
+        assert "training.compile: 2 module(s) compiled" in out, out[-2000:]
     if accelerator.get("pp_size", 1) > 1:  # the split the stages run, said at start
         assert ("pipeline: 2 stages over pp 2 (1f1b, 2 micro-batches per step); decoder layers by stage: [0, 1) [1, 2)"
-                in proc.stdout), proc.stdout[-2000:]
+                in out), out[-2000:]
     if "plan_overrides" in data:  # the generated model applies the replacements
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
         assert "replace_qwen3_moe_grouped_experts" in modeling and "replace_qwen3_moe_flash_attention" in modeling

@@ -88,7 +88,9 @@ def test_verify_refuses_stages_that_do_not_compute_the_whole_model_and_keeps_the
     shutil.copytree(EMBEDDING_SKIP, folder / "models" / "embedding_skip", ignore=shutil.ignore_patterns("__pycache__"))
     recipe = folder / "skip.yaml"
     recipe.write_text(SKIP_RECIPE)
-    first = cli(project, "generate", "--skip-preflight", "--config", str(recipe))
+    # the old bundle (tp2), verified by threads of one process: no verify launch to start
+    # (the modes agree: tests/verify/test_verify_modes.py); the refusal below runs as torchrun processes
+    first = cli(project, "generate", "--skip-preflight", "--config", str(recipe), env={MAX_PROCS_ENV: "1"})
     assert first.returncode == 0, first.stdout + first.stderr
     before = bundle_bytes(folder / "generated")
     recipe.write_text(SKIP_RECIPE.replace("tp_size: 2", "pp_size: 2"))
