@@ -459,22 +459,26 @@ def _make_wrapper(inner: str):
     return attention
 
 
-_registered = False
+_registered: set[str] = set()
 
 
-def register_attention_functions() -> None:
-    """Register the wrappers and their mask functions with transformers (once)."""
-    global _registered
-    if _registered:
-        return
+def register_attention(names: dict[str, str], make) -> None:
+    """Register ``make(inner)`` as attention function ``names[inner]`` for each inner
+    implementation (sdpa, eager), with the mask function of that implementation (once)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
     masks = {"sdpa": sdpa_mask, "eager": eager_mask}
-    for inner, name in ATTENTION_NAMES.items():
-        AttentionInterface.register(name, _make_wrapper(inner))
-        AttentionMaskInterface.register(name, masks[inner])
-    _registered = True
+    for inner, name in names.items():
+        if name not in _registered:
+            AttentionInterface.register(name, make(inner))
+            AttentionMaskInterface.register(name, masks[inner])
+            _registered.add(name)
+
+
+def register_attention_functions() -> None:
+    """Register the wrappers and their mask functions with transformers (once)."""
+    register_attention(ATTENTION_NAMES, _make_wrapper)
 
 
 def _slice_positions(context: CpAttention):

@@ -29,6 +29,7 @@ from hyper_parallel.distributed.context_parallel import (
     _slice_positions,
     inner_attention,
     kv_gathered_attention,
+    register_attention,
 )
 from hyper_parallel.distributed.model_parts import locate_input, positional_names
 from hyper_parallel.distributed.sequence_dry_run import perturbed, Unusable
@@ -72,23 +73,6 @@ def _rehearsal_function(inner: str):
     return attention
 
 
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-
-    masks = {"sdpa": sdpa_mask, "eager": eager_mask}
-    for inner, name in _REHEARSAL_NAMES.items():
-        AttentionInterface.register(name, _rehearsal_function(inner))
-        AttentionMaskInterface.register(name, masks[inner])
-    _registered = True
-
-
 def _refusals(model: nn.Module, input_ids: torch.Tensor, candidates: list[str],
               stream_inputs: dict[str, tuple[int, ...]]) -> dict[str, str]:
     """``token_attention_refusals`` on the copy as it is. Blocks of a model whose attention
@@ -96,7 +80,7 @@ def _refusals(model: nn.Module, input_ids: torch.Tensor, candidates: list[str],
     inner = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if inner not in ATTENTION_NAMES or input_ids.shape[1] % (2 * _RANKS):
         return {}
-    _register()
+    register_attention(_REHEARSAL_NAMES, _rehearsal_function)
     captured: dict[str, tuple[tuple, dict, torch.Tensor]] = {}
 
     def capture(name):
