@@ -9,7 +9,7 @@ has a load balance (``gather_sequence`` computes the whole sequence on every ran
 A recipe that leaves ``algorithm`` out gets ``DEFAULT_CP_ALGORITHM`` (allgather_kv, which
 splits the attention work) *by default* (``by_default``): an attention block that cannot run
 it (attention outside transformers' interface, ALiBi, an implementation other than eager or
-sdpa, code that fails its dry run on one rank's tokens, ...) then gathers the sequence as ``gather_sequence`` does, and the plan's notes say
+sdpa, code that fails its dry run on each rank's tokens, ...) then gathers the sequence as ``gather_sequence`` does, and the plan's notes say
 which and why. A recipe that names the algorithm gets it or a refusal naming the block.
 """
 

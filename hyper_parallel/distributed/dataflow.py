@@ -194,7 +194,7 @@ class Dataflow:
     # piece (``state_handoff.py``), and the others with why not: those stay gathered.
     state_handoff: frozenset[str] = frozenset()
     handoff_refusals: dict[str, str] = field(default_factory=dict)
-    # Under cp, the attention blocks whose dry run on one rank's tokens failed, with why
+    # Under cp, the attention blocks whose dry run on each rank's tokens failed, with why
     # (``token_attention_dry_run.py``): allgather_kv / ulysses cannot keep their tokens split.
     token_attention_refusals: dict[str, str] = field(default_factory=dict)
 
@@ -222,9 +222,10 @@ class _Tags(TorchFunctionMode):
         self.attention: list[tuple[frozenset, frozenset, frozenset]] = []
         self.selected: set = set()
         self.running: list[str] = []  # the tagged modules whose forward is running, innermost last
+        self.holding: list[str] = []  # the modules with parameters of their own whose forward is running
         self.selecting: set[str] = set()  # tagged modules that select (top-k) inside their own forward
-        self.owners: dict[int, str] = {}  # id(parameter) -> the tagged module holding it
-        self.read_outside: set[str] = set()  # tagged modules whose parameters code outside them used
+        self.owners: dict[int, str] = {}  # id(parameter) -> the module holding it (a leaf or a container)
+        self.read_outside: set[str] = set()  # modules whose parameters code outside their forward used
         self.linears: set[str] = set()  # the tagged modules that are Linear
         self.weights: dict[int, tuple[torch.Tensor, str]] = {}  # a copy of a Linear's weight -> the Linear
         self.pending_weight: str | None = None
@@ -244,8 +245,10 @@ class _Tags(TorchFunctionMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         for tensor in tensors if not _reads_placement_free_metadata(func) else ():
             owner = self.owners.get(id(tensor)) if isinstance(tensor, nn.Parameter) else None
-            if owner is not None and self.running[-1:] != [owner]:
-                self.read_outside.add(owner)  # Gemma 3n's layer clamps and multiplies AltUp's coefs itself
+            if owner is not None and self.holding[-1:] != [owner]:
+                # Gemma 3n's layer clamps and multiplies AltUp's coefs itself; JetMoE's
+                # attention calls its experts' ``reduce``, which adds their own bias
+                self.read_outside.add(owner)
         values = [t for t in tensors if _carries_values(t) and not isinstance(t, nn.Parameter)]
         carried = frozenset().union(*(self.of(t) for t in values)) if values else frozenset()
         applied = self._weight_applied(name, tensors, values)
@@ -424,7 +427,8 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     mode = _Tags()
     hand_outs = _HandOuts(model)
     leaves = _leaves(model)
-    mode.owners = {id(param): name for name, module in leaves.items() for param in _own_params(module)}
+    holders = {name: module for name, module in model.named_modules() if _own_params(module)}
+    mode.owners = {id(param): name for name, module in holders.items() for param in _own_params(module)}
     mode.linears = {name for name, module in leaves.items() if isinstance(module, nn.Linear)}
     inputs: dict[str, frozenset] = {}
     first_input: dict[str, torch.Tensor] = {}
@@ -480,6 +484,9 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> _Trace:
     for name, module in leaves.items():
         handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         handles.append(module.register_forward_hook(post(name), with_kwargs=True))
+    for name, module in holders.items():
+        handles.append(module.register_forward_pre_hook(lambda *_, name=name: mode.holding.append(name)))
+        handles.append(module.register_forward_hook(lambda *_: mode.holding.pop() and None))  # output kept
     try:
         with mode:
             output = model(input_ids=input_ids)

@@ -101,7 +101,7 @@ class TracedFacts:
       the stream (tokens flattened to [tokens, hidden]); sequence parallel refuses them;
     - ``after_layers``: leaves off the decoder layers reading what the layers wrote (OPT's
       project_out after the final norm): they compute on the split sequence;
-    - ``token_attention_refusals``: (cp) attention blocks whose dry run on one rank's tokens
+    - ``token_attention_refusals``: (cp) attention blocks whose dry run on each rank's tokens
       failed, with why (``token_attention_dry_run``): they cannot keep their tokens split;
     - ``value_inputs``: module -> positions of its inputs carrying the stream; a block
       converts each (CTRL's attention takes it as v, k and q), by default its first input;
@@ -490,7 +490,7 @@ def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], 
         return (f"{what} runs the attention implementation {implementation!r}, and {algorithm} wraps eager or sdpa "
                 f"(model.attn_implementation)")
     if dry_run:
-        return f"{what}: a dry run of the block on one cp rank's tokens, on a tiny copy: {dry_run}"
+        return f"{what}: a dry run of the block on each cp rank's tokens, on a tiny copy: {dry_run}"
     return ""
 
 

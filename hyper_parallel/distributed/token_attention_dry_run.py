@@ -9,13 +9,17 @@ was handed (Qwen4-Exp's sparse attention), code that cuts the positions to the h
 states' length itself, a mask combined with something made on the piece. The static
 checks of ``sequence_layout`` cannot see that.
 
-So each candidate block of the tiny copy runs once as rank 1 of 2 would, load-balanced
-(chunks 1 and 2 of 4): its captured inputs with the stream cut to the rank's tokens, the
-positions cut by the applier's own pre-hook, and an attention function doing what
-``kv_gathered_attention`` does with the K/V the same block computed on the whole sequence
-in place of the all-gather. Its output must equal the whole-sequence output's rows of
-those tokens; an error or a difference is the block's refusal, and the planner gathers the
-block (the default algorithm) or refuses the recipe (an algorithm the recipe named).
+So each candidate block of the tiny copy runs as each of 2 load-balanced cp ranks would
+(rank 0: chunks 0 and 3 of 4, rank 1: chunks 1 and 2): its captured inputs with the stream
+cut to the rank's tokens, the positions cut by the applier's own pre-hook, and an
+attention function doing what ``kv_gathered_attention`` does. Its K/V are what the
+all-gather would give: both ranks' own K/V of that call put together in sequence order,
+so a value or key path that reads beyond the rank's tokens (ZAYA's delayed value, a
+convolution over the sequence) shows, as it would in training. A block calling attention
+more than once is run once more per call, each pass with the K/V of the calls before it.
+Each rank's output must equal the whole-sequence output's rows of its tokens; an error or
+a difference is the block's refusal, and the planner gathers the block (the default
+algorithm) or refuses the recipe (an algorithm the recipe named).
 """
 
 import torch
@@ -34,39 +38,51 @@ from hyper_parallel.distributed.context_parallel import (
 from hyper_parallel.distributed.model_parts import locate_input, positional_names
 from hyper_parallel.distributed.sequence_dry_run import perturbed, Unusable
 
-_RANKS, _RANK = 2, 1  # the rank rehearsed: load-balanced, it holds two chunks from the middle
+_RANKS = 2  # the ranks rehearsed, load-balanced: rank 0 holds the sequence's ends, rank 1 its middle
 _REHEARSAL_NAMES = {inner: f"hyper_cp_dry_run_{inner}" for inner in ATTENTION_NAMES}
 _TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
-class _Rehearsal(CpAttention):
-    """The cp context of the rehearsed rank: ``whole_kv`` hands back what the block's
-    whole-sequence call recorded (``recording``), call by call, instead of gathering."""
+_MAX_CALLS = 8  # attention calls per block the rehearsal follows (a block calls it once or twice)
 
-    def __init__(self, inner: str):
-        super().__init__(None, _RANKS, _RANK, SequenceOrder(_RANKS), inner)
-        self.recording = True
-        self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+class _Rehearsal(CpAttention):
+    """The cp context of one rehearsed rank: ``whole_kv`` records the rank's own K/V call by
+    call and hands back the gathered K/V ``known`` from the previous pass (``_rehearse``);
+    for the first call not known yet, a stand-in of the gathered shape (that pass's output
+    is not compared)."""
+
+    def __init__(self, inner: str, rank: int, known: list[tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__(None, _RANKS, rank, SequenceOrder(_RANKS), inner)
+        self.known = known
+        self.own: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def whole_kv(self, key, value):
-        if not self.recorded:
-            raise RuntimeError("the block calls its attention more often on a piece of the sequence than on the whole")
-        whole_key, whole_value = self.recorded.pop(0)
-        if whole_key.shape[2] != key.shape[2] * self.size:
-            raise RuntimeError(f"its attention got {key.shape[2]} keys on a piece of {self.size}, "
-                               f"{whole_key.shape[2]} on the whole sequence")
-        return whole_key, whole_value
+        index = len(self.own)
+        self.own.append((key, value))
+        if index < len(self.known):
+            whole_key, whole_value = self.known[index]
+            if whole_key.shape[2] != key.shape[2] * self.size:
+                raise RuntimeError(f"its attention got {key.shape[2]} keys on one rank's tokens, "
+                                   f"{whole_key.shape[2]} gathered")
+            return whole_key, whole_value
+        return torch.cat([key] * self.size, dim=2), torch.cat([value] * self.size, dim=2)
+
+
+def _all_gathered(own: dict[int, list], index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call ``index``'s K/V as the all-gather hands them on: the ranks' own, in rank order,
+    put back into sequence order."""
+    order = SequenceOrder(_RANKS)
+    return tuple(order.restore(torch.cat([own[rank][index][part] for rank in range(_RANKS)], dim=2), 2)
+                 for part in (0, 1))
 
 
 def _rehearsal_function(inner: str):
-    """The attention function of the dry run: records K/V on the whole sequence, then
-    attends as allgather_kv does (its mask path) on the piece."""
+    """The attention function of the dry run: as allgather_kv attends (its mask path), with
+    the rehearsal's K/V; the block's plain implementation outside a rehearsal."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        context = getattr(module, CONTEXT_ATTRIBUTE, None)
-        if context is None or context.recording:
-            if context is not None:
-                context.recorded.append((key, value))
+        if getattr(module, CONTEXT_ATTRIBUTE, None) is None:
             return inner_attention(module, inner)(module, query, key, value, attention_mask, **kwargs)
         return kv_gathered_attention(module, inner, query, key, value, attention_mask, **kwargs)
 
@@ -130,45 +146,63 @@ def token_attention_refusals(model: nn.Module, input_ids: torch.Tensor, candidat
 
 def _rehearse(block: nn.Module, args: tuple, kwargs: dict, whole_output: torch.Tensor, inner: str,
               stream_index: int) -> str:
-    """'' when ``block`` on the rehearsed rank's tokens gives the rows of ``whole_output``."""
-    context = _Rehearsal(inner)
+    """'' when ``block`` on each rehearsed rank's tokens, with K/V gathered from the ranks'
+    own, gives that rank's rows of ``whole_output``; else why not."""
     configs = {id(m.config): m.config for m in block.modules() if hasattr(getattr(m, "config", None),
                                                                           "_attn_implementation")}
     saved = {key: config._attn_implementation for key, config in configs.items()}
-    modules = list(block.modules())
-    hook = block.register_forward_pre_hook(_slice_positions(context), with_kwargs=True)
+    where, key = locate_input(stream_index, list(args), dict(kwargs), positional_names(block))
+    if where is None or not isinstance(where[key], torch.Tensor) or where[key].dim() < 2:
+        return "its stream input could not be found in the traced call"
     try:
         for config in configs.values():
             config._attn_implementation = _REHEARSAL_NAMES[inner]
-        for module in modules:
-            setattr(module, CONTEXT_ATTRIBUTE, context)
-        hook.remove()  # the whole-sequence call records K/V with the positions as they are
-        with torch.no_grad():
-            _first(block(*args, **kwargs))
-            context.recording = False
-            hook = block.register_forward_pre_hook(_slice_positions(context), with_kwargs=True)
-            piece_args, piece_kwargs = list(args), dict(kwargs)
-            where, key = locate_input(stream_index, piece_args, piece_kwargs, positional_names(block))
-            if where is None or not isinstance(where[key], torch.Tensor) or where[key].dim() < 2:
-                return "its stream input could not be found in the traced call"
-            where[key] = context.local_rows(where[key], 1)
-            output = _first(block(*piece_args, **piece_kwargs))
-        expected = context.local_rows(whole_output, 1)
-        if output.shape != expected.shape:
-            return f"on its tokens it returns shape {list(output.shape)}, expected {list(expected.shape)}"
-        if not torch.allclose(output, expected, **_TOLERANCE):
-            error = (output - expected).abs().max().item()
-            return (f"on its tokens (whole-sequence K/V in its attention) its output differs from the whole "
-                    f"sequence's by up to {error:.1e}: its code uses the sequence beyond the attention function")
+        known: list[tuple[torch.Tensor, torch.Tensor]] = []
+        while True:
+            contexts = [_Rehearsal(inner, rank, known) for rank in range(_RANKS)]
+            outputs = [_run_as(block, context, args, kwargs, stream_index) for context in contexts]
+            calls = {len(context.own) for context in contexts}
+            if len(calls) > 1:
+                return f"its ranks call attention a different number of times on their tokens ({sorted(calls)})"
+            if calls.pop() <= len(known):
+                break
+            if len(known) == _MAX_CALLS:
+                return f"it calls attention more than {_MAX_CALLS} times"
+            known.append(_all_gathered({context.rank: context.own for context in contexts}, len(known)))
+        for context, output in zip(contexts, outputs):
+            expected = context.local_rows(whole_output, 1)
+            if output.shape != expected.shape:
+                return f"on its tokens it returns shape {list(output.shape)}, expected {list(expected.shape)}"
+            if not torch.allclose(output, expected, **_TOLERANCE):
+                error = (output - expected).abs().max().item()
+                return (f"on cp rank {context.rank}'s tokens (K/V gathered from the ranks') its output differs "
+                        f"from the whole sequence's by up to {error:.1e}: its code uses the sequence beyond "
+                        f"the attention function")
         return ""
     except Exception as exc:  # the block's own code on a piece: its error is the reason
         return f"on its tokens it fails: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     finally:
+        for key, config in configs.items():
+            config._attn_implementation = saved[key]
+
+
+def _run_as(block: nn.Module, context: _Rehearsal, args: tuple, kwargs: dict, stream_index: int) -> torch.Tensor:
+    """``block``'s stream output on ``context``'s rank: its stream input cut to the rank's
+    tokens, its positions cut by the applier's pre-hook, its modules holding the context."""
+    modules = list(block.modules())
+    piece_args, piece_kwargs = list(args), dict(kwargs)
+    where, key = locate_input(stream_index, piece_args, piece_kwargs, positional_names(block))
+    where[key] = context.local_rows(where[key], 1)
+    hook = block.register_forward_pre_hook(_slice_positions(context), with_kwargs=True)
+    try:
+        for module in modules:
+            setattr(module, CONTEXT_ATTRIBUTE, context)
+        with torch.no_grad():
+            return _first(block(*piece_args, **piece_kwargs))
+    finally:
         hook.remove()
         for module in modules:
             module.__dict__.pop(CONTEXT_ATTRIBUTE, None)
-        for key, config in configs.items():
-            config._attn_implementation = saved[key]
 
 
 def _without_cache(kwargs: dict) -> dict:

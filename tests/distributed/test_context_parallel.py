@@ -5,7 +5,9 @@ single-process HF model (fp32: loss of three AdamW steps rtol 1e-5, every gradie
 1e-4 / atol 1e-6), and the attention really computes S/cp queries (allgather_kv) or the
 whole sequence of 1/cp of the heads (ulysses)."""
 
+import copy
 import math
+import re
 
 import pytest
 import torch
@@ -285,7 +287,7 @@ def test_ulysses_refuses_heads_tp_times_cp_does_not_divide():
 def test_the_dry_run_on_one_rank_s_tokens_finds_attention_code_using_the_whole_sequence():
     """Qwen4-Exp's softmax attention builds a key-selection mask over the tokens it is
     handed and combines it with the whole sequence's mask: the static checks pass it, the
-    dry run on one cp rank's tokens (token_attention_dry_run) fails it, naming the error;
+    dry run on each cp rank's tokens (token_attention_dry_run) fails it, naming the error;
     a plain attention (Llama, eager and sdpa) passes."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -307,3 +309,33 @@ def test_the_dry_run_on_one_rank_s_tokens_finds_attention_code_using_the_whole_s
             num_key_value_heads=2), attn_implementation=implementation)
         assert token_attention_refusals(plain, ids, ["model.layers.0.self_attn", "model.layers.1.self_attn"],
                                         {}) == {}, implementation
+
+
+@pytest.mark.parametrize("family, block, why", [
+    # JetMoE's attention calls its experts' ``reduce``, which adds the experts' own bias:
+    # a parameter of a container used outside the container's forward
+    ("jetmoe", "model.layers.*.self_attention", "outside its forward"),
+    # ZAYA's value path delays each value by one token and a convolution mixes q/k over the
+    # sequence: on a rank's tokens the first one lacks its predecessor, which only the
+    # dry run with K/V gathered from both ranks' own (not the whole sequence's) shows
+    ("zaya", "model.layers.*.self_attn", "its code uses the sequence beyond the attention function"),
+])
+def test_the_default_algorithm_gathers_attention_reading_beyond_its_tokens(family, block, why):
+    """Left to the default, an attention block whose code reads beyond the rank's tokens is
+    gathered over cp with a note naming it and why; named in the recipe, it is refused."""
+    from bench.families.tiny import tiny_config
+    from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.distributed.dataflow import pattern
+    from hyper_parallel.distributed.mesh import ParallelDims
+    from hyper_parallel.distributed.plan_lint import PlanError
+    from tests.distributed.test_dataflow import _planned
+
+    config = tiny_config(family)
+    result = _planned(copy.deepcopy(config), ParallelDims(cp=2),
+                      context_parallel=ContextParallel("allgather_kv", True, by_default=True))
+    attention = [name for name in result.roles if pattern(name) == block]
+    assert attention and {result.roles[name] for name in attention} == {"attention_block"}
+    [note] = [note for note in result.notes if note.startswith(f"{block} gathered over cp")]
+    assert why in note
+    with pytest.raises(PlanError, match=r"algorithm: allgather_kv: " + re.escape(block.replace("*", "0"))):
+        _planned(copy.deepcopy(config), ParallelDims(cp=2), context_parallel=ContextParallel("allgather_kv", True))
