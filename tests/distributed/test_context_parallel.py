@@ -323,19 +323,29 @@ def test_the_dry_run_on_one_rank_s_tokens_finds_attention_code_using_the_whole_s
 def test_the_default_algorithm_gathers_attention_reading_beyond_its_tokens(family, block, why):
     """Left to the default, an attention block whose code reads beyond the rank's tokens is
     gathered over cp with a note naming it and why; named in the recipe, it is refused."""
+    from transformers import AutoModelForCausalLM
+
     from bench.families.tiny import tiny_config
     from hyper_parallel.config.context_parallel import ContextParallel
     from hyper_parallel.distributed.dataflow import pattern
-    from hyper_parallel.distributed.mesh import ParallelDims
+    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
     from hyper_parallel.distributed.plan_lint import PlanError
-    from tests.distributed.test_dataflow import _planned
+    from hyper_parallel.distributed.planner import ShardingPlanner
+    from tests.distributed.test_dataflow import _flow, _tiny
 
-    config = tiny_config(family)
-    result = _planned(copy.deepcopy(config), ParallelDims(cp=2),
-                      context_parallel=ContextParallel("allgather_kv", True, by_default=True))
+    tiny, dims = _tiny(copy.deepcopy(tiny_config(family))), ParallelDims(cp=2)
+    flow = _flow(tiny, tp=1, sequence_split="cp")  # one trace (and dry run) for both plans
+
+    def planned(context_parallel: ContextParallel):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny.config)
+        return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow,
+                               context_parallel=context_parallel).plan()
+
+    result = planned(ContextParallel("allgather_kv", True, by_default=True))
     attention = [name for name in result.roles if pattern(name) == block]
     assert attention and {result.roles[name] for name in attention} == {"attention_block"}
     [note] = [note for note in result.notes if note.startswith(f"{block} gathered over cp")]
     assert why in note
     with pytest.raises(PlanError, match=r"algorithm: allgather_kv: " + re.escape(block.replace("*", "0"))):
-        _planned(copy.deepcopy(config), ParallelDims(cp=2), context_parallel=ContextParallel("allgather_kv", True))
+        planned(ContextParallel("allgather_kv", True))

@@ -35,7 +35,8 @@ LAYOUTS = {
     # the residual stream split over the sequence: the stages hand on the whole sequence
     "pp2_tp2_sp_lp": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2, "sequence_parallel": True,
                       "loss_parallel": True},
-    "pp2_cp2": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 1, "cp_size": 2},
+    "pp2_cp2": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 1, "cp_size": 2,
+                "context_parallel": {"algorithm": "gather_sequence"}},
     "pp2_cp2_allgather_kv": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 1, "cp_size": 2,
                              "context_parallel": {"algorithm": "allgather_kv"}},
     # one embedding matrix for input and head: a copy on each end stage, gradients summed

@@ -86,7 +86,11 @@ LAYOUTS = {
     # ... and over the cp ranks, with each expert held by the 2 dp ranks (edp = 2).
     # FSDP2 over dp on top of tp (2D), with both replacements.
     "dp2_tp2_fsdp2_replaced": {"nproc_per_node": 4, "dp_size": 2, "tp_size": 2, "replacements": True},
-    "dp2_cp2_ep2_fsdp2": {"nproc_per_node": 4, "dp_size": 2, "cp_size": 2, "tp_size": 1, "ep_size": 2},
+    # the sequence gathered before attention (the algorithm that splits no attention)
+    "dp2_cp2_ep2_fsdp2": {"nproc_per_node": 4, "dp_size": 2, "cp_size": 2, "tp_size": 1, "ep_size": 2,
+                          "context_parallel": {"algorithm": "gather_sequence"}},
+    # context parallel left to its default, allgather_kv load-balanced (K/V all-gathered over
+    # cp), with the fused attention replacement, sequence parallel and the vocab-sharded loss
     "tp2_cp2_ep2_sp_lp_replaced": {"nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2,
                                    "sequence_parallel": True, "loss_parallel": True, "replacements": True},
     # pipeline parallel through the whole trainer loop (the loss from the last stage, the
@@ -97,12 +101,6 @@ LAYOUTS = {
     # under FSDP2; equal to one eager process as every other layout
     "tp2_compiled": {"nproc_per_node": 2, "tp_size": 2, "compile": True},
     "dp2_fsdp2_compiled": {"nproc_per_node": 2, "dp_size": 2, "tp_size": 1, "compile": True},
-    # context parallel splitting attention (K/V all-gathered over cp, load-balanced chunks),
-    # with the fused attention replacement, sequence parallel and the vocab-sharded loss
-    "tp2_cp2_ep2_sp_lp_replaced_allgather_kv": {
-        "nproc_per_node": 4, "tp_size": 2, "cp_size": 2, "ep_size": 2, "sequence_parallel": True,
-        "loss_parallel": True, "replacements": True,
-        "context_parallel": {"algorithm": "allgather_kv", "load_balance": True}},
 }
 
 
@@ -186,10 +184,13 @@ def _assert_matches(recipe, data, accelerator, out: str, metrics) -> None:
     if "plan_overrides" in data:  # the generated model applies the replacements
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
         assert "replace_qwen3_moe_grouped_experts" in modeling and "replace_qwen3_moe_flash_attention" in modeling
-    if "context_parallel" in accelerator:  # the bundle splits attention as the recipe says
+    if accelerator.get("cp_size", 1) > 1:  # the bundle splits attention as the recipe says, or by default
         modeling = "".join(path.read_text() for path in (recipe.parent / "generated").glob("modeling_*.py"))
-        assert '"cp_algorithm": "allgather_kv"' in modeling and '"cp_load_balance": True' in modeling
-        assert '"kv_gathered_attention | ' in modeling  # the attention entries' line starts with the role
+        algorithm = accelerator.get("context_parallel", {}).get("algorithm", "allgather_kv")
+        # the plan records the algorithm, but the one that splits no attention (its format's default)
+        assert (f'"cp_algorithm": "{algorithm}"' in modeling) == (algorithm != "gather_sequence")
+        # the attention entries' line starts with the role
+        assert ('"kv_gathered_attention | ' in modeling) == (algorithm == "allgather_kv")
     records = read_metrics(metrics)
     got, got_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
     want, want_norms = _reference_run(recipe)

@@ -23,12 +23,12 @@ from tests.project_fixtures import REPO, TINY_RECIPE, bundle_bytes, cli, verify_
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LAYOUTS = {
-    "pp2_tp2": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2},
-    # two virtual stages per rank: the probe keeps 4 layers (the recipe's model has 4 here)
-    "pp2_interleaved": {"nproc_per_node": 2, "pp_size": 2, "tp_size": 1,
-                        "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}},
+    # tp inside each stage, and two virtual stages per rank: the probe keeps 4 layers (the
+    # recipe's model has 4 here). One layout for both: each verify runs twice (the suite's budget)
+    "pp2_tp2_interleaved": {"nproc_per_node": 4, "pp_size": 2, "tp_size": 2,
+                            "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}},
 }
-LAYERS = {"pp2_interleaved": 4}
+LAYERS = {"pp2_tp2_interleaved": 4}
 
 
 def _recipe(project, layout: str, accelerator: dict):
