@@ -23,6 +23,8 @@ and the attention is plain causal (no mask, softcap, window, sinks, dropout); th
 falls back to the mask rows otherwise.
 """
 
+import functools
+
 import torch
 
 
@@ -47,9 +49,27 @@ def _merge(merged: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple[
             + out.float() * torch.exp(lse - total).unsqueeze(-1)), total
 
 
+@functools.cache
+def _kernel_takes_kv_heads() -> bool:
+    """Whether the CPU flash kernels take fewer K/V heads than query heads themselves
+    (grouped-query attention: forward reads each kv head for its query-head group, backward
+    returns the K/V gradients summed per kv head). Then K/V are never repeated per query
+    head: no copies of them in forward or backward, nor the sums of their gradients."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    query, key = torch.zeros(1, 2, 4, 8), torch.zeros(1, 1, 4, 8)
+    try:
+        out, lse = flash(query, key, key, 0.0, True, scale=1.0)
+        _, grad_key, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            out, query, key, key, out, lse, 0.0, True, scale=1.0)
+    except RuntimeError:  # an older kernel: K/V repeated per query head
+        return False
+    return grad_key.shape == key.shape
+
+
 def _repeat(tensor: torch.Tensor, groups: int) -> torch.Tensor:
-    """[batch, kv heads, S, dim] -> [batch, kv heads * groups, S, dim] (transformers' repeat_kv)."""
-    if groups == 1:
+    """[batch, kv heads, S, dim] -> [batch, kv heads * groups, S, dim] (transformers' repeat_kv),
+    where the kernels need it (``_kernel_takes_kv_heads``)."""
+    if groups == 1 or _kernel_takes_kv_heads():
         return tensor
     batch, heads, length, dim = tensor.shape
     return tensor[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
@@ -57,7 +77,7 @@ def _repeat(tensor: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _summed(grad: torch.Tensor, groups: int) -> torch.Tensor:
     """The gradient of ``_repeat``: each kv head's query-head group summed."""
-    if groups == 1:
+    if groups == 1 or _kernel_takes_kv_heads():
         return grad
     batch, heads, length, dim = grad.shape
     return grad.view(batch, heads // groups, groups, length, dim).sum(2)
