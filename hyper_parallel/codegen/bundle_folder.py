@@ -139,6 +139,16 @@ def check_owned(folder: Path, action: str, installing: Iterable[str] = ()) -> No
                                           f"them out or set model.codegen_artifact_dir to a folder of its own")
 
 
+def check_creatable(folder: Path) -> None:
+    """Refuse, before any stage runs, a bundle folder that cannot be made: its nearest
+    existing ancestor is a file (the install would find out after derive and verify)."""
+    for ancestor in folder.parents:
+        if ancestor.exists() or ancestor.is_symlink():
+            if not ancestor.is_dir():
+                raise _cannot_write(folder, OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(ancestor)))
+            return
+
+
 def _swap_in(staging: Path, target: Path, installing: Iterable[str]) -> None:
     check_owned(target, "install", installing)  # again, right before the swap
     try:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from hyper_parallel.codegen.bundle_folder import check_owned, remove_stale_staging_dirs
+from hyper_parallel.codegen.bundle_folder import check_creatable, check_owned, remove_stale_staging_dirs
 from hyper_parallel.codegen.bundle_share import share_bundle
 from hyper_parallel.codegen.spec.project import project_codegen_spec, signature_from_spec
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
@@ -41,6 +41,7 @@ def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bo
     """Run every stale stage in order; return the names of the stages that ran. A run that
     fails in a recipe's first build leaves no workspace behind (nothing on disk changed)."""
     if "install" in stages:  # before any work: a folder install would refuse is refused now
+        check_creatable(spec.bundle_dir)
         check_owned(spec.bundle_dir, "install", spec.bundle_file_names)
     remove_orphaned_temp_files(spec.workspace)  # what a killed run left: the next run cleans up
     remove_stale_staging_dirs(spec.bundle_dir)

@@ -429,14 +429,19 @@ def gathered_grads(model, whole: dict[str, tuple], *, pipelined: bool) -> tuple[
 
 
 def _gather(tensor, shape: tuple[int, ...], dtype, rows=None) -> tuple[Any, float]:
-    """The whole tensor of ``shape``, rebuilt on every rank from each rank's local piece
-    (where each piece sits: ``local_elements`` on an index grid; a plain tensor is one
-    piece every rank holds; None: a rank that holds none of it, another pipeline stage's
-    parameter), and how far the ranks' copies of the same element disagree: replicas that
-    differ would train different weights, so averaging them must not hide it. (DTensor's
-    ``full_tensor`` cannot undo FSDP2's strided shard over edp on expert weights that are
-    sharded over ep as well, nor a packed parameter's order: ``rows``, its
-    ``local_views.PackedRows``.)"""
+    """The whole tensor of ``shape`` on rank 0 (None on the others), rebuilt from each
+    rank's local piece (where each piece sits: ``local_elements`` on an index grid; a plain
+    tensor is one piece every rank holds; None: a rank that holds none of it, another
+    pipeline stage's parameter), and how far the ranks' copies of the same element
+    disagree: replicas that differ would train different weights, so averaging them must
+    not hide it. (DTensor's ``full_tensor`` cannot undo FSDP2's strided shard over edp on
+    expert weights that are sharded over ep as well, nor a packed parameter's order:
+    ``rows``, its ``local_views.PackedRows``.)
+
+    Only rank 0 compares: the pieces (element numbers and values) are gathered to it, so
+    no other rank holds a whole-sized buffer. At 256 thread ranks, every rank's whole-sized
+    sum and count (and the threaded group stacking them to reduce) were most of verify's
+    memory."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial
@@ -458,20 +463,58 @@ def _gather(tensor, shape: tuple[int, ...], dtype, rows=None) -> tuple[Any, floa
             local = tensor.to_local()
     else:
         local = tensor
-    index, local = index.reshape(-1), local.detach().reshape(-1)
-    values = torch.zeros(math.prod(shape), dtype=local.dtype)
-    count = torch.zeros_like(values)
-    values[index] = local
-    count[index] = 1
-    dist.all_reduce(values)
-    dist.all_reduce(count)
-    if bool((count == 0).any()):
+    index, local = index.reshape(-1).clone(), local.detach().reshape(-1)  # (the whole grid freed)
+    pieces = _pieces_on_rank0(index, local)
+    failed = torch.zeros(1)
+    whole, spread = None, 0.0
+    if pieces is not None:
+        whole, spread = _whole_from_pieces(pieces, numel, local.dtype)
+        failed += whole is None
+    dist.broadcast(failed, src=0)  # every rank raises alike, not rank 0 alone
+    if failed.item():
         raise RuntimeError("no rank holds some elements of the tensor")
+    return (whole.reshape(shape) if whole is not None else None), spread
+
+
+def _pieces_on_rank0(index, local) -> list[tuple[Any, Any]] | None:
+    """Every rank's (element numbers, values) on rank 0, None on the others: one gather of
+    each, padded to the largest piece (pieces differ in size: uneven shards, ranks holding none)."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([index.numel()]))
+    sizes = [int(size.item()) for size in sizes]
+    longest = max(sizes)
+    padded_index = torch.zeros(longest, dtype=index.dtype)
+    padded_local = torch.zeros(longest, dtype=local.dtype)
+    padded_index[:index.numel()], padded_local[:local.numel()] = index, local
+    gathered = []
+    for padded in (padded_index, padded_local):
+        into = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
+        dist.gather(padded, into, dst=0)
+        gathered.append(into)
+    if rank != 0:
+        return None
+    return [(indices[:size].long(), values[:size]) for indices, values, size in zip(*gathered, sizes)]
+
+
+def _whole_from_pieces(pieces, numel: int, dtype) -> tuple[Any, float]:
+    """(whole tensor, 2 x the largest distance of a copy from it) from every rank's piece:
+    each element the mean of its copies; None for the whole when some element has none."""
+    import torch
+
+    values, count = torch.zeros(numel, dtype=dtype), torch.zeros(numel, dtype=dtype)
+    for indices, piece in pieces:
+        values.index_add_(0, indices, piece)
+        count.index_add_(0, indices, torch.ones_like(piece))
+    if bool((count == 0).any()):
+        return None, 0.0
     whole = values / count
-    spread = (local - whole[index]).abs().max() if local.numel() else torch.zeros((), dtype=local.dtype)
-    spread = spread.reshape(1).to(local.dtype)
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-    return whole.reshape(shape), 2 * spread.item()
+    spread = max(((piece - whole[indices]).abs().max().item() for indices, piece in pieces if piece.numel()),
+                 default=0.0)
+    return whole, 2 * spread
 
 
 def local_elements(index, placements, sizes: list[int], coords: list[int]):
