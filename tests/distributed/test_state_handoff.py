@@ -4,9 +4,6 @@ three cp ranks (threads of one process, real collectives and point-to-point send
 running a transformers gated delta-net on its piece must give the whole sequence's output
 and, summed over the ranks, every parameter's gradient (fp32)."""
 
-import threading
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,13 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hyper_parallel.codegen.check import threaded_p2p
 from hyper_parallel.distributed.state_handoff import (
     CONV,
     HandOffCache,
     handoff_check,
     install_state_handoff,
 )
+from tests.threaded_world import run_ranks as _run_ranks
 
 TOKENS, HIDDEN = 12, 32
 
@@ -89,43 +86,6 @@ def test_check_refuses_a_block_ignoring_the_state():
 def test_check_refuses_a_block_without_a_cache():
     assert "takes no cache" in handoff_check(_CumulativeWithoutCache(), (_stream(),), {}, 0)
 
-
-def _run_ranks(world: int, body) -> list:
-    """``body(rank)`` on ``world`` threads joined by the threaded process group (with
-    point-to-point sends); its results by rank, or the first error raised."""
-    from torch.testing._internal.distributed.multi_threaded_pg import (
-        ProcessLocalGroup,
-        _install_threaded_pg,
-        _uninstall_threaded_pg,
-    )
-
-    _install_threaded_pg()
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    store, results, errors = dist.HashStore(), [None] * world, []
-
-    def worker(rank):
-        dist.init_process_group("threaded", rank=rank, world_size=world, store=store,
-                                timeout=timedelta(seconds=60))
-        try:
-            results[rank] = body(rank)
-        except Exception as exc:  # noqa: BLE001  (reported below, the other ranks woken)
-            errors.append(exc)
-            ProcessLocalGroup.exception_handle(exc)
-
-    threads = [threading.Thread(target=worker, args=(rank,), daemon=True) for rank in range(world)]
-    try:
-        with threaded_p2p.installed():
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=120)
-    finally:
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-        _uninstall_threaded_pg()
-    assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.mark.parametrize("world, checkpointed", [(2, ""), (3, ""), (3, "block"), (2, "layer")])

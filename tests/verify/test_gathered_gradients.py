@@ -5,55 +5,15 @@ the ranks hold: a replicated gradient whose copies disagree reports how far apar
 are, a parameter only one rank holds (another pipeline stage's) is rebuilt from that
 rank, and an element no rank holds makes every rank raise, not rank 0 alone."""
 
-import threading
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from hyper_parallel.codegen.check.verify_worker import _gather
+from tests.threaded_world import run_ranks as _run_ranks
 
 WORLD = 4
 SHAPE = (3, 4)
 
-
-def _run_ranks(world: int, body) -> list:
-    """``body(rank)`` on ``world`` threads joined by the threaded process group, as verify's
-    thread mode runs its ranks; the results by rank. Any rank's error (its process group's
-    start included) fails the test, naming the rank."""
-    from torch.testing._internal.distributed.multi_threaded_pg import (
-        ProcessLocalGroup,
-        _install_threaded_pg,
-        _uninstall_threaded_pg,
-    )
-
-    ProcessLocalGroup.reset()  # no termination left by an earlier test's failing world
-    _install_threaded_pg()
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    store, results, errors = dist.HashStore(), [None] * world, []
-
-    def worker(rank):
-        try:
-            dist.init_process_group("threaded", rank=rank, world_size=world, store=store,
-                                    timeout=timedelta(seconds=60))
-            results[rank] = (dist.get_rank(), body(rank))
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append((rank, exc))
-            ProcessLocalGroup.exception_handle(exc)
-
-    threads = [threading.Thread(target=worker, args=(rank,), daemon=True) for rank in range(world)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-    finally:
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-        _uninstall_threaded_pg()
-    assert not errors, errors
-    assert [entry[0] for entry in results] == list(range(world)), results  # each thread its own rank
-    return [entry[1] for entry in results]
 
 
 def test_replicas_are_averaged_on_rank_0_and_their_disagreement_reported():
