@@ -10,6 +10,10 @@ report) with ``--start-method fork --run-path``: each rank is a fork of the laun
 finds the modules already imported. A preload that fails to import is skipped; the rank
 then imports it itself and reports the error as it would have.
 
+Each rank asks the kernel to kill it when the launcher dies (``guard.die_with``): when
+the launcher is itself a fork of the build tool (``forked_module``), its ranks carry no
+launch-owner mark in their environment for the guard's watcher to find them by.
+
 A rank, forked or not, leaves with ``distributed.rank_exit.exit_rank``, which knows the
 difference (this launcher sets ``FORKED_ENV``).
 """
@@ -21,6 +25,7 @@ import os
 import sys
 
 from hyper_parallel.distributed.rank_exit import FORKED_ENV
+from hyper_parallel.launch.guard import die_with
 
 def torchrun_command(world: int, worker_module: str, worker_args: list[str], preload: list[str]) -> list[str]:
     """The command line that starts ``world`` forked ranks of ``worker_module``."""
@@ -49,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # the rank imports it again and reports the error itself
             pass
     os.environ[FORKED_ENV] = "1"
+    agent = os.getpid()
+    os.register_at_fork(after_in_child=lambda: die_with(agent))
     from torch.distributed.run import main as torchrun
 
     torchrun([*torchrun_args[:at], "--start-method=fork", "--run-path", worker, *torchrun_args[at + 2:]])

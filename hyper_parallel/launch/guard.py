@@ -59,11 +59,17 @@ def die_with_parent() -> None:
         pass
 
 
-def exec_with_parent(parent: int, command: list[str]) -> int:
-    """Die with ``parent`` (Linux; elsewhere the watcher alone covers it), then exec."""
+def die_with(parent: int) -> None:
+    """Die with ``parent``, this process's parent (Linux; elsewhere the watcher alone
+    covers it); leave now if it is gone already (it died before the request took effect)."""
     die_with_parent()
-    if os.getppid() != parent:  # the parent died before the request took effect
-        return 1
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def exec_with_parent(parent: int, command: list[str]) -> int:
+    """Die with ``parent``, then exec."""
+    die_with(parent)
     os.execv(command[0], command)
     return 1  # not reached
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from hyper_parallel.launch.forked_module import ForkedModule, fork_refusal
 from hyper_parallel.launch.processes import pid_alive
 from hyper_parallel.launch.guard import OWNER_ENV
 from hyper_parallel.distributed.rank_exit import FORKED_ENV
@@ -121,7 +122,9 @@ class RankFiles:
 class RankLaunch:
     """The rank processes, in their own process group, killed by the kernel if this process
     dies (``guard exec``) and ended with everything they started when the caller
-    leaves early (an exception, a signal turned into one)."""
+    leaves early (an exception, a signal turned into one). A ``python -m`` command runs as
+    a fork of this process where that is the same thing (``forked_module``): it finds
+    torch and transformers imported."""
 
     def __init__(self, cmd: list[str], *, log: Path, env: dict[str, str] | None = None):
         env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1", OWNER_ENV: str(os.getpid())}
@@ -129,6 +132,9 @@ class RankLaunch:
             env.pop(key, None)
         self.cmd = cmd
         self.log = log
+        if fork_refusal(cmd) is None:
+            self.proc = ForkedModule(cmd[2], cmd[3:], env=env, log=log)
+            return
         guarded = [sys.executable, "-m", GUARD, "exec", "--parent", str(os.getpid()), "--", *cmd]
         # Output into a file, not a pipe: a pipe nobody drains while we poll would block the ranks.
         with log.open("w") as out:
@@ -158,6 +164,8 @@ def kill_tree(proc: subprocess.Popen) -> None:
         tree = []
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:  # a fork killed before its own setsid() is in no group of its own yet
+        proc.kill()
     for child in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()

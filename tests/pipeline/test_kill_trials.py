@@ -81,14 +81,18 @@ def _complete(bundle: Path) -> bool:
 
 
 def _leftovers(pid: int, project: Path) -> list[str]:
-    """Processes of the killed run: its verify/preflight launches carry its pid in their
-    scratch folder's name, the preflight's ranks the project's recipe path."""
+    """Processes of the killed run: a launch started as a fresh interpreter carries the
+    run's pid (its scratch folder's name) or the project's recipe path in its command
+    line; a launch forked from the run (launch/forked_module.py) carries the run's
+    command line and the project as its working folder."""
     marks = (f"-{pid}-", str(project))
     found = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
+    for process in psutil.process_iter(["pid", "cmdline", "cwd"]):
         cmdline = " ".join(process.info["cmdline"] or [])
-        if process.info["pid"] != os.getpid() and any(mark in cmdline for mark in marks):
-            found.append(cmdline[:200])
+        cwd = process.info["cwd"] or ""
+        if process.info["pid"] != os.getpid() and (any(mark in cmdline for mark in marks)
+                                                   or Path(cwd).is_relative_to(project)):
+            found.append(f"{cmdline[:200]} (in {cwd})")
     return found
 
 
