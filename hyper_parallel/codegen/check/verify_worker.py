@@ -15,6 +15,8 @@ forward output). Not meant to be started by hand: ``verify.py`` writes the job.
 
 import argparse
 import contextlib
+import functools
+import itertools
 import json
 import math
 import os
@@ -414,44 +416,54 @@ def gathered_grads(model, whole: dict[str, tuple], *, pipelined: bool) -> tuple[
         found = [None] * dist.get_world_size()
         dist.all_gather_object(found, sorted(with_grad))
         with_grad = set().union(*map(set, found))
-    grads, spreads = {}, {}
-    for name, (shape, dtype) in whole.items():
-        if name not in with_grad:
-            grads[name] = None
-            continue
+    names = [name for name in whole if name in with_grad]
+    pieces = []
+    for name in names:
         param = held.get(name)
         try:
-            grads[name], spreads[name] = _gather(None if param is None else param.grad, shape, dtype,
-                                                 packed.get(name))
+            pieces.append(_local_piece(None if param is None else param.grad, *whole[name], packed.get(name)))
         except RuntimeError as exc:
             raise RuntimeError(f"gathering the gradient of {name}: {exc}") from exc
-    return grads, spreads
+    try:
+        gathered = _gather_pieces(pieces, [whole[name] for name in names])
+    except _NotHeld as exc:
+        raise RuntimeError(f"gathering the gradient of {names[exc.position]}: {exc}") from None
+    grads = {name: None for name in whole}
+    grads.update((name, result[0]) for name, result in zip(names, gathered))
+    return grads, {name: result[1] for name, result in zip(names, gathered)}
 
 
 def _gather(tensor, shape: tuple[int, ...], dtype, rows=None) -> tuple[Any, float]:
-    """The whole tensor of ``shape`` on rank 0 (None on the others), rebuilt from each
-    rank's local piece (where each piece sits: ``local_elements`` on an index grid; a plain
-    tensor is one piece every rank holds; None: a rank that holds none of it, another
-    pipeline stage's parameter), and how far the ranks' copies of the same element
-    disagree: replicas that differ would train different weights, so averaging them must
-    not hide it. (DTensor's ``full_tensor`` cannot undo FSDP2's strided shard over edp on
-    expert weights that are sharded over ep as well, nor a packed parameter's order:
-    ``rows``, its ``local_views.PackedRows``.)
+    """One tensor's ``_gather_pieces``: its whole on rank 0 (None on the others) and the
+    spread of its replicas."""
+    return _gather_pieces([_local_piece(tensor, shape, dtype, rows)], [(shape, dtype)])[0]
 
-    Only rank 0 compares: the pieces (element numbers and values) are gathered to it, so
-    no other rank holds a whole-sized buffer. At 256 thread ranks, every rank's whole-sized
-    sum and count (and the threaded group stacking them to reduce) were most of verify's
-    memory."""
+
+class _NotHeld(RuntimeError):
+    """No rank holds some elements of the tensor at ``position`` of a gather."""
+
+    def __init__(self, position: int):
+        super().__init__("no rank holds some elements of the tensor")
+        self.position = position
+
+
+def _local_piece(tensor, shape: tuple[int, ...], dtype, rows=None) -> tuple[Any, Any]:
+    """This rank's piece of a tensor of ``shape``: (element numbers, values), flat. Where
+    each piece sits: ``local_elements`` on an index grid; a plain tensor is one piece every
+    rank holds; None: a rank that holds none of it (another pipeline stage's parameter).
+    (DTensor's ``full_tensor`` cannot undo FSDP2's strided shard over edp on expert weights
+    that are sharded over ep as well, nor a packed parameter's order: ``rows``, its
+    ``local_views.PackedRows``.) A DTensor with a sum pending is reduced here, a
+    collective of its mesh's ranks."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial
 
     numel = math.prod(shape)
     # element numbers as int32 where they fit: every thread rank holds one such grid at once
-    index = torch.arange(numel, dtype=torch.int32 if numel < 2**31 else torch.int64).reshape(shape)
+    index = torch.arange(numel, dtype=_index_dtype(numel)).reshape(shape)
     if tensor is None:
-        index, local = index.reshape(-1)[:0], torch.zeros(0, dtype=dtype)
-    elif isinstance(tensor, DTensor):
+        return index.reshape(-1)[:0].clone(), torch.zeros(0, dtype=dtype)
+    if isinstance(tensor, DTensor):
         if any(isinstance(p, Partial) for p in tensor.placements):
             local = tensor.full_tensor()  # a sum still pending: DTensor reduces it
         else:
@@ -463,41 +475,86 @@ def _gather(tensor, shape: tuple[int, ...], dtype, rows=None) -> tuple[Any, floa
             local = tensor.to_local()
     else:
         local = tensor
-    index, local = index.reshape(-1).clone(), local.detach().reshape(-1)  # (the whole grid freed)
-    pieces = _pieces_on_rank0(index, local)
-    failed = torch.zeros(1)
-    whole, spread = None, 0.0
-    if pieces is not None:
-        whole, spread = _whole_from_pieces(pieces, numel, local.dtype)
-        failed += whole is None
-    dist.broadcast(failed, src=0)  # every rank raises alike, not rank 0 alone
+    if local.numel() != index.numel():
+        raise RuntimeError(f"this rank's piece has {local.numel()} elements where its placements give "
+                           f"{index.numel()} of the whole {tuple(shape)}")
+    return index.reshape(-1).clone(), local.detach().reshape(-1)  # (the whole grid freed)
+
+
+def _index_dtype(numel: int):
+    import torch
+
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def _gather_pieces(pieces: list[tuple[Any, Any]], wholes: list[tuple[tuple[int, ...], Any]]) -> list[tuple[Any, float]]:
+    """Per tensor (``pieces[i]``: this rank's, ``wholes[i]``: its (shape, dtype)): the
+    whole tensor on rank 0 (None on the others), rebuilt from every rank's piece, and how
+    far the ranks' copies of the same element disagree: replicas that differ would train
+    different weights, so averaging them must not hide it.
+
+    Only rank 0 compares: the pieces are gathered to it, so no other rank holds a
+    whole-sized buffer (at 256 thread ranks, every rank's whole-sized sum and count were
+    most of verify's memory). All tensors travel in one exchange, four collectives in all:
+    at 256 thread ranks each collective costs about a second of waking threads, and one
+    exchange per tensor was most of verify's time. An element no rank holds makes every
+    rank raise (``_NotHeld``), not rank 0 alone."""
+    import torch
+    import torch.distributed as dist
+
+    if not pieces:  # (every rank has the same list of tensors)
+        return []
+    on_rank0 = _pieces_on_rank0(pieces)
+    failed = torch.zeros(1, dtype=torch.int64)  # 1 + the position of the first tensor not whole
+    results: list[tuple[Any, float]] = [(None, 0.0)] * len(pieces)
+    if on_rank0 is not None:
+        for position, ((shape, dtype), ranks_pieces) in enumerate(zip(wholes, on_rank0)):
+            whole, spread = _whole_from_pieces(ranks_pieces, math.prod(shape), dtype)
+            if whole is None:
+                failed[0] = position + 1
+                break
+            results[position] = (whole.reshape(shape), spread)
+    dist.broadcast(failed, src=0)  # every rank raises alike
     if failed.item():
-        raise RuntimeError("no rank holds some elements of the tensor")
-    return (whole.reshape(shape) if whole is not None else None), spread
+        raise _NotHeld(int(failed.item()) - 1)
+    return results
 
 
-def _pieces_on_rank0(index, local) -> list[tuple[Any, Any]] | None:
-    """Every rank's (element numbers, values) on rank 0, None on the others: one gather of
-    each, padded to the largest piece (pieces differ in size: uneven shards, ranks holding none)."""
+def _pieces_on_rank0(pieces: list[tuple[Any, Any]]) -> list[list[tuple[Any, Any]]] | None:
+    """Per tensor, every rank's (element numbers, values) on rank 0; None on the others.
+    One gather of all element numbers and one of all values (in a type every tensor's
+    values convert to and back exactly), each padded to the longest rank's pieces (they
+    differ: uneven shards, ranks holding none)."""
     import torch
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([index.numel()]))
-    sizes = [int(size.item()) for size in sizes]
-    longest = max(sizes)
-    padded_index = torch.zeros(longest, dtype=index.dtype)
-    padded_local = torch.zeros(longest, dtype=local.dtype)
-    padded_index[:index.numel()], padded_local[:local.numel()] = index, local
+    counts = torch.tensor([index.numel() for index, _ in pieces], dtype=torch.int64)
+    every = [torch.zeros_like(counts) for _ in range(world)]
+    dist.all_gather(every, counts)
+    table = torch.stack(every).tolist()  # [rank][tensor]: piece lengths
+    longest = max(sum(row) for row in table)
+    index_dtype = functools.reduce(torch.promote_types, (index.dtype for index, _ in pieces), torch.int32)
+    value_dtype = functools.reduce(torch.promote_types, (values.dtype for _, values in pieces))
+    mine = sum(table[rank])
+    flat_index, flat_values = torch.zeros(longest, dtype=index_dtype), torch.zeros(longest, dtype=value_dtype)
+    if mine:
+        torch.cat([index.to(index_dtype) for index, _ in pieces], out=flat_index[:mine])
+        torch.cat([values.to(value_dtype) for _, values in pieces], out=flat_values[:mine])
     gathered = []
-    for padded in (padded_index, padded_local):
-        into = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
-        dist.gather(padded, into, dst=0)
+    for flat in (flat_index, flat_values):
+        into = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
+        dist.gather(flat, into, dst=0)
         gathered.append(into)
     if rank != 0:
         return None
-    return [(indices[:size].long(), values[:size]) for indices, values, size in zip(*gathered, sizes)]
+    out: list[list[tuple[Any, Any]]] = [[] for _ in pieces]
+    for row, indices, values in zip(table, *gathered):
+        for position, (length, start) in enumerate(zip(row, itertools.accumulate(row, initial=0))):
+            # views, not copies (index_add_ and indexing take int32 element numbers as they are)
+            piece = slice(start, start + length)
+            out[position].append((indices[piece], values[piece].to(pieces[position][1].dtype)))
+    return out
 
 
 def _whole_from_pieces(pieces, numel: int, dtype) -> tuple[Any, float]:
