@@ -140,7 +140,8 @@ class ShapeLeaf(LazyTensor):
     """A checkpoint tensor known by name and shape only (derivation reads no data)."""
 
     def __init__(self, name: str, shape):
-        self.name, self.shape = name, torch.Size(shape)
+        # (a checkpoint's layout is tens of thousands of these: no copy of a Size already)
+        self.name, self.shape = name, shape if type(shape) is torch.Size else torch.Size(shape)
 
     def read(self, segments):
         raise WeightMapError(f"{self.name}: a shape-only placeholder has no data")
@@ -238,7 +239,9 @@ def derive_weight_map(model: torch.nn.Module, checkpoint_shapes: dict[str, torch
     first = source_model if source_model is not None else model
     wanted = (checkpoint_names.model_tensor_names(source_model) if source_model is not None
               else names_before_replacement or checkpoint_names.model_tensor_names(model))
-    leaf = {key: ShapeLeaf(key, shape) for key, shape in checkpoint_shapes.items()}
+    # transformers' key order (numbers as numbers, never int against str), layer by layer
+    order = sorted(checkpoint_shapes, key=dot_natural_key)
+    leaf = {key: ShapeLeaf(key, checkpoint_shapes[key]) for key in order}
     sources, opaque, _ = _convert(first, wanted, leaf, checkpoint_names.conversion_transforms(first, key_mapping),
                                   getattr(first, "base_model_prefix", None))
     if names_before_replacement is not None or source_model is not None:
@@ -265,8 +268,7 @@ def derive_weight_map(model: torch.nn.Module, checkpoint_shapes: dict[str, torch
     for target, keys, ops in opaque:
         for key in keys:
             rules.setdefault(key, []).append(Rule(target, ops=ops))
-    # transformers' key order (numbers as numbers, never int against str), layer by layer
-    return {key: rules[key] for key in sorted(rules, key=dot_natural_key)}
+    return {key: rules[key] for key in order if key in rules}
 
 
 def _convert(model, wanted: list[str], leaf: dict[str, LazyTensor], transforms: list, prefix: str | None):
