@@ -31,6 +31,7 @@ from hyper_parallel.codegen.check import threaded_p2p
 from hyper_parallel.codegen.check.verify_mode import STEPS
 from hyper_parallel.launch.ranks import RankFiles
 from hyper_parallel.distributed.rank_exit import exit_rank
+from hyper_parallel.errors import HyperParallelError
 
 LR = 1e-3
 VERIFY_SEED = 0
@@ -439,7 +440,7 @@ def _gather(tensor, shape: tuple[int, ...], dtype, rows=None) -> tuple[Any, floa
     return _gather_pieces([_local_piece(tensor, shape, dtype, rows)], [(shape, dtype)])[0]
 
 
-class _NotHeld(RuntimeError):
+class _NotHeld(RuntimeError, HyperParallelError):
     """No rank holds some elements of the tensor at ``position`` of a gather."""
 
     def __init__(self, position: int):
