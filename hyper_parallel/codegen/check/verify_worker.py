@@ -509,8 +509,9 @@ def _gather_pieces(pieces: list[tuple[Any, Any]], wholes: list[tuple[tuple[int, 
     failed = torch.zeros(1, dtype=torch.int64)  # 1 + the position of the first tensor not whole
     results: list[tuple[Any, float]] = [(None, 0.0)] * len(pieces)
     if on_rank0 is not None:
-        for position, ((shape, dtype), ranks_pieces) in enumerate(zip(wholes, on_rank0)):
-            whole, spread = _whole_from_pieces(ranks_pieces, math.prod(shape), dtype)
+        for position, ((shape, _), ranks_pieces) in enumerate(zip(wholes, on_rank0)):
+            # in the dtype of rank 0's own piece, as the pieces come back
+            whole, spread = _whole_from_pieces(ranks_pieces, math.prod(shape), pieces[position][1].dtype)
             if whole is None:
                 failed[0] = position + 1
                 break
