@@ -93,12 +93,14 @@ def stage_uptodate(stage: str, path: str) -> bool:
 
 
 def run_stage_action(stage: str, path: str):
-    from hyper_parallel.codegen.stages import run_stage
+    from hyper_parallel.codegen.stages import keep_until_exit, run_stage
     configure_console_logging(indent=ACTION_INDENT)
     try:
         run_stage(spec_for(path), stage)
     except Exception as exc:
         return _failure(exc, path)
+    finally:
+        keep_until_exit()
     return None
 
 

@@ -243,7 +243,7 @@ def derive_weight_map(model: torch.nn.Module, checkpoint_shapes: dict[str, torch
     order = sorted(checkpoint_shapes, key=dot_natural_key)
     leaf = {key: ShapeLeaf(key, checkpoint_shapes[key]) for key in order}
     sources, opaque, _ = _convert(first, wanted, leaf, checkpoint_names.conversion_transforms(first, key_mapping),
-                                  getattr(first, "base_model_prefix", None))
+                                  getattr(first, "base_model_prefix", None), in_load_order=True)
     if names_before_replacement is not None or source_model is not None:
         sources, later_opaque, unplaced = _convert(model, checkpoint_names.model_tensor_names(model), sources,
                                                    replacement_transforms(model), None)
@@ -271,11 +271,13 @@ def derive_weight_map(model: torch.nn.Module, checkpoint_shapes: dict[str, torch
     return {key: rules[key] for key in order if key in rules}
 
 
-def _convert(model, wanted: list[str], leaf: dict[str, LazyTensor], transforms: list, prefix: str | None):
+def _convert(model, wanted: list[str], leaf: dict[str, LazyTensor], transforms: list, prefix: str | None, *,
+             in_load_order: bool = False):
     """One pass of transformers' key loop over ``leaf`` (name → placeholder tree):
     target name → tree, the converters that could not be recorded, as (target, source
-    keys, operations), and the keys no target takes."""
-    routes = checkpoint_names.route_checkpoint(wanted, list(leaf), transforms, prefix)
+    keys, operations), and the keys no target takes. ``in_load_order``: ``leaf``'s
+    names are in transformers' order already."""
+    routes = checkpoint_names.route_checkpoint(wanted, list(leaf), transforms, prefix, in_load_order=in_load_order)
     sources = {name: leaf[key] for name, key in routes.renamed.items()}
     opaque = []
     for group in routes.groups.values():
@@ -369,11 +371,14 @@ def to_text(rules: dict[str, list[Rule]]) -> dict[str, str | list[str]]:
     groups: dict[str, list[str]] = {}
     for key in concrete:
         groups.setdefault(_INDEX.sub(".*", key), []).append(key)
+    # A key matches a pattern's regex exactly when it has that pattern (a '*' stands for a
+    # whole dotted number, what _INDEX replaces), so a pattern matches its members only —
+    # unless a key holds a '*' of its own, which only a scan of every key can rule out.
+    scan = any("*" in key for key in concrete)
     for pattern, members in groups.items():
         templated = {tuple(_template(key, text) or "" for text in concrete[key]) for key in members}
-        exact = compile_pattern(pattern)
         if (len(members) > 1 and len(templated) == 1 and "" not in next(iter(templated))
-                and sum(1 for key in concrete if exact.match(key)) == len(members)):
+                and (not scan or sum(1 for key in concrete if compile_pattern(pattern).match(key)) == len(members))):
             out[pattern] = list(next(iter(templated)))
         else:
             out.update((key, concrete[key]) for key in members)
@@ -386,16 +391,10 @@ _TEMPLATABLE = re.compile(r"(?<=\.)\d+(?=\.|\[|$| )|(?<=[\[ ])\d+(?=[,\]])")
 def _template(key: str, text: str) -> str | None:
     """``text`` with the key's indices written ``*``, when its name indices then stacking
     positions are exactly the key's indices in order; else None (recorded exactly)."""
-    numbers = [m.group(1) for m in _INDEX.finditer(key)]
     target, sep, rest = text.partition(" = ")
-    found = list(_TEMPLATABLE.finditer(target))
-    if [m.group(0) for m in found] != numbers:
+    if _TEMPLATABLE.findall(target) != _INDEX.findall(key):
         return None
-    out, last = [], 0
-    for m in found:
-        out.append(target[last:m.start()] + "*")
-        last = m.end()
-    return "".join(out) + target[last:] + sep + rest
+    return _TEMPLATABLE.sub("*", target) + sep + rest
 
 
 def compile_pattern(pattern: str) -> re.Pattern:

@@ -3,7 +3,9 @@
 This is the one stage that imports torch and transformers.
 """
 
+import contextlib
 import copy
+import gc
 import itertools
 from typing import Any
 
@@ -235,12 +237,31 @@ def pipeline_stages(spec: CodegenSpec, model) -> tuple[tuple[int, int], ...] | N
         raise DeriveError(f"{spec.recipe_path}: {exc}") from None
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Planning and the weight map make hundreds of thousands of small objects (names,
+    placeholders, boxes, rules) in a process whose heap already holds torch's and
+    transformers' millions: with the cycle collector on, those bursts set off
+    collections that walk that whole heap again and again (about a second of the
+    235B-class recipe's derive). Nothing made here waits on the collector to be freed;
+    it runs again, as it was, on the way out."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
     from hyper_parallel.distributed.plan_format import plan_to_json
 
     try:
         model, _ = build_meta_model(spec)
-        result = plan_model(model, spec)
+        with collector_paused():
+            result = plan_model(model, spec)
+            weight_map = recorded_weight_map(spec, model)
     except RuntimeError as exc:
         if type(exc).__name__ != "AmbiguousGlobalPerLayerAttributeError":
             raise
@@ -255,7 +276,7 @@ def derive_plan(spec: CodegenSpec) -> dict[str, Any]:
         "dataflow_error": result.dataflow_error,
         "notes": list(result.notes),
         "module_names": [name for name, _ in model.named_modules()],
-        "weight_map": recorded_weight_map(spec, model),
+        "weight_map": weight_map,
         "plan": plan_to_json(layout=spec.layout, applied_axes=result.applied_axes,
                              recorded_axes=result.recorded_axes, modules=result.modules, roles=result.roles,
                              pipeline_stages=pipeline_stages(spec, model)),
