@@ -45,3 +45,20 @@ def test_the_build_tool_freezes_what_a_stage_left(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     frozen = int(proc.stdout.split("frozen")[-1])
     assert frozen > 1000, proc.stdout
+
+
+def test_a_later_stage_s_garbage_cycles_are_collected_before_freezing():
+    """Once the heap is frozen, keep_until_exit collects what is not frozen before
+    freezing it: a cycle a later stage dropped is freed, not kept to the end."""
+    code = """
+import gc, weakref
+from hyper_parallel.codegen.stages import keep_until_exit
+keep_until_exit()
+class Node: pass
+node = Node(); node.self = node; alive = weakref.ref(node); del node
+keep_until_exit()
+print("freed", alive() is None)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["freed", "True"], proc.stdout
