@@ -1,8 +1,6 @@
 """GroupedExperts against transformers' eager Qwen3MoeExperts: same outputs and
 gradients (fp32), experts without tokens included; the replacement factory."""
 
-import sys
-
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -271,38 +269,3 @@ def test_bfloat16_matches_hf_in_bfloat16(config):
     grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     _, actual = assert_same_results(reference, grouped, hidden, index, weights, grad_out, rtol=2e-2, atol=2e-3)
     assert all(got.dtype == torch.bfloat16 for got in actual)
-
-
-def _huge_page_bytes(start: int, size: int) -> int:
-    """AnonHugePages of this process's mappings over ``[start, start + size)`` (advice
-    splits a mapping: the huge-page part is a mapping of its own)."""
-    inside, huge = False, 0
-    with open("/proc/self/smaps", encoding="ascii") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(part, 16) for part in head.split("-"))
-                inside = lo < start + size and start < hi
-            elif inside and head == "AnonHugePages:":
-                huge += int(line.split()[1]) * 1024
-    return huge
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
-def test_fresh_step_buffers_are_advised_onto_huge_pages():
-    """The weight gradients and kept rows a step allocates anew are backed by 2 MiB pages
-    where the host's transparent huge pages allow it (madvise or always), their values
-    untouched; tensors too small for one huge page, and the host's refusal, leave them as
-    they are."""
-    mode = open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii").read()
-    tensor = torch.empty(16 << 20, dtype=torch.float32)  # 64 MiB
-    assert routed_experts._fresh(tensor) is tensor
-    tensor.fill_(1.5)
-    huge = _huge_page_bytes(tensor.data_ptr(), tensor.nbytes)
-    if "[never]" in mode:
-        assert huge == 0
-    else:
-        assert huge >= 32 << 20, (mode, huge)
-    assert torch.equal(tensor, torch.full_like(tensor, 1.5))
-    small = torch.arange(10.0)
-    assert routed_experts._fresh(small) is small and torch.equal(small, torch.arange(10.0))
