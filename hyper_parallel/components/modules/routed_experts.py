@@ -26,9 +26,6 @@ gathers, the activation and the weighting run on a block at a time instead of on
 expert at a time (fewer small kernels) or all rows at once (memory traffic).
 """
 
-import ctypes
-import functools
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -229,9 +226,9 @@ class _Kept:
     """The row buffers forward keeps for backward (``None`` when backward has no use)."""
 
     def __init__(self, like, num_rows: int, half: int, *, keep: bool, keep_out: bool) -> None:
-        self.gate_up = _fresh(like.new_empty(num_rows, 2 * half)) if keep else None
-        self.act_gate = _fresh(like.new_empty(num_rows, half)) if keep else None
-        self.out = _fresh(like.new_empty(num_rows, like.shape[1])) if keep_out else None
+        self.gate_up = like.new_empty(num_rows, 2 * half) if keep else None
+        self.act_gate = like.new_empty(num_rows, half) if keep else None
+        self.out = like.new_empty(num_rows, like.shape[1]) if keep_out else None
 
     def rows(self, name: str, span: slice, scratch: "_Scratch", count: int, width: int) -> torch.Tensor:
         """Rows ``span`` of the kept buffer ``name``, or block-sized scratch."""
@@ -259,8 +256,8 @@ class _Grads:
                  need_gate_up: bool, need_down: bool) -> None:
         self.source = torch.zeros_like(source) if need_hidden else None
         self.row_weight = row_weight.new_zeros(rows.count) if need_weights else None
-        self.gate_up = _fresh(torch.empty_like(gate_up)) if need_gate_up else None
-        self.down = _fresh(torch.empty_like(down)) if need_down else None
+        self.gate_up = torch.empty_like(gate_up) if need_gate_up else None
+        self.down = torch.empty_like(down) if need_down else None
         self.pair = rows.pair
         for expert, size in enumerate(rows.sizes):
             for grad in (self.gate_up, self.down):
@@ -304,42 +301,6 @@ def _grouped_weight_grad(grad_rows, input_rows, block: ExpertBlock, padded: bool
                                              grads.unbind(0)):
         if grad_chunk.shape[0]:
             torch.mm(grad_chunk.t(), input_chunk, out=grad)
-
-
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
-def _fresh(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, just allocated and not yet written, backed by huge pages where the host
-    allows it (Linux ``madvise(MADV_HUGEPAGE)``; a no-op elsewhere and on accelerators).
-    Each step allocates the expert weight gradients and the kept rows anew (hundreds of
-    MiB at a model's layer shape, unmapped again when freed); filling them page by 4 KiB
-    page was about a tenth of a CPU training step at Qwen3-30B-A3B's layer shape, on
-    2 MiB pages about a fiftieth. The data is untouched: only how the host maps it."""
-    storage = tensor.untyped_storage()
-    if tensor.device.type != "cpu" or storage.nbytes() < 2 * HUGE_PAGE:
-        return tensor
-    madvise = _madvise()
-    if madvise is not None:
-        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-        lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-        if hi > lo:
-            madvise(lo, hi - lo, MADV_HUGEPAGE)  # advice only: a refusal changes nothing
-    return tensor
-
-
-@functools.cache
-def _madvise():
-    """libc's ``madvise`` on Linux, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise
 
 
 def _with_zero_row(tensor: torch.Tensor) -> torch.Tensor:
