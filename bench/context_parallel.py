@@ -48,16 +48,11 @@ import json
 from pathlib import Path
 
 from activation_bytes import rank_mesh, run_ranks, step_runner, take_turns
+from host_malloc import KEEP_FREED_MEMORY
 from hybrid_layer import hybrid_config, linear_attention_runner, parallel_hybrid
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 TIME_RATIO_GOAL = 0.55  # issue 33: the default algorithm at cp2 over cp1, median of 5 runs
-# glibc malloc serves each large buffer with its own mmap and unmaps it when freed, so every
-# fwd+bwd faults its megabytes in again; how long that takes swings with the host (measured
-# here: the same mode 0.16 s or 0.30 s from one run to the next). Keeping freed memory in the
-# heap, as jemalloc / tcmalloc or these settings do in training, leaves the attention's own
-# cost to be measured, the same for every mode. --system-malloc measures without them.
-KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
 def _config(transformers, attn: str):

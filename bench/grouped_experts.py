@@ -1,7 +1,8 @@
 """GroupedExperts vs transformers' Qwen3MoeExperts (its eager per-expert loop), on CPU.
 
-    python -m bench.grouped_experts [--shapes tiny,small,qwen3-30b-a3b] [--experts 32]
+    python bench/grouped_experts.py [--shapes tiny,small,qwen3-30b-a3b] [--experts 32]
                                     [--tokens 1024] [--top-k 8] [--repeats N] [--json out.json]
+                                    [--hf-implementation eager|batched_mm|grouped_mm] [--system-malloc]
 
 Per layer shape (hidden / intermediate size; 32 experts, 1024 tokens, top-8 by default):
 
@@ -30,6 +31,14 @@ with ``zero_grad(set_to_none=True)`` must fill (its per-expert products land in
 recycled memory). ``grad_first_touch`` reports that last cost alone (allocating and
 filling both expert weight gradients), for reference; it is not added to the floor.
 
+The bench runs with freed memory kept in the heap (``host_malloc.KEEP_FREED_MEMORY``, as
+jemalloc / tcmalloc keep it in training): with glibc's defaults each step's hundreds of
+MiB of gradients and kept rows are unmapped when freed and faulted in again, page by
+page, on the next step, and that swings from run to run (the same grouped step 1.4 s or
+2.2 s at the Qwen3-30B-A3B shape here). ``--system-malloc`` measures with glibc's
+defaults (then ``grad_first_touch`` is the page faults' cost; kept in the heap, it is
+only the fill).
+
 Goals: the training step at least 2x faster than the eager loop; the grouped training
 step within FLOOR_GOAL times the matmul floor (``floor_ratio``).
 """
@@ -43,8 +52,9 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from hyper_parallel.models.qwen3_moe.adapter.replacements import replace_qwen3_moe_grouped_experts
+from host_malloc import KEEP_FREED_MEMORY, restart_keeping_freed_memory
 from hyper_parallel.components.modules.routed_experts import ExpertRoutes
+from hyper_parallel.models.qwen3_moe.adapter.replacements import replace_qwen3_moe_grouped_experts
 
 GOAL_SPEEDUP = 2.0
 FLOOR_GOAL = {"qwen3-30b-a3b": 1.2, "small": 1.5}
@@ -68,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-implementation", default="eager", choices=("eager", "batched_mm", "grouped_mm"),
                         help="transformers' experts implementation to compare with (default: its eager loop)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="glibc's default thresholds: each step's large buffers go back to the OS when freed "
+                             "and are faulted in again on the next (see bench/host_malloc.py)")
     args = parser.parse_args()
     if (args.hidden is None) != (args.intermediate is None):
         parser.error("--hidden and --intermediate go together")
@@ -200,10 +213,13 @@ def print_shape(args: argparse.Namespace, name: str, result: dict) -> None:
 
 def main() -> None:
     args = parse_args()
+    if not args.system_malloc:
+        restart_keeping_freed_memory()
+    malloc = "system" if args.system_malloc else f"freed memory kept in the heap ({KEEP_FREED_MEMORY})"
     print(f"experts={args.experts} tokens={args.tokens} top_k={args.top_k} (torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; HF experts implementation: {args.hf_implementation})")
+          f"{torch.get_num_threads()} threads; HF experts implementation: {args.hf_implementation}; malloc: {malloc})")
     results = {"experts": args.experts, "tokens": args.tokens, "top_k": args.top_k, "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "hf_implementation": args.hf_implementation,
+               "threads": torch.get_num_threads(), "hf_implementation": args.hf_implementation, "malloc": malloc,
                "goal_speedup": GOAL_SPEEDUP, "floor_goal": FLOOR_GOAL, "shapes": {}}
     for name, hidden_size, intermediate in args.shape_list:
         results["shapes"][name] = bench_shape(args, name, hidden_size, intermediate)
