@@ -14,11 +14,14 @@ log-sum-exp (the ring-attention decomposition):
 Backward runs the flash backward of each call with the *merged* output and log-sum-exp,
 which gives each call's exact share of the gradient (softmax over the union of keys).
 With an ``exchange`` (allgather_kv) the K/V arrive as this rank's tokens and are gathered
-(``exchange.whole_async(key, value)``, ``exchange.local_grad(d_key, d_value)`` its adjoint; the
-diagonal calls, on the rank's own keys, run while the exchange is under way)
-inside: backward keeps only the local K/V and gathers them again, so a rank's saved
-activations hold no whole-sequence K/V, and hands back the local K/V gradients (the
-exchange's reduce-scatter). Only where the fused CPU kernel is there (``_scaled_dot_product_flash_attention_for_cpu``)
+inside (``exchange.whole_async(key, value)``; ``exchange.local_grad_async(d_key, d_value)``
+its adjoint, the reduce-scatter): backward keeps only the local K/V and gathers them again
+there, so a rank's saved activations hold no whole-sequence K/V, and hands back the local
+K/V gradients. Each collective runs while the rank computes on its own keys: the diagonal
+calls (the rank's own K/V only) wait for nothing, so forward runs them while the K/V
+arrive, and backward runs the first of them while the K/V arrive again and the last while
+the earlier keys' K/V gradients go to the ranks that own them (its own gradients never
+leave the rank). Only where the fused CPU kernel is there (``_scaled_dot_product_flash_attention_for_cpu``)
 and the attention is plain causal (no mask, softcap, window, sinks, dropout); the caller
 falls back to the mask rows otherwise.
 """
@@ -86,8 +89,9 @@ def _summed(grad: torch.Tensor, groups: int) -> torch.Tensor:
 class _ChunkedCausal(torch.autograd.Function):
     """Saves the kv heads as given (not repeated per query head): this rank's K/V with an
     exchange, else the whole sequence's kv-head-sized K/V. Each chunk's diagonal call needs
-    only its own keys, which with an exchange are this rank's: they run while the
-    exchange brings the others (forward and backward), the calls on earlier keys after."""
+    only its own keys, which with an exchange are this rank's: they run while a
+    collective is in flight (see the module docstring), the calls on earlier keys after
+    the K/V have arrived."""
 
     @staticmethod
     def forward(ctx, query, kv_key, kv_value, chunks: tuple[int, ...], size: int, scale: float, exchange):
@@ -117,39 +121,78 @@ class _ChunkedCausal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         query, kv_key, kv_value, out, lse = ctx.saved_tensors
-        size, scale, groups, exchange = ctx.size, ctx.scale, ctx.groups, ctx.exchange
-        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        chunks, size, exchange = ctx.chunks, ctx.size, ctx.exchange
         whole = exchange.whole_async(kv_key, kv_value) if exchange is not None else None
-        grad = grad.contiguous()
-        # K/V gradients summed per kv head as they come (no query-head-sized buffers), in
-        # the whole sequence's natural order
-        length = kv_key.shape[2] * (exchange.size if exchange is not None else 1)
-        d_query = torch.empty_like(query)
-        d_key = kv_key.new_zeros(*kv_key.shape[:2], length, kv_key.shape[3])
-        d_value = torch.zeros_like(d_key)
-
-        def part(index, key, value, start, end, causal, first):
-            rows = slice(index * size, (index + 1) * size)
-            # the kernel reads strided slices (no copies)
-            dq, dk, dv = backward(grad[:, :, rows], query[:, :, rows], key, value, out[:, :, rows],
-                                  lse[:, :, rows], 0.0, causal, scale=scale)
-            if first:
-                d_query[:, :, rows] = dq
-            else:
-                d_query[:, :, rows] += dq
-            d_key[:, :, start:end] += _summed(dk, groups)
-            d_value[:, :, start:end] += _summed(dv, groups)
-
-        for index, chunk in enumerate(ctx.chunks):
-            key, value = _own_keys(kv_key, kv_value, index, chunk, size, exchange is not None)
-            part(index, _repeat(key, groups), _repeat(value, groups), *_diagonal(chunk, size), True, True)
-        key, value = _earlier_keys(whole() if whole is not None else (kv_key, kv_value), ctx.chunks, size, groups)
-        for index, chunk in enumerate(ctx.chunks):
+        grads = _BlockGrads(grad.contiguous(), query, kv_key, out, lse, ctx.scale, ctx.groups, size,
+                            exchange.size if exchange is not None else None)
+        # the diagonal calls (own keys) split in two: the first while the K/V arrive, the
+        # last while the earlier keys' K/V gradients go to their ranks (with an exchange)
+        before = len(chunks) - 1 if exchange is not None and len(chunks) > 1 else len(chunks)
+        for index in range(before):
+            grads.diagonal(index, chunks[index], kv_key, kv_value)
+        key, value = _earlier_keys(whole() if whole is not None else (kv_key, kv_value), chunks, size, ctx.groups)
+        for index, chunk in enumerate(chunks):
             if chunk:
-                part(index, key[:, :, :chunk * size], value[:, :, :chunk * size], 0, chunk * size, False, False)
-        if exchange is not None:
-            d_key, d_value = exchange.local_grad(d_key, d_value)
-        return d_query, d_key, d_value, None, None, None, None
+                grads.earlier(index, chunk, key, value)
+        if exchange is None:
+            return grads.d_query, grads.d_key, grads.d_value, None, None, None, None
+        exchanged = exchange.local_grad_async(grads.d_key, grads.d_value)
+        for index in range(before, len(chunks)):
+            grads.diagonal(index, chunks[index], kv_key, kv_value)
+        d_key, d_value = exchanged()
+        return grads.d_query, d_key + grads.own_key, d_value + grads.own_value, None, None, None, None
+
+
+class _BlockGrads:
+    """The gradients of ``_ChunkedCausal`` as its flash-backward calls come: the query's
+    rows (each set by the first call on them, added to by the other) and the K/V
+    gradients, summed per kv head (no query-head-sized buffers). The calls on earlier
+    keys add to the whole sequence's K/V gradients (natural order); the diagonal calls,
+    with an exchange (``ranks``: the cp size), fill buffers the size of this rank's K/V,
+    which the caller adds to what the exchange hands back (they never leave the rank),
+    else they add to the whole sequence's too. The kernel reads strided slices (no copies)."""
+
+    def __init__(self, grad, query, kv_key, out, lse, scale: float, groups: int, size: int, ranks: int | None):
+        self.grad, self.query, self.out, self.lse = grad, query, out, lse
+        self.scale, self.groups, self.size, self.local = scale, groups, size, ranks is not None
+        self.d_query = torch.empty_like(query)
+        length = kv_key.shape[2] * (ranks or 1)
+        self.d_key = kv_key.new_zeros(*kv_key.shape[:2], length, kv_key.shape[3])
+        self.d_value = torch.zeros_like(self.d_key)
+        self.own_key = torch.empty_like(kv_key) if self.local else None
+        self.own_value = torch.empty_like(kv_key) if self.local else None
+        self.written: set[int] = set()
+
+    def _call(self, index: int, key, value, causal: bool):
+        rows = slice(index * self.size, (index + 1) * self.size)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            self.grad[:, :, rows], self.query[:, :, rows], key, value, self.out[:, :, rows], self.lse[:, :, rows],
+            0.0, causal, scale=self.scale)
+        if index in self.written:
+            self.d_query[:, :, rows] += dq
+        else:
+            self.d_query[:, :, rows] = dq
+            self.written.add(index)
+        return _summed(dk, self.groups), _summed(dv, self.groups)
+
+    def diagonal(self, index: int, chunk: int, kv_key, kv_value) -> None:
+        """The ``index``-th chunk's queries against its own keys (causal)."""
+        key, value = _own_keys(kv_key, kv_value, index, chunk, self.size, self.local)
+        dk, dv = self._call(index, _repeat(key, self.groups), _repeat(value, self.groups), True)
+        if self.local:
+            self.own_key[:, :, index * self.size:(index + 1) * self.size] = dk
+            self.own_value[:, :, index * self.size:(index + 1) * self.size] = dv
+        else:
+            start, end = _diagonal(chunk, self.size)
+            self.d_key[:, :, start:end] += dk
+            self.d_value[:, :, start:end] += dv
+
+    def earlier(self, index: int, chunk: int, key, value) -> None:
+        """The ``index``-th chunk's queries against every key before the chunk (no mask)."""
+        end = chunk * self.size
+        dk, dv = self._call(index, key[:, :, :end], value[:, :, :end], False)
+        self.d_key[:, :, :end] += dk
+        self.d_value[:, :, :end] += dv
 
 
 def _earlier_keys(whole: tuple[torch.Tensor, torch.Tensor], chunks: tuple[int, ...], size: int, groups: int):
@@ -171,7 +214,7 @@ def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     """Causal attention of ``query`` ([batch, heads, len(chunks)*C, dim], its rows the
     global chunks ``chunks`` of C tokens, in that order) against the whole sequence's
     ``key``/``value`` ([batch, kv heads, S, dim], natural order; kv heads divide heads),
-    or, with ``exchange`` (``whole_async(key, value)`` / ``local_grad(d_key, d_value)``), against this rank's
+    or, with ``exchange`` (``whole_async(key, value)`` / ``local_grad_async(d_key, d_value)``), against this rank's
     K/V, which it gathers in forward and again in backward."""
     size = query.shape[2] // len(chunks)
     return _ChunkedCausal.apply(query.contiguous(), key.contiguous(), value.contiguous(), tuple(chunks), size,
