@@ -8,6 +8,7 @@ distributed layer need the conversion, and it must sit below both.
 description of "K equal blocks along N, each chunked over the mesh axis".
 """
 
+import functools
 from collections.abc import Mapping
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -21,7 +22,11 @@ from hyper_parallel.protocols.placement_text import (
 )
 
 
+@functools.cache
 def placement_from_text(text: str) -> Placement:
+    """The torch placement of a placement's text. Cached: the applier's hooks turn a
+    plan's texts into placements on every forward and backward, and a plan has a handful
+    of distinct texts (torch placements are immutable, so one object serves every caller)."""
     return placement_from_spec(parse_placement_text(text))
 
 
