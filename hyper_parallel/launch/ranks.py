@@ -104,6 +104,9 @@ class RankFiles:
     def result(self, rank: int) -> Path:
         return Path(f"{self.prefix}.result.rank{rank}.json")
 
+    def stack(self, rank: int) -> Path:
+        return Path(f"{self.prefix}.stack.rank{rank}")
+
     def report_progress(self, rank: int, phase: str) -> None:
         self.progress(rank).write_text(phase)
 
@@ -117,6 +120,35 @@ class RankFiles:
             if path.is_file():
                 found[rank] = path.read_text().strip()
         return found
+
+
+JOINING = "joining the process group"
+_MAIN_THREAD = "main thread: "  # the stack file's first line: which of the dumped threads is the rank's own
+
+
+def join_process_group(files: RankFiles, rank: int, init, timeout_s: float) -> bool:
+    """A rank's ``init()`` (its ``init_process_group``), reported like the rest of its work:
+    the phase first; a failure as this rank's own error (False: the rank then leaves);
+    and, if the rank is still inside after most of ``timeout_s``, its Python stacks
+    (every thread's, by ``faulthandler``) in ``files.stack(rank)``. A rank that never
+    joins leaves the others only a store timeout naming a key; its stacks say where it
+    hung, and ``rank_reports`` shows them."""
+    import faulthandler
+    import threading
+
+    files.report_progress(rank, JOINING)
+    with files.stack(rank).open("w") as out:
+        out.write(f"{_MAIN_THREAD}0x{threading.main_thread().ident:016x}\n")
+        out.flush()
+        faulthandler.dump_traceback_later(max(1.0, 0.8 * timeout_s), file=out)
+        try:
+            init()
+        except Exception as exc:  # noqa: BLE001 - the rank's own report, then it leaves
+            files.report_error(rank, f"rank {rank}: {JOINING}: {type(exc).__name__}: {exc}")
+            return False
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    return True
 
 
 class RankLaunch:
@@ -183,8 +215,9 @@ def wait_for_ranks(launch: RankLaunch, files: RankFiles, world: int, *, what: st
             kill_tree(launch.proc)
             silent = silent_ranks(files, world)
             named = f"; ranks that never finished: {_phases(files, silent)}" if silent else ""
+            stacks = "".join(f"\n{stack}" for stack in _stacks(files, silent))
             raise LaunchError(f"{what} did not finish within {timeout_s:.0f}s{named}; run it by hand: "
-                              f"{' '.join(launch.cmd)}")
+                              f"{' '.join(launch.cmd)}{stacks}")
         if _only_silent_ranks_left(files, world, collective_timeout_s):
             time.sleep(2)  # a last report on its way
             kill_tree(launch.proc)
@@ -243,7 +276,27 @@ def rank_reports(files: RankFiles, world: int, collective_timeout_s: float) -> s
             lines.insert(0, f"rank(s) {ranks} went silent (last phase reported: {_phases(files, silent)}); the "
                             f"other ranks gave up waiting for them after {collective_timeout_s:g}s "
                             f"(accelerator.check_timeout_s)")
+    lines.extend(_stacks(files, silent if len(silent) < world else []))
     return "\n".join(lines)
+
+
+def _stacks(files: RankFiles, ranks: list[int], frames: int = 12) -> list[str]:
+    """The Python stacks a silent rank dumped while it hung (``join_process_group``): the
+    innermost ``frames`` lines of each thread's, its main thread first."""
+    out = []
+    for rank in ranks:
+        path = files.stack(rank)
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        if len(lines) < 2 or not lines[0].startswith(_MAIN_THREAD):
+            continue  # armed, never fired: the rank got past the join
+        main = lines[0][len(_MAIN_THREAD):]
+        threads = [block.splitlines() for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", "\n".join(lines[1:]))
+                   if re.match(r"(?:Current thread|Thread) 0x", block)]
+        shown = []
+        for block in sorted(threads, key=lambda block: main not in block[0]):
+            shown.extend([block[0] + (" (the rank's main thread)" if main in block[0] else ""), *block[1:frames + 1]])
+        out.append(f"rank {rank}'s stacks while it hung (innermost first):\n    " + "\n    ".join(shown))
+    return out
 
 
 def _waited_out(files: RankFiles, silent: list[int], errors: dict[int, str], collective_timeout_s: float) -> bool:

@@ -10,7 +10,7 @@ import os
 import sys
 from datetime import timedelta
 
-from hyper_parallel.launch.ranks import RankFiles
+from hyper_parallel.launch.ranks import RankFiles, join_process_group
 from hyper_parallel.distributed.rank_exit import exit_rank
 
 
@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
 
     files = RankFiles(args.reports)
     rank = int(os.environ.get("RANK", "0"))
-    files.report_progress(rank, "joining the process group")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+    if not join_process_group(files, rank, lambda: dist.init_process_group(
+            "gloo", timeout=timedelta(seconds=args.timeout_s)), args.timeout_s):
+        exit_rank(1)
     try:
         report = _check_rank(args.config, rank, lambda phase: files.report_progress(rank, phase))
         error = None

@@ -29,7 +29,7 @@ from typing import Any
 
 from hyper_parallel.codegen.check import threaded_p2p
 from hyper_parallel.codegen.check.verify_mode import STEPS
-from hyper_parallel.launch.ranks import RankFiles
+from hyper_parallel.launch.ranks import RankFiles, join_process_group
 from hyper_parallel.distributed.rank_exit import exit_rank
 from hyper_parallel.errors import HyperParallelError
 
@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 def run_torchrun(job: dict[str, Any]) -> int:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=job["timeout_s"]))
-    rank = dist.get_rank()
+    rank = int(os.environ.get("RANK", "0"))
+    if not join_process_group(RankFiles(job["rank_files"]), rank, lambda: dist.init_process_group(
+            "gloo", timeout=timedelta(seconds=job["timeout_s"])), job["timeout_s"]):
+        exit_rank(1)
     error = _guarded_rank(job)
     # Each rank reports on its own (no collective that a silent rank could block), so the
     # launcher can name a rank that never reported.
