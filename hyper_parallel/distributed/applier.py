@@ -75,7 +75,7 @@ from hyper_parallel.distributed.local_views import (  # local_piece re-exported
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
 from hyper_parallel.distributed.name_match import match_plan_keys
-from hyper_parallel.distributed.partial_grads import reduce_partial_grad
+from hyper_parallel.distributed.partial_grads import local_with_grad_placements, reduce_partial_grad
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
 from hyper_parallel.distributed.state_handoff import install_state_handoff
 from hyper_parallel.errors import HyperParallelError
@@ -567,6 +567,7 @@ def _install_local_parameter_swap(module: nn.Module, fqn: str, config: ShardingC
     pieces, index = _tp_share(sub_mesh, axes)
     where = fqn or "<root>"
     saved: list[tuple[dict, dict, dict]] = []
+    grad_specs: dict = {}
 
     def swap_in(mod, args):
         originals, swapped = {}, {}
@@ -575,9 +576,9 @@ def _install_local_parameter_swap(module: nn.Module, fqn: str, config: ShardingC
             param = originals[name] = owner._parameters[leaf]
             grads = _grad_placements(param.placements, axes, split_axes)
             if partial_dims[name]:
-                local = _partial_parameter(param, partial_dims[name], grads)
+                local = _partial_parameter(param, partial_dims[name], grads, grad_specs)
             else:
-                local = param.to_local(grad_placements=grads)
+                local = local_with_grad_placements(param, grads, grad_specs)
             if name in config.local_slices and not (TP in axes and isinstance(param.placements[axes.index(TP)], Shard)):
                 dim, blocks = config.local_slices[name]  # stored replicated: this rank's piece now
                 local = packed_blocks_piece(local, dim, block_sizes(mod, blocks, where), pieces, index,
@@ -627,14 +628,15 @@ def _handed_out(param: DTensor, axes, split_where_used: set[str]) -> torch.Tenso
     return param.to_local(grad_placements=grads)
 
 
-def _partial_parameter(param: DTensor, mesh_dims: tuple[int, ...], grads: tuple) -> torch.Tensor:
+def _partial_parameter(param: DTensor, mesh_dims: tuple[int, ...], grads: tuple, grad_specs: dict) -> torch.Tensor:
     """The local value of a parameter placed ``partial`` on ``mesh_dims``: a term of the
     module's partial-sum output (packed experts' ``down_proj_bias``: each tp rank's output
     is its slice of the down projection, all-reduced on the way out), so the sum must see
     it once. The first rank of each such mesh dim uses the whole value, the others a zero
     (``value * 0``, so that they still get a gradient, of zeros); the gradient is marked
     ``Partial`` there (``grads`` has the other dims', e.g. cp's where the tokens are
-    split) and summed over the dims when backward ends (``partial_grads``).
+    split) and summed over the dims when backward ends (``partial_grads``; ``grad_specs``
+    is the module's cache for ``local_with_grad_placements``).
 
     This is exact: the all-reduced output is ``sum of the slices + bias`` as in one
     process, and the summed gradient is ``g + 0 + ...`` = ``g``, the first rank's
@@ -647,7 +649,7 @@ def _partial_parameter(param: DTensor, mesh_dims: tuple[int, ...], grads: tuple)
     mesh = param.device_mesh
     coords = mesh.get_coordinate()
     grads = tuple(Partial() if dim in mesh_dims else p for dim, p in enumerate(grads))
-    local = param.to_local(grad_placements=grads)
+    local = local_with_grad_placements(param, grads, grad_specs)
     first = all(coords[dim] == 0 for dim in mesh_dims)
     return local if first else local * 0
 

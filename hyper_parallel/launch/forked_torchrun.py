@@ -16,6 +16,16 @@ launch-owner mark in their environment for the guard's watcher to find them by.
 
 A rank, forked or not, leaves with ``distributed.rank_exit.exit_rank``, which knows the
 difference (this launcher sets ``FORKED_ENV``).
+
+A fork copies only the forking thread, and any lock another thread of the agent held at
+that moment stays held in the rank for good. One such lock was seen: glibc's resolver
+lock. A rank hung forever in ``getaddrinfo`` of the host's name, inside TCPStore's
+connect in ``init_process_group``, while its peers timed out waiting for it (py-spy,
+2026-12-05). A launch on one host (``--standalone``: verify's, preflight's, the tests') gives its ranks
+numeric loopback addresses, so they need no name lookup: ``--local-addr 127.0.0.1``
+(``torchrun_command``; their MASTER_ADDR) and gloo's loopback interface
+(``GLOO_SOCKET_IFNAME`` unless set; without it gloo resolves the host's name to pick one).
+A launch over several nodes keeps its addresses and interfaces.
 """
 
 import argparse
@@ -27,11 +37,16 @@ import sys
 from hyper_parallel.distributed.rank_exit import FORKED_ENV
 from hyper_parallel.launch.guard import die_with
 
+LOOPBACK_ADDRESS = "127.0.0.1"
+GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
+
+
 def torchrun_command(world: int, worker_module: str, worker_args: list[str], preload: list[str]) -> list[str]:
     """The command line that starts ``world`` forked ranks of ``worker_module``."""
     return [sys.executable, "-m", __name__, "--preload", ",".join(preload), "--",
             # --standalone: torchrun picks a free rendezvous port itself (no check-then-use race).
-            "--standalone", f"--nproc_per_node={world}", "-m", worker_module, *worker_args]
+            "--standalone", f"--local-addr={LOOPBACK_ADDRESS}", f"--nproc_per_node={world}",
+            "-m", worker_module, *worker_args]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,12 +69,25 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # the rank imports it again and reports the error itself
             pass
     os.environ[FORKED_ENV] = "1"
+    loopback = loopback_interface() if "--standalone" in torchrun_args[:at] else None  # one host: no lookups
+    if loopback is not None:
+        os.environ.setdefault(GLOO_INTERFACE_ENV, loopback)
     agent = os.getpid()
     os.register_at_fork(after_in_child=lambda: die_with(agent))
     from torch.distributed.run import main as torchrun
 
     torchrun([*torchrun_args[:at], "--start-method=fork", "--run-path", worker, *torchrun_args[at + 2:]])
     return 0
+
+
+def loopback_interface() -> str | None:
+    """The name of the network interface that holds 127.0.0.1 ("lo" on Linux), or None."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.address == LOOPBACK_ADDRESS for address in addresses):
+            return name
+    return None
 
 
 def _script_of(module: str) -> str | None:

@@ -1,0 +1,50 @@
+"""``local_with_grad_placements`` is DTensor's ``to_local(grad_placements=...)`` with its
+specs made once: the same gradient DTensor (spec and values), for replicated and sharded
+parameters (whose global strides differ from the local ones) and for contiguous and
+transposed gradients; and the summed gradient keeps the
+parameter's placements."""
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from hyper_parallel.distributed.partial_grads import _replicated_grad, local_with_grad_placements
+from tests.threaded_world import run_ranks
+
+
+def _grad(param, local_of, transposed: bool):
+    """The gradient as backward hands it to the parameter (``autograd.grad``: before
+    AccumulateGrad, which would store a copy of its own)."""
+    weights = torch.arange(float(param._local_tensor.numel())).view(param._local_tensor.shape)
+    local = local_of(param)
+    loss = ((local.t() * weights.t()) if transposed else (local * weights)).sum()
+    return torch.autograd.grad(loss, param)[0]
+
+
+def _compare(rank):
+    mesh = init_device_mesh("cpu", (2,))
+    cases = []
+    for placements, grads in (((Replicate(),), (Partial(),)), ((Shard(1),), (Shard(1),))):
+        whole = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+        local = whole.chunk(2, dim=1)[rank].contiguous() if placements[0] == Shard(1) else whole
+        param = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, placements, run_check=False,
+                                                      shape=whole.shape, stride=whole.stride()))
+        cache = {}
+        for transposed in (False, True):
+            theirs = _grad(param, lambda p: p.to_local(grad_placements=grads), transposed)
+            ours = _grad(param, lambda p: local_with_grad_placements(p, grads, cache), transposed)
+            cases.append((type(ours) is DTensor, ours._spec == theirs._spec and ours._spec.tensor_meta == theirs._spec.tensor_meta,
+                          ours.stride() == theirs.stride(),
+                          torch.equal(ours._local_tensor, theirs._local_tensor)))
+        summed = torch.ones_like(param._local_tensor)
+        replicated = _replicated_grad(param, summed)
+        cases.append((replicated.placements == param.placements, replicated.shape == param.shape,
+                       replicated.stride() == param.stride(), replicated._local_tensor is summed))
+    return cases
+
+
+def test_the_gradient_is_the_dtensor_to_local_hands_on():
+    for rank_cases in run_ranks(2, _compare):
+        assert len(rank_cases) == 6
+        for case in rank_cases:
+            assert case == (True, True, True, True), rank_cases
