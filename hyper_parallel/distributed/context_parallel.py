@@ -139,7 +139,10 @@ def _all_gather_async(tensor: torch.Tensor, group):
         work = dist.all_gather(pieces, tensor, group=group, async_op=True)
 
     def wait() -> list[torch.Tensor]:
-        work.wait()
+        nonlocal work
+        if work is not None:
+            work.wait()
+            work = None  # it holds what was sent (on gloo cp copies of the tensor): freed now
         return list(pieces)
 
     return wait
@@ -159,21 +162,24 @@ def _reduce_scatter_async(grad: torch.Tensor, group, dim: int):
     0.5-0.8 ms against 2.4-3.9 ms)."""
     size = dist.get_world_size(group)
     moved = grad.movedim(dim, 0).contiguous()
-    if dist.get_backend(group) == "gloo":
+    shape = (size, moved.shape[0] // size, *moved.shape[1:])
+    gloo = dist.get_backend(group) == "gloo"
+    if gloo:
         received = torch.empty_like(moved)
         work = dist.all_to_all_single(received, moved, group=group, async_op=True)
-
-        def summed() -> torch.Tensor:
-            work.wait()
-            return received.view(size, moved.shape[0] // size, *moved.shape[1:]).sum(0).movedim(0, dim)
-
-        return summed
-    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, moved, group=group, async_op=True)
+    else:
+        received = moved.new_empty(shape[1:])
+        work = dist.reduce_scatter_tensor(received, moved, group=group, async_op=True)
+    del moved  # the work holds it until the exchange is done, no longer
 
     def piece() -> torch.Tensor:
-        work.wait()
-        return out.movedim(0, dim).contiguous()
+        nonlocal work
+        if work is not None:
+            work.wait()
+            work = None
+        if gloo:  # every rank's piece of this rank's share, summed here
+            return received.view(shape).sum(0).movedim(0, dim)
+        return received.movedim(0, dim).contiguous()
 
     return piece
 

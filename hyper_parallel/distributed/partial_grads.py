@@ -47,7 +47,11 @@ class _LocalWithGradSpec(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor | None):
         if grad is None:
             return None, None
-        return DTensor(grad, ctx.specs.of(grad), requires_grad=False), None
+        spec = ctx.specs.of(grad)
+        if grad.requires_grad:  # a double backward (create_graph): from_local keeps the graph
+            return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                      stride=spec.stride), None
+        return DTensor(grad, spec, requires_grad=False), None
 
 
 class _GradSpecs:
@@ -70,6 +74,8 @@ class _GradSpecs:
 def local_with_grad_placements(param: DTensor, placements: tuple, cache: dict) -> torch.Tensor:
     """``param``'s local tensor, its gradient placed ``placements`` (``Partial`` where the
     work is split); ``cache`` (the caller's, one per module) keeps the specs."""
+    if torch.compiler.is_compiling():  # traced: DTensor's own, which dynamo knows (no graph break)
+        return param.to_local(grad_placements=placements)
     key = (id(param), tuple(placements))
     specs = cache.get(key)
     if specs is None or specs.spec is not param._spec:

@@ -148,6 +148,7 @@ def join_process_group(files: RankFiles, rank: int, init, timeout_s: float) -> b
             return False
         finally:
             faulthandler.cancel_dump_traceback_later()
+    files.stack(rank).write_text("")  # joined: a dump made while it was slow is no hang of a later phase
     return True
 
 

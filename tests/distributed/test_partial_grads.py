@@ -1,7 +1,7 @@
 """``local_with_grad_placements`` is DTensor's ``to_local(grad_placements=...)`` with its
 specs made once: the same gradient DTensor (spec and values), for replicated and sharded
 parameters (whose global strides differ from the local ones) and for contiguous and
-transposed gradients; and the summed gradient keeps the
+transposed gradients, and a double backward; and the summed gradient keeps the
 parameter's placements."""
 
 import torch
@@ -12,13 +12,15 @@ from hyper_parallel.distributed.partial_grads import _replicated_grad, local_wit
 from tests.threaded_world import run_ranks
 
 
-def _grad(param, local_of, transposed: bool):
+def _grad(param, local_of, transposed: bool, create_graph: bool = False):
     """The gradient as backward hands it to the parameter (``autograd.grad``: before
     AccumulateGrad, which would store a copy of its own)."""
     weights = torch.arange(float(param._local_tensor.numel())).view(param._local_tensor.shape)
     local = local_of(param)
     loss = ((local.t() * weights.t()) if transposed else (local * weights)).sum()
-    return torch.autograd.grad(loss, param)[0]
+    if create_graph:
+        loss = (local * local).sum()
+    return torch.autograd.grad(loss, param, create_graph=create_graph)[0]
 
 
 def _compare(rank):
@@ -36,6 +38,11 @@ def _compare(rank):
             cases.append((type(ours) is DTensor, ours._spec == theirs._spec and ours._spec.tensor_meta == theirs._spec.tensor_meta,
                           ours.stride() == theirs.stride(),
                           torch.equal(ours._local_tensor, theirs._local_tensor)))
+        # a double backward (create_graph) keeps the gradient's own graph, as to_local's does
+        theirs = _grad(param, lambda p: p.to_local(grad_placements=grads), False, create_graph=True)
+        ours = _grad(param, lambda p: local_with_grad_placements(p, grads, cache), False, create_graph=True)
+        cases.append((ours.requires_grad, theirs.requires_grad, ours._spec == theirs._spec,
+                      torch.equal(ours._local_tensor, theirs._local_tensor)))
         summed = torch.ones_like(param._local_tensor)
         replicated = _replicated_grad(param, summed)
         cases.append((replicated.placements == param.placements, replicated.shape == param.shape,
@@ -45,6 +52,6 @@ def _compare(rank):
 
 def test_the_gradient_is_the_dtensor_to_local_hands_on():
     for rank_cases in run_ranks(2, _compare):
-        assert len(rank_cases) == 6
+        assert len(rank_cases) == 8
         for case in rank_cases:
             assert case == (True, True, True, True), rank_cases
