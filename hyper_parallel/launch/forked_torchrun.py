@@ -18,10 +18,12 @@ A rank, forked or not, leaves with ``distributed.rank_exit.exit_rank``, which kn
 difference (this launcher sets ``FORKED_ENV``).
 
 A fork copies only the forking thread, and any lock another thread of the agent held at
-that moment stays held in the rank for good. One such lock was seen: glibc's resolver
-lock. A rank hung forever in ``getaddrinfo`` of the host's name, inside TCPStore's
-connect in ``init_process_group``, while its peers timed out waiting for it (py-spy,
-2026-12-05). A launch on one host (``--standalone``: verify's, preflight's, the tests') gives its ranks
+that moment stays held in the rank for good. One such lock was seen twice: glibc's
+resolver lock. A rank hung forever inside TCPStore's connect in ``init_process_group``,
+once in ``getaddrinfo`` of the host's name, once in ``getnameinfo`` of 127.0.0.1 (c10d
+formats the address it connects to), while its peers timed out waiting for it (py-spy,
+2026-12-05). The agent's store thread looks up each connecting rank's address the same
+way, so no rank goes on before the agent has forked them all (``ForkGate``). A launch on one host (``--standalone``: verify's, preflight's, the tests') gives its ranks
 numeric loopback addresses, so they need no name lookup: ``--local-addr 127.0.0.1``
 (``torchrun_command``; their MASTER_ADDR) and gloo's loopback interface
 (``GLOO_SOCKET_IFNAME`` unless set; without it gloo resolves the host's name to pick one).
@@ -32,7 +34,9 @@ import argparse
 import importlib
 import importlib.util
 import os
+import select
 import sys
+import time
 
 from hyper_parallel.distributed.rank_exit import FORKED_ENV
 from hyper_parallel.launch.guard import die_with
@@ -74,9 +78,66 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(GLOO_INTERFACE_ENV, loopback)
     agent = os.getpid()
     os.register_at_fork(after_in_child=lambda: die_with(agent))
+    ranks = _ranks_per_node(torchrun_args[:at])
+    if ranks:
+        gate = ForkGate(ranks)
+        os.register_at_fork(after_in_parent=gate.forked, after_in_child=gate.wait)
     from torch.distributed.run import main as torchrun
 
     torchrun([*torchrun_args[:at], "--start-method=fork", "--run-path", worker, *torchrun_args[at + 2:]])
+    return 0
+
+
+class ForkGate:
+    """Ranks start their work only once the agent has forked all of them. A rank's first
+    connection makes the agent's store thread look up its address (glibc's resolver lock,
+    ``getnameinfo``); a rank forked meanwhile inherits that lock held, and hangs for good
+    on its own first lookup. With the gate, nothing connects while the agent forks.
+
+    A pipe: each rank reads it until its end of file, which comes when the agent closes
+    its end after the last fork (or dies); a rank closes its own copy of that end first.
+    ``wait`` gives up after ``timeout_s`` (an agent that never forks them all)."""
+
+    def __init__(self, ranks: int, timeout_s: float = 120.0):
+        self.agent, self.left, self.timeout_s = os.getpid(), ranks, timeout_s
+        self.read_end, self.write_end = os.pipe()
+
+    def forked(self) -> None:
+        """After a fork, in the agent: the last rank opens the gate."""
+        if os.getpid() != self.agent or self.write_end is None:
+            return
+        self.left -= 1
+        if self.left <= 0:
+            os.close(self.write_end)
+            self.write_end = None
+
+    def wait(self) -> None:
+        """After a fork, in the rank: wait for the gate (once; a rank's own forks pass)."""
+        if self.write_end is not None:
+            os.close(self.write_end)
+            self.write_end = None
+        if self.read_end is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.read_end], [], [], left)
+            if ready and not os.read(self.read_end, 1):
+                break
+        os.close(self.read_end)
+        self.read_end = None
+
+
+def _ranks_per_node(torchrun_args: list[str]) -> int:
+    """``--nproc_per_node`` / ``--nproc-per-node`` as a number (0 when absent or not one)."""
+    for index, arg in enumerate(torchrun_args):
+        for flag in ("--nproc_per_node", "--nproc-per-node"):
+            if arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            elif arg == flag and index + 1 < len(torchrun_args):
+                value = torchrun_args[index + 1]
+            else:
+                continue
+            return int(value) if value.isdigit() else 0
     return 0
 
 
