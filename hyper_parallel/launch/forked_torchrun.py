@@ -23,7 +23,9 @@ resolver lock. A rank hung forever inside TCPStore's connect in ``init_process_g
 once in ``getaddrinfo`` of the host's name, once in ``getnameinfo`` of 127.0.0.1 (c10d
 formats the address it connects to), while its peers timed out waiting for it (py-spy,
 2026-12-05). The agent's store thread looks up each connecting rank's address the same
-way, so no rank goes on before the agent has forked them all (``ForkGate``). A launch on one host (``--standalone``: verify's, preflight's, the tests') gives its ranks
+way, so no rank goes on before the agent has forked them all (``ForkGate``).
+
+A launch on one host (``--standalone``: verify's, preflight's, the tests') gives its ranks
 numeric loopback addresses, so they need no name lookup: ``--local-addr 127.0.0.1``
 (``torchrun_command``; their MASTER_ADDR) and gloo's loopback interface
 (``GLOO_SOCKET_IFNAME`` unless set; without it gloo resolves the host's name to pick one).
