@@ -13,11 +13,13 @@ log-sum-exp (the ring-attention decomposition):
 
 Backward runs the flash backward of each call with the *merged* output and log-sum-exp,
 which gives each call's exact share of the gradient (softmax over the union of keys).
-With an ``exchange`` (allgather_kv) the K/V arrive as this rank's tokens and are gathered
-inside (``exchange.whole_async(key, value)``; ``exchange.local_grad_async(d_key, d_value)``
-its adjoint, the reduce-scatter): backward keeps only the local K/V and gathers them again
-there, so a rank's saved activations hold no whole-sequence K/V, and hands back the local
-K/V gradients. Each collective runs while the rank computes on its own keys: the diagonal
+With an ``exchange`` (allgather_kv: ``context_parallel.KvExchange``) the K/V arrive as
+this rank's tokens, and the keys before its last chunk are gathered inside
+(``exchange.earlier_async(key, value)``: only those, which are all its calls on earlier
+keys read; ``exchange.local_grads_async(rows, size)`` its adjoint, their gradients to the
+ranks that own them): backward keeps only the local K/V and gathers them again there, so
+a rank's saved activations hold no other rank's K/V, and hands back the local K/V
+gradients. Each collective runs while the rank computes on its own keys: the diagonal
 calls (the rank's own K/V only) wait for nothing, so forward runs them while the K/V
 arrive, and backward runs the first of them while the K/V arrive again and the last while
 the earlier keys' K/V gradients go to the ranks that own them (its own gradients never
@@ -35,21 +37,6 @@ def usable(query: torch.Tensor, dropout: float) -> bool:
     """Whether the mask-free path runs here: CPU tensors of a float type, no dropout."""
     return (query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and not dropout and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
-
-
-def _diagonal(chunk: int, size: int) -> tuple[int, int]:
-    """(key start, key end) of global chunk ``chunk``'s own keys: its causal call."""
-    return chunk * size, (chunk + 1) * size
-
-
-def _merge(merged: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two attention results over disjoint key sets as one: weighted by log-sum-exp."""
-    if merged is None:
-        return out.float(), lse
-    merged_out, merged_lse = merged
-    total = torch.logaddexp(merged_lse, lse)
-    return (merged_out * torch.exp(merged_lse - total).unsqueeze(-1)
-            + out.float() * torch.exp(lse - total).unsqueeze(-1)), total
 
 
 @functools.cache
@@ -86,6 +73,27 @@ def _summed(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(batch, heads // groups, groups, length, dim).sum(2)
 
 
+class _WholeKv:
+    """``KvExchange``'s part without one: the whole sequence's K/V are given (natural
+    order), so the earlier keys are their first rows and the gradients stay here."""
+
+    local = False
+
+    def __init__(self, chunks: tuple[int, ...]):
+        self.chunks = chunks
+
+    def earlier_chunks(self) -> int:
+        return max(self.chunks)
+
+    def earlier_async(self, key, value):
+        """The whole K/V: each call on earlier keys reads its first rows."""
+        return lambda: (key, value)
+
+    def local_grads_async(self, earlier, size: int):
+        """The earlier keys' gradients are the whole sequence's first rows."""
+        return lambda: [(0, earlier)]
+
+
 class _ChunkedCausal(torch.autograd.Function):
     """Saves the kv heads as given (not repeated per query head): this rank's K/V with an
     exchange, else the whole sequence's kv-head-sized K/V. Each chunk's diagonal call needs
@@ -97,24 +105,28 @@ class _ChunkedCausal(torch.autograd.Function):
     def forward(ctx, query, kv_key, kv_value, chunks: tuple[int, ...], size: int, scale: float, exchange):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         groups = query.shape[1] // kv_key.shape[1]
-        whole = exchange.whole_async(kv_key, kv_value) if exchange is not None else None
-        merged = []
-        for index, chunk in enumerate(chunks):
-            rows = slice(index * size, (index + 1) * size)
-            key, value = _own_keys(kv_key, kv_value, index, chunk, size, exchange is not None)
-            merged.append(_merge(None, *flash(query[:, :, rows], _repeat(key, groups), _repeat(value, groups),
-                                              0.0, True, scale=scale)))
-        key, value = _earlier_keys(whole() if whole is not None else (kv_key, kv_value), chunks, size, groups)
-        for index, chunk in enumerate(chunks):
-            if chunk:  # the keys before the chunk: no mask
-                rows, end = slice(index * size, (index + 1) * size), chunk * size
-                merged[index] = _merge(merged[index], *flash(query[:, :, rows], key[:, :, :end], value[:, :, :end],
-                                                             0.0, False, scale=scale))
+        exchange = exchange if exchange is not None else _WholeKv(chunks)
+        earlier = exchange.earlier_async(kv_key, kv_value)
         # laid out [batch, tokens, heads, dim] in memory, as sdpa's CPU kernel returns it: the
         # caller's transpose(1, 2).contiguous() is then free and o_proj's saved input is this
         # very storage, not a second copy of the output
-        out = torch.cat([piece.to(query.dtype).transpose(1, 2) for piece, _ in merged], dim=1).transpose(1, 2)
-        ctx.save_for_backward(query, kv_key, kv_value, out, torch.cat([lse for _, lse in merged], dim=2))
+        out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3]).transpose(1, 2)
+        lse = query.new_empty(query.shape[:3], dtype=torch.float32)
+        diagonal = []
+        for index, chunk in enumerate(chunks):
+            rows = slice(index * size, (index + 1) * size)
+            key, value = _own_keys(kv_key, kv_value, index, chunk, size, exchange.local)
+            diagonal.append(flash(query[:, :, rows], _repeat(key, groups), _repeat(value, groups), 0.0, True,
+                                  scale=scale))
+        key, value = (_repeat(tensor, groups) for tensor in earlier())
+        for index, chunk in enumerate(chunks):
+            rows, end = slice(index * size, (index + 1) * size), chunk * size
+            if chunk:  # the keys before the chunk: no mask
+                _merge_into(out[:, :, rows], lse[:, :, rows], *diagonal[index],
+                            *flash(query[:, :, rows], key[:, :, :end], value[:, :, :end], 0.0, False, scale=scale))
+            else:
+                out[:, :, rows], lse[:, :, rows] = diagonal[index]
+        ctx.save_for_backward(query, kv_key, kv_value, out, lse)
         ctx.chunks, ctx.size, ctx.scale, ctx.groups, ctx.exchange = chunks, size, scale, groups, exchange
         return out
 
@@ -122,45 +134,55 @@ class _ChunkedCausal(torch.autograd.Function):
     def backward(ctx, grad):
         query, kv_key, kv_value, out, lse = ctx.saved_tensors
         chunks, size, exchange = ctx.chunks, ctx.size, ctx.exchange
-        whole = exchange.whole_async(kv_key, kv_value) if exchange is not None else None
-        grads = _BlockGrads(grad.contiguous(), query, kv_key, out, lse, ctx.scale, ctx.groups, size,
-                            exchange.size if exchange is not None else None)
+        earlier = exchange.earlier_async(kv_key, kv_value)
+        grads = _BlockGrads(grad, query, kv_key, out, lse, ctx.scale, ctx.groups, size, exchange)
         # the diagonal calls (own keys) split in two: the first while the K/V arrive, the
         # last while the earlier keys' K/V gradients go to their ranks (with an exchange)
-        before = len(chunks) - 1 if exchange is not None and len(chunks) > 1 else len(chunks)
+        before = len(chunks) - 1 if exchange.local and len(chunks) > 1 else len(chunks)
         for index in range(before):
             grads.diagonal(index, chunks[index], kv_key, kv_value)
-        key, value = _earlier_keys(whole() if whole is not None else (kv_key, kv_value), chunks, size, ctx.groups)
+        key, value = (_repeat(tensor, ctx.groups) for tensor in earlier())
         for index, chunk in enumerate(chunks):
             if chunk:
                 grads.earlier(index, chunk, key, value)
-        if exchange is None:
-            return grads.d_query, grads.d_key, grads.d_value, None, None, None, None
-        exchanged = exchange.local_grad_async(grads.d_key, grads.d_value)
+        returned = exchange.local_grads_async(grads.earlier_grads, size)
         for index in range(before, len(chunks)):
             grads.diagonal(index, chunks[index], kv_key, kv_value)
-        d_key, d_value = exchanged()
-        return grads.d_query, d_key + grads.own_key, d_value + grads.own_value, None, None, None, None
+        d_key, d_value = grads.local_grads(returned())
+        return grads.d_query, d_key, d_value, None, None, None, None
+
+
+def _merge_into(out, lse, diagonal_out, diagonal_lse, earlier_out, earlier_lse) -> None:
+    """Two attention results over disjoint key sets (the chunk's own keys, the keys
+    before it) as one, weighted by their log-sum-exp, written into ``out`` and ``lse``
+    (summed in float32, rounded once to a lower precision ``out``)."""
+    torch.logaddexp(diagonal_lse, earlier_lse, out=lse)
+    first, second = torch.exp(diagonal_lse - lse).unsqueeze(-1), torch.exp(earlier_lse - lse).unsqueeze(-1)
+    if out.dtype == torch.float32:
+        torch.mul(diagonal_out, first, out=out)
+        out.addcmul_(earlier_out, second)
+    else:
+        out.copy_(diagonal_out.float() * first + earlier_out.float() * second)
 
 
 class _BlockGrads:
     """The gradients of ``_ChunkedCausal`` as its flash-backward calls come: the query's
     rows (each set by the first call on them, added to by the other) and the K/V
     gradients, summed per kv head (no query-head-sized buffers). The calls on earlier
-    keys add to the whole sequence's K/V gradients (natural order); the diagonal calls,
-    with an exchange (``ranks``: the cp size), fill buffers the size of this rank's K/V,
-    which the caller adds to what the exchange hands back (they never leave the rank),
-    else they add to the whole sequence's too. The kernel reads strided slices (no copies)."""
+    keys add to ``earlier_grads``, rows [tokens (natural order), K/V, batch, kv heads,
+    dim] of the keys before the rank's last chunk, which go to the ranks that own them
+    (``exchange.local_grads_async``); the diagonal calls fill ``own``, the same rows of
+    the rank's K/V (with an exchange; without one, of the whole sequence's), to which
+    ``local_grads`` adds what comes back. The kernel reads strided slices (no copies)."""
 
-    def __init__(self, grad, query, kv_key, out, lse, scale: float, groups: int, size: int, ranks: int | None):
+    def __init__(self, grad, query, kv_key, out, lse, scale: float, groups: int, size: int, exchange):
         self.grad, self.query, self.out, self.lse = grad, query, out, lse
-        self.scale, self.groups, self.size, self.local = scale, groups, size, ranks is not None
+        self.scale, self.groups, self.size, self.local = scale, groups, size, exchange.local
         self.d_query = torch.empty_like(query)
-        length = kv_key.shape[2] * (ranks or 1)
-        self.d_key = kv_key.new_zeros(*kv_key.shape[:2], length, kv_key.shape[3])
-        self.d_value = torch.zeros_like(self.d_key)
-        self.own_key = torch.empty_like(kv_key) if self.local else None
-        self.own_value = torch.empty_like(kv_key) if self.local else None
+        batch, heads, length, dim = kv_key.shape
+        self.earlier_grads = kv_key.new_zeros(exchange.earlier_chunks() * size, 2, batch, heads, dim)
+        # with an exchange every row is some chunk's diagonal; the whole sequence's may have rows no chunk covers
+        self.own = (kv_key.new_empty if self.local else kv_key.new_zeros)(length, 2, batch, heads, dim)
         self.written: set[int] = set()
 
     def _call(self, index: int, key, value, causal: bool):
@@ -179,27 +201,34 @@ class _BlockGrads:
         """The ``index``-th chunk's queries against its own keys (causal)."""
         key, value = _own_keys(kv_key, kv_value, index, chunk, self.size, self.local)
         dk, dv = self._call(index, _repeat(key, self.groups), _repeat(value, self.groups), True)
-        if self.local:
-            self.own_key[:, :, index * self.size:(index + 1) * self.size] = dk
-            self.own_value[:, :, index * self.size:(index + 1) * self.size] = dv
-        else:
-            start, end = _diagonal(chunk, self.size)
-            self.d_key[:, :, start:end] += dk
-            self.d_value[:, :, start:end] += dv
+        start = (index if self.local else chunk) * self.size
+        _add_rows(self.own, start, dk, dv, add=False)
 
     def earlier(self, index: int, chunk: int, key, value) -> None:
         """The ``index``-th chunk's queries against every key before the chunk (no mask)."""
         end = chunk * self.size
         dk, dv = self._call(index, key[:, :, :end], value[:, :, :end], False)
-        self.d_key[:, :, :end] += dk
-        self.d_value[:, :, :end] += dv
+        _add_rows(self.earlier_grads, 0, dk, dv)
+
+    def local_grads(self, parts: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V gradients ([batch, kv heads, tokens, dim]): ``own`` plus ``parts``
+        ((first row, rows) from ``local_grads_async``)."""
+        for start, rows in parts:
+            self.own[start:start + rows.shape[0]] += rows
+        return self.own[:, 0].permute(1, 2, 0, 3), self.own[:, 1].permute(1, 2, 0, 3)
 
 
-def _earlier_keys(whole: tuple[torch.Tensor, torch.Tensor], chunks: tuple[int, ...], size: int, groups: int):
-    """The whole sequence's K/V up to the last chunk's start (what the calls on earlier
-    keys read), repeated per query head."""
-    end = max(chunks) * size
-    return tuple(_repeat(tensor[:, :, :end], groups) for tensor in whole)
+def _add_rows(rows: torch.Tensor, start: int, d_key: torch.Tensor, d_value: torch.Tensor, add: bool = True) -> None:
+    """K/V gradients [batch, kv heads, tokens, dim] into ``rows`` [tokens, K/V, batch, kv
+    heads, dim] from row ``start``: added, or set (``add=False``)."""
+    length = d_key.shape[2]
+    for slot, grad in enumerate((d_key, d_value)):
+        target = rows[start:start + length, slot]
+        source = grad.permute(2, 0, 1, 3)
+        if add:
+            target += source
+        else:
+            target.copy_(source)
 
 
 def _own_keys(kv_key, kv_value, index: int, chunk: int, size: int, local: bool):
@@ -214,8 +243,8 @@ def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     """Causal attention of ``query`` ([batch, heads, len(chunks)*C, dim], its rows the
     global chunks ``chunks`` of C tokens, in that order) against the whole sequence's
     ``key``/``value`` ([batch, kv heads, S, dim], natural order; kv heads divide heads),
-    or, with ``exchange`` (``whole_async(key, value)`` / ``local_grad_async(d_key, d_value)``), against this rank's
-    K/V, which it gathers in forward and again in backward."""
+    or, with ``exchange`` (``context_parallel.KvExchange``), against this rank's K/V: it
+    gathers the earlier keys' in forward and again in backward."""
     size = query.shape[2] // len(chunks)
     return _ChunkedCausal.apply(query.contiguous(), key.contiguous(), value.contiguous(), tuple(chunks), size,
                                 float(scale), exchange)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel.distributed import causal_blocks
+from hyper_parallel.distributed.exchange import all_gather_async, exchange_rows_async, reduce_scatter_async
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.axes import CP
 
@@ -119,69 +120,7 @@ def _chunks_in_order(tensor: torch.Tensor, dim: int, count: int, order: list[int
 
 def _all_gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along ``dim`` in rank order (no autograd)."""
-    return torch.cat(_all_gather_async(tensor, group)(), dim=dim)
-
-
-def _all_gather_async(tensor: torch.Tensor, group):
-    """Start gathering every rank's ``tensor``; returns the function that waits and hands
-    back the pieces in rank order. On gloo, an all-to-all of this rank's tensor to every
-    rank: the same bytes as its all-gather, in about half the time (measured, 512 KiB over
-    two CPU ranks: 0.8 ms against 1.1-2.0 ms)."""
-    size = dist.get_world_size(group)
-    tensor = tensor.contiguous()
-    if dist.get_backend(group) == "gloo":
-        sent = tensor.unsqueeze(0).expand(size, *tensor.shape).contiguous()
-        received = torch.empty_like(sent)
-        work = dist.all_to_all_single(received, sent, group=group, async_op=True)
-        pieces = received.unbind(0)
-    else:
-        pieces = [torch.empty_like(tensor) for _ in range(size)]
-        work = dist.all_gather(pieces, tensor, group=group, async_op=True)
-
-    def wait() -> list[torch.Tensor]:
-        nonlocal work
-        if work is not None:
-            work.wait()
-            work = None  # it holds what was sent (on gloo cp copies of the tensor): freed now
-        return list(pieces)
-
-    return wait
-
-
-def _reduce_scatter(grad: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """The adjoint of ``_all_gather``: every rank's ``grad`` summed, this rank's piece of
-    ``dim`` (reduce-scatter)."""
-    return _reduce_scatter_async(grad, group, dim)()
-
-
-def _reduce_scatter_async(grad: torch.Tensor, group, dim: int):
-    """Start ``_reduce_scatter``; returns the function that waits and hands back this
-    rank's piece (the caller computes meanwhile). On gloo, which has no reduce-scatter of
-    its own, an all-to-all (piece j to rank j) and a local sum: one round of each piece,
-    where an all-reduce moves every piece twice (measured, 1 MiB over two CPU ranks:
-    0.5-0.8 ms against 2.4-3.9 ms)."""
-    size = dist.get_world_size(group)
-    moved = grad.movedim(dim, 0).contiguous()
-    shape = (size, moved.shape[0] // size, *moved.shape[1:])
-    gloo = dist.get_backend(group) == "gloo"
-    if gloo:
-        received = torch.empty_like(moved)
-        work = dist.all_to_all_single(received, moved, group=group, async_op=True)
-    else:
-        received = moved.new_empty(shape[1:])
-        work = dist.reduce_scatter_tensor(received, moved, group=group, async_op=True)
-    del moved  # the work holds it until the exchange is done, no longer
-
-    def piece() -> torch.Tensor:
-        nonlocal work
-        if work is not None:
-            work.wait()
-            work = None
-        if gloo:  # every rank's piece of this rank's share, summed here
-            return received.view(shape).sum(0).movedim(0, dim)
-        return received.movedim(0, dim).contiguous()
-
-    return piece
+    return torch.cat(all_gather_async(tensor, group)(), dim=dim)
 
 
 class _GatherOverCp(torch.autograd.Function):
@@ -195,7 +134,7 @@ class _GatherOverCp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+        return reduce_scatter_async(grad, ctx.group, ctx.dim)(), None, None
 
 
 def gather_over_cp(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -217,11 +156,15 @@ class CpAttention:
         self.inner_shapes: set[tuple[int, int]] = set()
 
     def chunks(self) -> tuple[int, ...]:
-        """The global chunks this rank's tokens are, in their local order: r and 2*cp-1-r
-        of 2*cp with load balance, else r of cp."""
+        """The global chunks this rank's tokens are, in their local order."""
+        return self.chunks_of(self.rank)
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """The global chunks cp rank ``rank``'s tokens are, in their local order (rising):
+        r and 2*cp-1-r of 2*cp with load balance, else r of cp."""
         if self.order is not None:
-            return (self.rank, 2 * self.size - 1 - self.rank)
-        return (self.rank,)
+            return (rank, 2 * self.size - 1 - rank)
+        return (rank,)
 
     def local_rows(self, table: torch.Tensor, dim: int) -> torch.Tensor:
         """The rows (along ``dim``) of a per-position tensor made for the whole sequence
@@ -277,48 +220,94 @@ def gather_kv(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 
 
 class KvExchange:
-    """K/V between this rank's tokens and the whole sequence in natural order, without
-    autograd: ``whole_async`` gathers (and restores the load-balanced order),
-    ``local_grad_async`` is its adjoint (permute, then reduce-scatter); both only start
-    the collective and return the function that waits for it. The mask-free attention keeps only the
-    local K/V for backward and gathers them again there (``causal_blocks``). Both take
-    several tensors of one shape (K and V, their gradients) and move them stacked, in one
-    collective: on gloo one call of twice the bytes costs about one call's latency."""
+    """The earlier keys' K/V between the cp ranks, without autograd, for the mask-free
+    attention (``causal_blocks``). A rank's queries attend, besides their own chunks'
+    keys, to every key before its last chunk: ``earlier_async`` gathers exactly those
+    (each rank receives from each other only the chunks it reads: at cp2 with load
+    balance, rank 1 gets rank 0's first chunk, not its last), and ``local_grads_async``
+    is its adjoint: the gradients of those keys go back to the ranks that own them. Each
+    only starts the collective and returns the function that waits for it. K and V move
+    together, in one collective of rows [tokens, K/V, batch, kv heads, dim] (tokens
+    first: a rank's rows for a peer are a prefix of its local tokens, so at two ranks
+    what is sent is a view, not a copy)."""
+
+    local = True  # the attention's K/V are this rank's tokens (``causal_blocks``)
 
     def __init__(self, context: "CpAttention"):
         self.context = context
-        self.size = context.size
+        self.size, self.rank = context.size, context.rank
+        self.chunks = [context.chunks_of(rank) for rank in range(self.size)]
+        # the owner rank and local index of each global chunk
+        self.owner = {chunk: (rank, index) for rank, chunks in enumerate(self.chunks)
+                      for index, chunk in enumerate(chunks)}
 
-    def whole_async(self, *local: torch.Tensor):
-        """Start gathering; returns the function that waits and hands back the whole
-        tensors (the caller computes on its own tokens meanwhile)."""
-        pieces = _all_gather_async(torch.stack(local), self.context.group)
+    def earlier_chunks(self, rank: int | None = None) -> int:
+        """How many chunks (from the sequence's start) ``rank``'s queries read as earlier
+        keys: every chunk before its last one."""
+        return max(self.chunks[self.rank if rank is None else rank])
 
-        def wait() -> tuple[torch.Tensor, ...]:
-            return self._in_natural_order(pieces(), 3).unbind(0)
+    def _read_by(self, owner: int, reader: int) -> int:
+        """How many of ``owner``'s chunks ``reader`` reads as earlier keys: a prefix of
+        ``owner``'s local tokens (its chunks rise)."""
+        return sum(chunk < self.earlier_chunks(reader) for chunk in self.chunks[owner])
+
+    def earlier_async(self, key: torch.Tensor, value: torch.Tensor):
+        """Start gathering the K/V ([batch, kv heads, tokens, dim]: this rank's) of the
+        keys before this rank's last chunk; the wait hands back (key, value) of those
+        keys, contiguous in natural order."""
+        size = key.shape[2] // len(self.chunks[self.rank])
+        mine = key.new_empty(key.shape[2], 2, key.shape[0], key.shape[1], key.shape[3])  # tokens first
+        mine[:, 0], mine[:, 1] = key.permute(2, 0, 1, 3), value.permute(2, 0, 1, 3)
+        rows_for = [mine[:self._read_by(self.rank, peer) * size] for peer in range(self.size)]
+        receive = [self._read_by(peer, self.rank) * size for peer in range(self.size)]
+        received = exchange_rows_async(rows_for, receive, self.context.group)
+
+        def wait() -> tuple[torch.Tensor, torch.Tensor]:
+            by_peer = received()
+            pieces = []
+            for chunk in range(self.earlier_chunks()):
+                owner, index = self.owner[chunk]
+                rows = mine if owner == self.rank else by_peer[owner]
+                pieces.append(rows[index * size:(index + 1) * size].permute(1, 2, 3, 0, 4))
+            if not pieces:
+                return key[:, :, :0], value[:, :, :0]
+            both = torch.cat(pieces, dim=3)  # [K/V, batch, kv heads, keys, dim], contiguous
+            return both[0], both[1]
 
         return wait
 
-    def _in_natural_order(self, pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
-        """Every rank's tokens (``pieces``, in rank order) as the whole sequence in natural
-        order: one concatenation of the chunks where they belong."""
-        if self.context.order is None:
-            return torch.cat(pieces, dim=dim)
-        size = pieces[0].shape[dim] // 2
-        balanced = [piece.narrow(dim, half * size, size) for piece in pieces for half in (0, 1)]
-        chunk_at = self.context.order.chunk_order()  # the natural chunk at each balanced position
-        return torch.cat([balanced[position] for position in sorted(range(len(balanced)), key=chunk_at.__getitem__)],
-                         dim=dim)
+    def local_grads_async(self, earlier: torch.Tensor, size: int):
+        """Start the adjoint of ``earlier_async``: ``earlier`` holds the gradients of the
+        keys before this rank's last chunk, rows [tokens (natural order), K/V, batch, kv
+        heads, dim], ``size`` tokens per chunk; the wait hands back what they add to this
+        rank's K/V, as (first local row, rows) pairs: this rank's own chunks among them,
+        and what each peer sent."""
+        rows_for = [None if peer == self.rank else
+                    self._rows_of(earlier, self.chunks[peer][:self._read_by(peer, self.rank)], size)
+                    for peer in range(self.size)]
+        receive = [self._read_by(self.rank, peer) * size for peer in range(self.size)]
+        rows_for[self.rank] = earlier[:0]  # the row shape, for a rank that sends nothing
+        received = exchange_rows_async(rows_for, receive, self.context.group)
+        own = [(index * size, earlier[chunk * size:(chunk + 1) * size])
+               for index, chunk in enumerate(self.chunks[self.rank]) if chunk < self.earlier_chunks()]
 
-    def local_grad_async(self, *grads: torch.Tensor):
-        """Start the adjoint of ``whole_async`` on whole-sequence gradients (natural order):
-        returns the function that waits and hands back this rank's, in its local order."""
-        # tokens first: the exchange cuts dim 0, and the permutation's copy lays it out so
-        tokens_first = torch.stack(grads).movedim(3, 0)
-        if self.context.order is not None:
-            tokens_first = self.context.order.permute(tokens_first, 0)
-        local = _reduce_scatter_async(tokens_first, self.context.group, 0)
-        return lambda: local().movedim(0, 3).unbind(0)
+        def wait() -> list[tuple[int, torch.Tensor]]:
+            parts = list(own)
+            for peer, rows in enumerate(received()):
+                if rows is not None and rows.shape[0]:
+                    parts.append((0, rows))  # a prefix of this rank's tokens
+            return parts
+
+        return wait
+
+    @staticmethod
+    def _rows_of(earlier: torch.Tensor, chunks: tuple[int, ...], size: int) -> torch.Tensor:
+        """The rows of ``chunks`` (rising), one tensor: a view where they are consecutive."""
+        if not chunks:
+            return earlier[:0]
+        if list(chunks) == list(range(chunks[0], chunks[0] + len(chunks))):
+            return earlier[chunks[0] * size:(chunks[-1] + 1) * size]
+        return torch.cat([earlier[chunk * size:(chunk + 1) * size] for chunk in chunks])
 
 
 def _gathered(module: nn.Module, context: CpAttention, query, key, value):

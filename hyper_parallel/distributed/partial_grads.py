@@ -14,10 +14,11 @@ import copy
 import threading
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_global_tensor_info
+
+from hyper_parallel.distributed.exchange import all_reduce_sum
 
 # Per thread: each rank of a threaded (simulated) world runs its own backward.
 _local = threading.local()
@@ -128,7 +129,7 @@ def _reduce_pending() -> None:
     for groups, members in buckets.values():
         flat = torch.cat([param.grad.to_local().reshape(-1) for param in members])
         for group in groups:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            all_reduce_sum(flat, group)
         offset = 0
         for param in members:
             local = param.grad.to_local()

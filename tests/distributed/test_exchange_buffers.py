@@ -1,31 +1,29 @@
-"""The context-parallel exchanges on gloo free what they sent once they are waited for:
-the all-gather sends cp copies of the local K/V (as large as the gathered result) and the
-reduce-scatter the whole sequence's gradients; a finished exchange held them for as long
-as its wait function lived (the attention's whole backward). One gloo rank in a fresh
-process (no process group is left in the test's)."""
+"""The exchanges context parallel and the partial gradients run on gloo
+(``distributed/exchange.py``: all-to-alls in which a rank sends nothing to itself) give
+what the collectives they stand for give, and uneven rows (none to some peers) arrive
+from the rank that sent them, on every rank: the first, a middle and the last
+(world 3: the reduce-scatter's sent buffer is then a copy, not a view). And a waited
+exchange holds nothing it sent: the all-gather's sent K/V and the reduce-scatter's
+whole-sequence gradients were kept alive for as long as the wait function lived (the
+attention's whole backward)."""
 
-import subprocess
-import sys
+import json
 
-SCRIPT = """
-import gc, weakref
-import torch, torch.distributed as dist
-from hyper_parallel.distributed import context_parallel as cp
-dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-sent = []
-original = dist.all_to_all_single
-dist.all_to_all_single = lambda out, inp, *a, **k: (sent.append(weakref.ref(inp)), original(out, inp, *a, **k))[1]
-gathered = cp._all_gather_async(torch.randn(2, 1, 2, 64, 8), dist.group.WORLD)
-pieces = gathered()
-summed = cp._reduce_scatter_async(torch.randn(2, 1, 2, 64, 8), dist.group.WORLD, 3)
-piece = summed()
-gc.collect()
-print([ref() is None for ref in sent], len(pieces), tuple(piece.shape))
-dist.destroy_process_group()
-"""
+import pytest
+
+from tests.launch import assert_ran, torchrun
+from tests.project_fixtures import REPO
 
 
-def test_a_waited_exchange_holds_nothing_it_sent():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[True, True] 1 (2, 1, 2, 64, 8)", proc.stdout
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchanges_match_the_collectives_and_free_what_they_sent(world):
+    proc = torchrun(["-m", "tests.distributed.exchange_worker"], REPO, nproc=world, timeout=300)
+    assert_ran(proc)
+    ranks = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                   key=lambda result: result["rank"])
+    assert [result["rank"] for result in ranks] == list(range(world)), proc.stdout
+    for result in ranks:
+        # four all-to-alls: the all-gather, the reduce-scatter, the (small) all-reduce and
+        # the exchange of uneven rows
+        assert result == {"rank": result["rank"], "gathered": True, "scattered": True, "reduced": True,
+                          "exchanged": True, "exchanges": 4, "sent_freed": True}, ranks
