@@ -238,6 +238,12 @@ def _own_keys(kv_key, kv_value, index: int, chunk: int, size: int, local: bool):
     return kv_key[:, :, start:start + size], kv_value[:, :, start:start + size]
 
 
+def _dense_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the flash kernels read it: any strides but a dense last dim (a
+    transposed [batch, tokens, heads, dim] projection is read in place, not copied)."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
 def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: tuple[int, ...],
                              scale: float, *, exchange=None) -> torch.Tensor:
     """Causal attention of ``query`` ([batch, heads, len(chunks)*C, dim], its rows the
@@ -246,7 +252,7 @@ def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     or, with ``exchange`` (``context_parallel.KvExchange``), against this rank's K/V: it
     gathers the earlier keys' in forward and again in backward."""
     size = query.shape[2] // len(chunks)
-    return _ChunkedCausal.apply(query.contiguous(), key.contiguous(), value.contiguous(), tuple(chunks), size,
+    return _ChunkedCausal.apply(_dense_rows(query), _dense_rows(key), _dense_rows(value), tuple(chunks), size,
                                 float(scale), exchange)
 
 
