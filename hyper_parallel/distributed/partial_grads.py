@@ -109,7 +109,14 @@ def _summed_dims(grad_placements, param_placements) -> tuple[int, ...] | None:
     return tuple(dims)
 
 
-def _reduce_pending() -> None:
+# The partial gradients summed in one buffer, at most: the buffer is a copy of them, so one
+# buffer for every partial gradient of a large model (under cp, nearly every weight's)
+# would double their memory when backward ends. A gradient larger than this is summed
+# where it is, no copy.
+FLAT_BYTES = 64 << 20
+
+
+def _reduce_pending(flat_bytes: int | None = None) -> None:
     pending = _pending_params()
     params = list(pending)
     pending.clear()
@@ -126,16 +133,43 @@ def _reduce_pending() -> None:
         groups = [mesh.get_group(dim) for dim in dims if mesh.size(dim) > 1]
         key = (grad.dtype, grad.device, tuple(id(group) for group in groups))
         buckets.setdefault(key, (groups, []))[1].append(param)
+    limit = FLAT_BYTES if flat_bytes is None else flat_bytes
     for groups, members in buckets.values():
-        flat = torch.cat([param.grad.to_local().reshape(-1) for param in members])
-        for group in groups:
-            all_reduce_sum(flat, group)
-        offset = 0
-        for param in members:
-            local = param.grad.to_local()
-            summed = flat[offset:offset + local.numel()].view(local.shape)
-            offset += local.numel()
-            param.grad = _replicated_grad(param, summed)
+        for part in _bounded(members, limit):
+            _sum_over(groups, part)
+
+
+def _bounded(members: list, limit: int) -> list[list]:
+    """``members`` (in order) cut into runs whose gradients add up to at most ``limit``
+    bytes; a gradient larger than that is a run of its own."""
+    runs, run, size = [], [], 0
+    for param in members:
+        local = param.grad._local_tensor
+        nbytes = local.numel() * local.element_size()
+        if run and size + nbytes > limit:
+            runs.append(run)
+            run, size = [], 0
+        run.append(param)
+        size += nbytes
+    return runs + ([run] if run else [])
+
+
+def _sum_over(groups: list, members: list) -> None:
+    """The members' partial gradients summed over ``groups``, each ``param.grad`` then
+    placed as its parameter is: several in one flat copy (one collective), a lone
+    contiguous one in place (not one that carries a graph: a double backward's)."""
+    locals_ = [param.grad.to_local() for param in members]
+    if len(members) == 1 and locals_[0].is_contiguous() and not locals_[0].requires_grad:
+        flat = locals_[0]
+    else:
+        flat = torch.cat([local.reshape(-1) for local in locals_])
+    for group in groups:
+        all_reduce_sum(flat.view(-1), group)
+    offset = 0
+    for param, local in zip(members, locals_):
+        summed = flat.view(-1)[offset:offset + local.numel()].view(local.shape)
+        offset += local.numel()
+        param.grad = _replicated_grad(param, summed)
 
 
 def _replicated_grad(param: DTensor, summed: torch.Tensor) -> DTensor:
