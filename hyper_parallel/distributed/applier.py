@@ -17,7 +17,7 @@ For each planned module:
   experts' ``down_proj_bias``) is stored replicated and added once over that axis
   (``_partial_parameter``).
 - a parameter whose gradient arrives ``Partial`` (replicated weight, split work) is
-  reduced when backward ends (``partial_grads``: one all-reduce for all of them), so
+  reduced when backward ends (``partial_grads``: one collective per bounded buffer), so
   after ``backward()`` ``param.grad`` has the parameter's placements.
 - conversions that move no data forward (a replicated input to split work, a partial
   sum reduced on output) take ``boundary_collectives``: one autograd node and one

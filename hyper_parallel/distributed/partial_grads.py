@@ -5,9 +5,9 @@ together when backward ends.
 ``local_with_grad_placements`` is the parameter's local value for the module's forward
 (DTensor's ``to_local(grad_placements=...)`` with its specs made once). The
 parameter's post-accumulate hook only records it; one callback at the end of the
-backward pass all-reduces every recorded gradient in one flat buffer per process
-group, so ``param.grad`` has the parameter's placements before ``backward()`` returns,
-with one collective instead of one per parameter.
+backward pass sums the recorded gradients over their process groups, in flat buffers
+of at most ``FLAT_BYTES`` (one collective per buffer, not one per parameter), so
+``param.grad`` has the parameter's placements before ``backward()`` returns.
 """
 
 import copy

@@ -1,10 +1,14 @@
 """Under torchrun (gloo): ``exchange``'s collectives against what they stand for, on
-every rank, and what they sent freed once waited for; prints one JSON line per rank."""
+every rank, and what they sent freed once waited for; each rank writes its findings to
+``rank<N>.json`` in the folder given as the first argument (files, not stdout, where
+the ranks' lines could interleave)."""
 
 import gc
 import json
+import sys
 import time
 import weakref
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,8 +56,9 @@ def main() -> None:
         if all(ref() is None for ref in sent):
             break
         time.sleep(0.02)
-    print(json.dumps({"rank": rank, "gathered": gathered, "scattered": scattered, "reduced": reduced,
-                      "exchanged": exchanged, "exchanges": len(sent), "sent_freed": all(ref() is None for ref in sent)}), flush=True)
+    Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "gathered": gathered, "scattered": scattered, "reduced": reduced, "exchanged": exchanged,
+         "exchanges": len(sent), "sent_freed": all(ref() is None for ref in sent)}))
     dist.destroy_process_group()
 
 
