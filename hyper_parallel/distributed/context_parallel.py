@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel.distributed import causal_blocks
-from hyper_parallel.distributed.exchange import all_gather_async, exchange_rows_async, reduce_scatter_async
+from hyper_parallel.distributed.exchange import (all_gather_async, consecutive_rows, exchange_rows_async,
+                                                 reduce_scatter_async)
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.axes import CP
 
@@ -305,9 +306,7 @@ class KvExchange:
         """The rows of ``chunks`` (rising), one tensor: a view where they are consecutive."""
         if not chunks:
             return earlier[:0]
-        if list(chunks) == list(range(chunks[0], chunks[0] + len(chunks))):
-            return earlier[chunks[0] * size:(chunks[-1] + 1) * size]
-        return torch.cat([earlier[chunk * size:(chunk + 1) * size] for chunk in chunks])
+        return consecutive_rows([earlier[chunk * size:(chunk + 1) * size] for chunk in chunks])
 
 
 def _gathered(module: nn.Module, context: CpAttention, query, key, value):

@@ -128,7 +128,7 @@ def exchange_rows_async(rows_for: list[torch.Tensor | None], receive_rows: list[
     template = next(rows for rows in rows_for if rows is not None)
     row_shape = template.shape[1:]
     pieces = [rows for peer, rows in enumerate(rows_for) if peer != rank and rows is not None and rows.shape[0]]
-    sent = _consecutive(pieces) if pieces else template.new_empty(0, *row_shape)
+    sent = consecutive_rows(pieces) if pieces else template.new_empty(0, *row_shape)
     send_splits = [0 if peer == rank or rows_for[peer] is None else rows_for[peer].shape[0] for peer in range(size)]
     receive_splits = [0 if peer == rank else receive_rows[peer] for peer in range(size)]
     received = template.new_empty(sum(receive_splits), *row_shape)
@@ -147,9 +147,9 @@ def exchange_rows_async(rows_for: list[torch.Tensor | None], receive_rows: list[
     return wait
 
 
-def _consecutive(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """``pieces`` (contiguous, along dim 0) as one contiguous tensor: a view where each
-    starts in memory where the one before ends, else their concatenation."""
+def consecutive_rows(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``pieces`` (rows along dim 0, at least one) as one contiguous tensor: a view where
+    each starts in memory where the one before ends, else their concatenation."""
     first = pieces[0]
     rows = sum(piece.shape[0] for piece in pieces)
     step = first[0].numel() * first.element_size() if first.shape[0] else 0
