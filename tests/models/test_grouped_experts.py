@@ -16,7 +16,9 @@ from hyper_parallel.models.qwen3_moe.adapter.replacements import (
 )
 from tests.models.model_helpers import TINY_MODEL_DIR
 
-TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
+# fp32 rounding: the gate/up gradients weight the gradient of act, not the output's (see
+# routed_experts); the output and the down-projection gradients are HF's bits.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 TOKENS = 40
 
 
@@ -77,7 +79,7 @@ def test_matches_hf_experts_forward_and_backward(config, layout):
 
     expected, actual = assert_same_results(reference, grouped, hidden, index, weights, grad_out)
     if layout == "packed":  # HF's rows in HF's order through HF's arithmetic: the same bits
-        for index, name in ((0, "output"), (3, "d_gate_up"), (4, "d_down")):
+        for index, name in ((0, "output"), (4, "d_down")):
             assert torch.equal(actual[index], expected[index]), name
     # Experts without tokens: zero gradient, as HF's.
     assert torch.count_nonzero(actual[3][5:]) == 0 and torch.count_nonzero(actual[4][5:]) == 0
@@ -261,11 +263,19 @@ def test_other_activations_take_their_derivative_from_autograd(config):
     assert_same_results(reference, grouped, hidden, index, weights, grad_out)
 
 
-def test_bfloat16_matches_hf_in_bfloat16(config):
-    reference = hf_experts(config).to(torch.bfloat16)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bfloat16_is_as_accurate_as_hf_in_bfloat16(config, seed):
+    """In bf16 both round differently; each result is as close to the fp32 result as HF's
+    own bf16 result is (norm-wise relative error, with room for rounding luck)."""
+    hidden, index, weights = routing(config, hot_experts=6, seed=seed + 1)
+    grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(7 + seed))
+    exact = run_with_grads(hf_experts(config, seed), hidden, index, weights, grad_out)
+    reference = hf_experts(config, seed).to(torch.bfloat16)
     grouped = replace_qwen3_moe_grouped_experts(reference)
-    hidden, index, weights = routing(config, hot_experts=6)
-    hidden, weights = hidden.to(torch.bfloat16), weights.to(torch.bfloat16)
-    grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
-    _, actual = assert_same_results(reference, grouped, hidden, index, weights, grad_out, rtol=2e-2, atol=2e-3)
-    assert all(got.dtype == torch.bfloat16 for got in actual)
+    low = (hidden.to(torch.bfloat16), index, weights.to(torch.bfloat16), grad_out.to(torch.bfloat16))
+    hf_bf16, ours = run_with_grads(reference, *low), run_with_grads(grouped, *low)
+    assert all(got.dtype == torch.bfloat16 for got in ours)
+    for name, want, hf_result, got in zip(RESULTS, exact, hf_bf16, ours):
+        hf_error = (hf_result.float() - want).norm() / want.norm()
+        error = (got.float() - want).norm() / want.norm()
+        assert hf_error < 2e-2 and error <= 1.5 * hf_error, (name, error.item(), hf_error.item())

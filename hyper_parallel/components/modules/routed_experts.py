@@ -6,10 +6,15 @@ expert and projection, stacks the per-expert weight gradients at the end and sav
 every intermediate; HF's eager loop is worse still (indexing the stacked weights per
 expert gives each expert a full-size ``[E, ...]`` gradient to zero-fill and add).
 Here forward and backward each walk the rows once, write the weight gradients in
-place, and keep only the gate/up projection, act(gate) and, when the routing weights
-need a gradient, the unweighted expert output. The arithmetic follows HF's autograd
-op for op, and the rows keep HF's order (by expert, then k, then token), so fp32
-outputs and parameter gradients are bit-identical to HF's eager experts.
+place, and keep only the gate/up projection and act(gate) per row. The routing
+weights' gradient ``<grad_out, down(act)>`` is taken as ``<down.T grad_out, act>``, so
+the expert outputs (a hidden-size row per routed pair, the largest activation HF's
+autograd keeps) are not kept. The rows keep HF's order (by expert, then k, then token)
+and the forward and the down projection's gradients follow HF's autograd op for op:
+fp32 outputs and down-projection gradients are bit-identical to HF's eager experts. The
+gate/up gradients weight the gradient of act instead of the output's (``w * (g @ D)``
+for HF's ``(w * g) @ D``): equal up to fp32 rounding, and in bf16 as close to the exact
+result as HF's.
 
 Two layouts of the same rows (``ExpertRows``):
 
@@ -144,32 +149,34 @@ def routed_experts(hidden: torch.Tensor, weights: torch.Tensor, gate_up: torch.T
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weights, gate_up, down, rows: ExpertRows, activation):
-        need_hidden, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         source = _with_zero_row(hidden) if rows.padded else hidden
         row_weight = _with_zero_row(weights.reshape(-1)).index_select(0, rows.pair)[:, None]
         expert_pass = _ExpertPass(source, gate_up, down, rows, activation)
-        # Kept for backward, only when it needs them: the gate/up projection and act(gate)
-        # (every gradient), the unweighted expert output (the routing weights' gradient).
-        kept = _Kept(hidden, rows.count, expert_pass.half,
-                     keep=need_hidden or need_weights or need_gate_up or need_down, keep_out=need_weights)
-        out = torch.zeros_like(source)
+        # Kept for backward, only when it needs them: the gate/up projection and act(gate).
+        kept = _Kept(hidden, rows.count, expert_pass.half, keep=any(ctx.needs_input_grad[:4]))
+        # Every row's weighted output, summed per token once all blocks are done: one
+        # index_add over all rows costs a third of one per block.
+        weighted = source.new_empty(rows.count, source.shape[1])
         for block in expert_pass.blocks:
-            expert_pass.forward_block(block, row_weight, kept, out)
-        ctx.save_for_backward(source, gate_up, down, kept.gate_up, kept.act_gate, kept.out, row_weight)
+            expert_pass.forward_block(block, row_weight, kept, weighted)
+        out = torch.zeros_like(source).index_add_(0, rows.token, weighted)
+        del weighted
+        ctx.save_for_backward(source, gate_up, down, kept.gate_up, kept.act_gate, row_weight)
         ctx.rows, ctx.activation, ctx.weights_shape = rows, activation, weights.shape
         return out[:hidden.shape[0]] if rows.padded else out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        source, gate_up, down, kept_gate_up, kept_act_gate, kept_out, row_weight = ctx.saved_tensors
+        source, gate_up, down, kept_gate_up, kept_act_gate, row_weight = ctx.saved_tensors
         rows = ctx.rows
         need_hidden, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         expert_pass = _ExpertPass(source, gate_up, down, rows, ctx.activation)
         grads = _Grads(source, row_weight, gate_up, down, rows, need_hidden, need_weights, need_gate_up, need_down)
         grad_source = _with_zero_row(grad_out) if rows.padded else grad_out
         for block in expert_pass.blocks:
-            expert_pass.backward_block(block, grad_source, row_weight, kept_gate_up, kept_act_gate, kept_out, grads)
+            expert_pass.backward_block(block, grad_source, row_weight, kept_gate_up, kept_act_gate, grads)
+        grads.sum_source_rows(rows.token)
         return (*grads.of_inputs(ctx.weights_shape, rows.padded), None, None)
 
 
@@ -182,53 +189,54 @@ class _ExpertPass:
         self.blocks = rows.blocks(source.element_size() * (3 * self.hidden_size + 4 * self.half))
         self.scratch = _Scratch(source, max(block.stop - block.start for block in self.blocks))
 
-    def forward_block(self, block: ExpertBlock, row_weight, kept: "_Kept", out) -> None:
+    def forward_block(self, block: ExpertBlock, row_weight, kept: "_Kept", weighted) -> None:
+        """Rows ``block.span`` of ``weighted``: each row's expert output times its routing weight."""
         half, hidden_size, scratch, padded = self.half, self.hidden_size, self.scratch, self.rows.padded
         token, span, count = self.rows.token[block.start:block.stop], block.span, block.count
         input_rows = torch.index_select(self.source, 0, token, out=scratch.take("input", count, hidden_size))
         gate_up_rows = _grouped_mm(input_rows, self.gate_up, block, padded, transpose=True,
                                    out=kept.rows("gate_up", span, scratch, count, 2 * half))
-        act_gate = self.activation.forward(gate_up_rows[:, :half], out=kept.rows("act_gate", span, scratch, count, half))
+        act_gate = self.activation.forward(gate_up_rows[:, :half],
+                                           out=kept.rows("act_gate", span, scratch, count, half))
         act = torch.mul(act_gate, gate_up_rows[:, half:], out=scratch.take("act", count, half))
-        expert_out = _grouped_mm(act, self.down, block, padded, transpose=True,
-                                 out=kept.rows("out", span, scratch, count, hidden_size))
-        # Weighted in the output dtype, then summed per token in expert order: HF's order.
-        weighted = torch.mul(expert_out, row_weight[span], out=scratch.take("weighted", count, hidden_size))
-        out.index_add_(0, token, weighted)
+        expert_out = _grouped_mm(act, self.down, block, padded, transpose=True, out=weighted[span])
+        # Weighted in the output dtype, then (in forward) summed per token in expert order: HF's order.
+        expert_out.mul_(row_weight[span])
 
-    def backward_block(self, block: ExpertBlock, grad_source, row_weight, kept_gate_up, kept_act_gate, kept_out,
+    def backward_block(self, block: ExpertBlock, grad_source, row_weight, kept_gate_up, kept_act_gate,
                        grads: "_Grads") -> None:
-        """The order of HF's autograd: weight the output gradient, then the matmuls."""
+        """The down projection's gradients in HF's order (the output gradient weighted, then
+        the matmul); the rest from the unweighted gradient of act, weighted after."""
         half, scratch, padded = self.half, self.scratch, self.rows.padded
         token, span, count = self.rows.token[block.start:block.stop], block.span, block.count
         gate, up, act_gate = kept_gate_up[span, :half], kept_gate_up[span, half:], kept_act_gate[span]
+        weight = row_weight[span]
         grad_rows = torch.index_select(grad_source, 0, token, out=scratch.take("grad_rows", count, self.hidden_size))
-        if grads.row_weight is not None:
-            grads.row_weight[span] = torch.linalg.vecdot(grad_rows, kept_out[span])
-        grad_rows.mul_(row_weight[span])
-        if grads.down is not None:
-            act = torch.mul(act_gate, up, out=scratch.take("act", count, half))
-            _grouped_weight_grad(grad_rows, act, block, padded, out=grads.down)
         grad_act = _grouped_mm(grad_rows, self.down, block, padded, transpose=False,
                                out=scratch.take("grad_act", count, half))
+        act = torch.mul(act_gate, up, out=scratch.take("act", count, half))
+        if grads.row_weight is not None:
+            # d(weight) = <grad_out, down(act)> = <down.T grad_out, act>: no expert output kept.
+            torch.linalg.vecdot(grad_act, act, out=grads.row_weight[span])
+        if grads.down is not None:
+            _grouped_weight_grad(grad_rows.mul_(weight), act, block, padded, out=grads.down)
+        grad_act.mul_(weight)
         grad_gate_up = scratch.take("grad_gate_up", count, 2 * half)
         torch.mul(grad_act, act_gate, out=grad_gate_up[:, half:])
         self.activation.backward(grad_act.mul_(up), gate, out=grad_gate_up[:, :half])
         if grads.gate_up is not None:
             input_rows = torch.index_select(self.source, 0, token, out=scratch.take("input", count, self.hidden_size))
             _grouped_weight_grad(grad_gate_up, input_rows, block, padded, out=grads.gate_up)
-        if grads.source is not None:
-            grad_input = _grouped_mm(grad_gate_up, self.gate_up, block, padded, transpose=False, out=grad_rows)
-            grads.source.index_add_(0, token, grad_input)
+        if grads.source_rows is not None:
+            _grouped_mm(grad_gate_up, self.gate_up, block, padded, transpose=False, out=grads.source_rows[span])
 
 
 class _Kept:
     """The row buffers forward keeps for backward (``None`` when backward has no use)."""
 
-    def __init__(self, like, num_rows: int, half: int, *, keep: bool, keep_out: bool) -> None:
+    def __init__(self, like, num_rows: int, half: int, *, keep: bool) -> None:
         self.gate_up = like.new_empty(num_rows, 2 * half) if keep else None
         self.act_gate = like.new_empty(num_rows, half) if keep else None
-        self.out = like.new_empty(num_rows, like.shape[1]) if keep_out else None
 
     def rows(self, name: str, span: slice, scratch: "_Scratch", count: int, width: int) -> torch.Tensor:
         """Rows ``span`` of the kept buffer ``name``, or block-sized scratch."""
@@ -250,11 +258,13 @@ class _Scratch:
 
 class _Grads:
     """Gradients being accumulated; ``None`` for inputs that need none. Weight gradients
-    are written per expert in place; experts without rows get zeros."""
+    are written per expert in place; experts without rows get zeros. The tokens' gradient
+    is first written per row (``source_rows``), then summed per token in one pass."""
 
     def __init__(self, source, row_weight, gate_up, down, rows: ExpertRows, need_hidden: bool, need_weights: bool,
                  need_gate_up: bool, need_down: bool) -> None:
         self.source = torch.zeros_like(source) if need_hidden else None
+        self.source_rows = source.new_empty(rows.count, source.shape[1]) if need_hidden else None
         self.row_weight = row_weight.new_zeros(rows.count) if need_weights else None
         self.gate_up = torch.empty_like(gate_up) if need_gate_up else None
         self.down = torch.empty_like(down) if need_down else None
@@ -263,6 +273,11 @@ class _Grads:
             for grad in (self.gate_up, self.down):
                 if size == 0 and grad is not None:
                     grad[expert].zero_()
+
+    def sum_source_rows(self, token: torch.Tensor) -> None:
+        if self.source is not None:
+            self.source.index_add_(0, token, self.source_rows)
+            self.source_rows = None
 
     def of_inputs(self, weights_shape: torch.Size, padded: bool) -> tuple:
         """(hidden, weights, gate_up, down) gradients; padding rows' shares dropped."""
@@ -283,7 +298,8 @@ def _grouped_mm(rows, weight, block: ExpertBlock, padded: bool, *, out, transpos
         torch.bmm(rows.view(len(block.sizes), -1, rows.shape[-1]), stacked,
                   out=out.view(len(block.sizes), -1, out.shape[-1]))
         return out
-    for chunk, expert_weight, out_chunk in zip(rows.split(block.sizes), stacked.unbind(0), out.split(block.sizes)):
+    for chunk, expert_weight, out_chunk in zip(torch.split_with_sizes(rows, block.sizes), stacked.unbind(0),
+                                               torch.split_with_sizes(out, block.sizes)):
         if chunk.shape[0]:
             torch.mm(chunk, expert_weight, out=out_chunk)
     return out
@@ -297,8 +313,8 @@ def _grouped_weight_grad(grad_rows, input_rows, block: ExpertBlock, padded: bool
         torch.bmm(grad_rows.view(count, -1, grad_rows.shape[-1]).transpose(1, 2),
                   input_rows.view(count, -1, input_rows.shape[-1]), out=grads)
         return
-    for grad_chunk, input_chunk, grad in zip(grad_rows.split(block.sizes), input_rows.split(block.sizes),
-                                             grads.unbind(0)):
+    for grad_chunk, input_chunk, grad in zip(torch.split_with_sizes(grad_rows, block.sizes),
+                                             torch.split_with_sizes(input_rows, block.sizes), grads.unbind(0)):
         if grad_chunk.shape[0]:
             torch.mm(grad_chunk.t(), input_chunk, out=grad)
 
