@@ -154,13 +154,9 @@ class _RoutedExperts(torch.autograd.Function):
         expert_pass = _ExpertPass(source, gate_up, down, rows, activation)
         # Kept for backward, only when it needs them: the gate/up projection and act(gate).
         kept = _Kept(hidden, rows.count, expert_pass.half, keep=any(ctx.needs_input_grad[:4]))
-        # Every row's weighted output, summed per token once all blocks are done: one
-        # index_add over all rows costs a third of one per block.
-        weighted = source.new_empty(rows.count, source.shape[1])
+        out = torch.zeros_like(source)
         for block in expert_pass.blocks:
-            expert_pass.forward_block(block, row_weight, kept, weighted)
-        out = torch.zeros_like(source).index_add_(0, rows.token, weighted)
-        del weighted
+            expert_pass.forward_block(block, row_weight, kept, out)
         ctx.save_for_backward(source, gate_up, down, kept.gate_up, kept.act_gate, row_weight)
         ctx.rows, ctx.activation, ctx.weights_shape = rows, activation, weights.shape
         return out[:hidden.shape[0]] if rows.padded else out
@@ -176,7 +172,6 @@ class _RoutedExperts(torch.autograd.Function):
         grad_source = _with_zero_row(grad_out) if rows.padded else grad_out
         for block in expert_pass.blocks:
             expert_pass.backward_block(block, grad_source, row_weight, kept_gate_up, kept_act_gate, grads)
-        grads.sum_source_rows(rows.token)
         return (*grads.of_inputs(ctx.weights_shape, rows.padded), None, None)
 
 
@@ -189,8 +184,8 @@ class _ExpertPass:
         self.blocks = rows.blocks(source.element_size() * (3 * self.hidden_size + 4 * self.half))
         self.scratch = _Scratch(source, max(block.stop - block.start for block in self.blocks))
 
-    def forward_block(self, block: ExpertBlock, row_weight, kept: "_Kept", weighted) -> None:
-        """Rows ``block.span`` of ``weighted``: each row's expert output times its routing weight."""
+    def forward_block(self, block: ExpertBlock, row_weight, kept: "_Kept", out) -> None:
+        """Adds the block's rows to ``out``: each row's expert output times its routing weight."""
         half, hidden_size, scratch, padded = self.half, self.hidden_size, self.scratch, self.rows.padded
         token, span, count = self.rows.token[block.start:block.stop], block.span, block.count
         input_rows = torch.index_select(self.source, 0, token, out=scratch.take("input", count, hidden_size))
@@ -199,9 +194,10 @@ class _ExpertPass:
         act_gate = self.activation.forward(gate_up_rows[:, :half],
                                            out=kept.rows("act_gate", span, scratch, count, half))
         act = torch.mul(act_gate, gate_up_rows[:, half:], out=scratch.take("act", count, half))
-        expert_out = _grouped_mm(act, self.down, block, padded, transpose=True, out=weighted[span])
-        # Weighted in the output dtype, then (in forward) summed per token in expert order: HF's order.
-        expert_out.mul_(row_weight[span])
+        expert_out = _grouped_mm(act, self.down, block, padded, transpose=True,
+                                 out=scratch.take("expert_out", count, hidden_size))
+        # Weighted in the output dtype, then summed per token in expert order: HF's order.
+        out.index_add_(0, token, expert_out.mul_(row_weight[span]))
 
     def backward_block(self, block: ExpertBlock, grad_source, row_weight, kept_gate_up, kept_act_gate,
                        grads: "_Grads") -> None:
@@ -227,8 +223,9 @@ class _ExpertPass:
         if grads.gate_up is not None:
             input_rows = torch.index_select(self.source, 0, token, out=scratch.take("input", count, self.hidden_size))
             _grouped_weight_grad(grad_gate_up, input_rows, block, padded, out=grads.gate_up)
-        if grads.source_rows is not None:
-            _grouped_mm(grad_gate_up, self.gate_up, block, padded, transpose=False, out=grads.source_rows[span])
+        if grads.source is not None:
+            grad_input = _grouped_mm(grad_gate_up, self.gate_up, block, padded, transpose=False, out=grad_rows)
+            grads.source.index_add_(0, token, grad_input)
 
 
 class _Kept:
@@ -258,13 +255,11 @@ class _Scratch:
 
 class _Grads:
     """Gradients being accumulated; ``None`` for inputs that need none. Weight gradients
-    are written per expert in place; experts without rows get zeros. The tokens' gradient
-    is first written per row (``source_rows``), then summed per token in one pass."""
+    are written per expert in place; experts without rows get zeros."""
 
     def __init__(self, source, row_weight, gate_up, down, rows: ExpertRows, need_hidden: bool, need_weights: bool,
                  need_gate_up: bool, need_down: bool) -> None:
         self.source = torch.zeros_like(source) if need_hidden else None
-        self.source_rows = source.new_empty(rows.count, source.shape[1]) if need_hidden else None
         self.row_weight = row_weight.new_zeros(rows.count) if need_weights else None
         self.gate_up = torch.empty_like(gate_up) if need_gate_up else None
         self.down = torch.empty_like(down) if need_down else None
@@ -273,11 +268,6 @@ class _Grads:
             for grad in (self.gate_up, self.down):
                 if size == 0 and grad is not None:
                     grad[expert].zero_()
-
-    def sum_source_rows(self, token: torch.Tensor) -> None:
-        if self.source is not None:
-            self.source.index_add_(0, token, self.source_rows)
-            self.source_rows = None
 
     def of_inputs(self, weights_shape: torch.Size, padded: bool) -> tuple:
         """(hidden, weights, gate_up, down) gradients; padding rows' shares dropped."""
