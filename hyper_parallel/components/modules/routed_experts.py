@@ -215,7 +215,8 @@ class _ExpertPass:
         grad_rows = torch.index_select(grad_source, 0, token, out=scratch.take("grad_rows", count, self.hidden_size))
         grad_act = _grouped_mm(grad_rows, self.down, block, padded, transpose=False,
                                out=scratch.take("grad_act", count, half))
-        act = torch.mul(act_gate, up, out=scratch.take("act", count, half))
+        if grads.row_weight is not None or grads.down is not None:  # not for frozen experts and weights
+            act = torch.mul(act_gate, up, out=scratch.take("act", count, half))
         if grads.row_weight is not None:
             # d(weight) = <grad_out, down(act)> = <down.T grad_out, act>: no expert output kept.
             torch.linalg.vecdot(grad_act, act, out=grads.row_weight[span])
