@@ -279,3 +279,16 @@ def test_bfloat16_is_as_accurate_as_hf_in_bfloat16(config, seed):
         hf_error = (hf_result.float() - want).norm() / want.norm()
         error = (got.float() - want).norm() / want.norm()
         assert hf_error < 2e-2 and error <= 1.5 * hf_error, (name, error.item(), hf_error.item())
+
+
+def test_backward_keeps_no_expert_output(config):
+    """What forward saves for backward: per routed row only the gate/up projection and
+    act(gate) (widths 2I and I) besides its routing weight, no hidden-size expert output,
+    even with the routing weights' gradient needed."""
+    grouped = replace_qwen3_moe_grouped_experts(hf_experts(config), layout="packed")
+    hidden, index, weights = routing(config, hot_experts=6)
+    out = grouped(hidden.requires_grad_(), index, weights.requires_grad_())
+    routed = index.numel()
+    row_widths = sorted(saved.shape[1] for saved in out.grad_fn.saved_tensors
+                        if saved.dim() == 2 and saved.shape[0] == routed)
+    assert row_widths == [1, config.moe_intermediate_size, 2 * config.moe_intermediate_size]
