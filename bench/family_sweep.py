@@ -28,7 +28,8 @@ What it does (issue 11, items 1 and 2):
 3. Per family and layout (``tp2``, ``tp2_sp_lp``, ``cp2``, ``dp2``; for MoE families also
    ``ep2`` = dp2 + ep2 and ``tp2_ep2`` = tp2 + dp2 + ep2 at world 4; ep is borrowed from
    dp*cp) a recipe in a throwaway project and ``python -m hyper_parallel.codegen --verbose
-   generate --skip-preflight``. Generate runs the verify stage: the bundle at the recipe's
+   generate``, every stage a user gets, preflight included (issue 51: a sweep that skipped
+   preflight missed a plan reader that disagreed with the applier). Generate runs the verify stage: the bundle at the recipe's
    world size against single-process HF on a shrunk probe, two AdamW steps, loss (rtol 1e-5)
    and every parameter's gradient (rtol 1e-4). Then, for rows that generated, the gen
    backend trains the saved checkpoint for 3 AdamW steps under torchrun

@@ -15,16 +15,20 @@ from hyper_parallel.runtime.integrity import uncovered_parameters
 from hyper_parallel.codegen.plan.freeze import compress_by_pattern
 from hyper_parallel.runtime import hyper_apply_replacements
 from hyper_parallel.config.plan_override import parse_plan_overrides
-from hyper_parallel.distributed.applier import _resolve_targets
+from hyper_parallel.distributed.applier import PlanApplyError, _resolve_targets, _states_by_module
+from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
 from hyper_parallel.distributed.name_match import (
+    PlanEntryConflict,
     in_precedence_order,
     is_glob,
     match_plan_keys,
     name_matches,
     names_matching,
+    placed_parameters,
+    placement_of,
     plan_entry_for,
 )
-from hyper_parallel.distributed.plan_lint import PlanError, expand_plan_keys
+from hyper_parallel.distributed.plan_lint import PlanError, expand_plan_keys, lint_plan
 from hyper_parallel.distributed.plan_overrides import merge_plan_overrides
 from hyper_parallel.distributed.planner import _lookup
 
@@ -205,8 +209,9 @@ def test_name_match_is_a_torch_free_leaf():
     tree = ast.parse((PACKAGE_DIR / "distributed" / "name_match.py").read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"fnmatch", "collections", "dataclasses", "typing"}
+    from_modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {module.split(".")[0] for module in from_modules if module != "hyper_parallel.errors"}
+    assert imported <= {"fnmatch", "collections", "dataclasses", "typing"}  # errors is itself a leaf
 
 
 def _as_config(entry: dict):
@@ -219,3 +224,50 @@ def _placement_text(placement) -> str:
     from hyper_parallel.protocols.placements import placement_to_text
 
     return placement if isinstance(placement, str) else placement_to_text(placement)
+
+
+# --- which entry places a parameter (issue 51) ----------------------------------------------------
+
+
+CHILD_PLAN = {  # the blocks' entry places their attn's weight by its dotted name, as a head-split entry does
+    "layers.?": _entry("attn.weight", placement="shard(0)"),  # the blocks only ("*" would cross dots)
+    "layers.*.attn": _entry("bias"),
+    "layers.*.mlp": _entry("weight", "bias"),
+    "head": _entry("weight", "bias"),
+}
+
+
+def test_an_entry_places_a_childs_parameter_by_its_dotted_name():
+    placed = placed_parameters(NAMES, CHILD_PLAN)
+    child = placed["layers.1.attn.weight"]
+    assert (child.key, child.module, child.state, child.placement) == (
+        "layers.?", "layers.1", "attn.weight", {"tp": "shard(0)"})
+    assert placed["layers.1.attn.bias"].key == "layers.*.attn"
+    assert placement_of("layers.1.attn.weight", CHILD_PLAN) == child  # without the model: the same answer
+    assert placement_of("layers.1.attn.nothing", CHILD_PLAN) is None
+
+
+def test_every_reader_covers_a_childs_parameter_and_applies_it():
+    model = _Tiny()
+    assert uncovered_parameters(model, CHILD_PLAN) == []  # read at the last dot, the attn weights were uncovered
+    lint_plan(model, _as_configs(CHILD_PLAN), build_offline_mesh(ParallelDims()))
+    states = _states_by_module(_resolve_targets(model, CHILD_PLAN))  # what the applier shards, per module
+    assert [(where.state, where.placement) for where in states["layers.1"]] == [("attn.weight", {"tp": "shard(0)"})]
+
+
+def test_a_parameter_two_entries_place_is_refused_by_every_reader():
+    both = {**CHILD_PLAN, "layers.*.attn": _entry("weight", "bias")}  # attn.weight twice
+    message = r"parameter layers\.0\.attn\.weight is placed by two plan entries: 'layers\.\?' \(as 'attn\.weight'\)"
+    with pytest.raises(PlanEntryConflict, match=message):
+        placed_parameters(NAMES, both)
+    with pytest.raises(PlanEntryConflict, match=message):
+        uncovered_parameters(_Tiny(), both)
+    with pytest.raises(PlanError, match=message):
+        lint_plan(_Tiny(), _as_configs(both), build_offline_mesh(ParallelDims()))
+    with pytest.raises(PlanApplyError, match=r"layers\.0\.attn\.weight is placed by two plan entries: 'layers\.0' "
+                                             r"\(as 'attn\.weight'\) and 'layers\.0\.attn' \(as 'weight'\)"):
+        _states_by_module(_resolve_targets(_Tiny(), both))
+
+
+def _as_configs(plan: dict) -> dict:
+    return {key: _as_config(entry) for key, entry in plan.items()}

@@ -152,7 +152,7 @@ def run_case(project: Path, case: Case, *, timeout: float = 600, train: bool = T
 def run_generate(project: Path, recipe: Path, timeout: float) -> tuple[int | None, str]:
     """The CLI with --verbose (tracebacks name the exception class); (exit code or None on
     timeout, stdout + stderr)."""
-    command = [sys.executable, "-m", "hyper_parallel.codegen", "--verbose", "generate", "--skip-preflight",
+    command = [sys.executable, "-m", "hyper_parallel.codegen", "--verbose", "generate",
                "--config", str(recipe.relative_to(project))]
     try:
         proc = run_bounded(command, project, timeout)
@@ -167,7 +167,7 @@ def _text(value) -> str:
 
 def failed_stage(output: str) -> str:
     """The first stage that neither finished nor was up to date (the verbose log's lines)."""
-    for stage in STAGES[:-1]:
+    for stage in STAGES:
         if not re.search(rf"^(\. {stage} done|-- {stage} up to date)", output, re.M):
             return stage
     return "?"

@@ -16,6 +16,7 @@ from hyper_parallel.runtime.meta import META_FILE
 # The pipeline workspace: per-recipe stage outputs and doit's state (config/workspace.py).
 STAGED_DIR = "staged"  # the staged bundle, inside a recipe's workspace
 SIGNATURES_FILE = "signatures.json"  # stage -> the signature its record was built from
+REPLACED_FILE = "replaced_bundle.json"  # the bundle install replaced, until preflight passes (replaced_bundle.py)
 IN_BUNDLE = "<bundle>"  # an output written into the installed bundle, not into the workspace
 RECORD, INSTALLED = "record", "installed"  # how a stage's output is judged current (Stage.current)
 _STAGES_MODULE = "hyper_parallel.codegen.stages"
@@ -92,7 +93,7 @@ STAGES: tuple[str, ...] = tuple(stage.name for stage in STAGE_TABLE)
 STAGE_BY_NAME: dict[str, Stage] = {stage.name: stage for stage in STAGE_TABLE}
 # Every entry a recipe's workspace may hold: the stage records, their signatures and the staged bundle.
 WORKSPACE_ENTRIES: frozenset[str] = frozenset(
-    {stage.output_name for stage in STAGE_TABLE if not stage.in_bundle} | {STAGED_DIR, SIGNATURES_FILE})
+    {stage.output_name for stage in STAGE_TABLE if not stage.in_bundle} | {STAGED_DIR, SIGNATURES_FILE, REPLACED_FILE})
 
 
 def stage_row(name: str) -> Stage:

@@ -20,6 +20,7 @@ from typing import Any
 
 from hyper_parallel.codegen.bundle_folder import write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
+from hyper_parallel.codegen.replaced_bundle import drop_replaced_bundle, keep_replaced_bundle, restore_replaced_bundle
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
 from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.codegen.stage_table import INSTALLED, SIGNATURES_FILE, STAGES, stage_row
@@ -243,6 +244,7 @@ def run_install(spec: CodegenSpec) -> None:
     if replaced is not None and replaced != spec.recipe_rel:
         _LOG.warning(f"[install] warning: {spec.bundle_dir} held the bundle of {replaced}; "
                      f"it now holds {spec.recipe_rel}'s. Recipes that share a folder share one bundle: give each its own model.codegen_artifact_dir")
+    keep_replaced_bundle(spec, meta)  # put back if preflight fails on what is installed now
     write_bundle_atomic(spec.bundle_dir, payload, meta)
     _LOG.info(f"[install] installed {spec.bundle_dir}")
 
@@ -258,9 +260,21 @@ def installed_recipe(bundle_dir: Path) -> str | None:
 
 
 def run_preflight(spec: CodegenSpec) -> None:
+    """Preflight the installed bundle; where it fails on the bundle install just put in,
+    the one install replaced goes back (``replaced_bundle``): a failed generate leaves no
+    bundle the next start would import."""
     from hyper_parallel.codegen.check.preflight import run_torchrun_preflight
+    from hyper_parallel.runtime.integrity import PreflightError
 
-    report = run_torchrun_preflight(spec)
+    try:
+        report = run_torchrun_preflight(spec)
+    except Exception as exc:
+        done = restore_replaced_bundle(spec)
+        if done is None:
+            raise
+        reason, fix, _ = str(exc).partition("\n  fix:")  # what was done before the fix line
+        raise PreflightError(f"{reason}\n  {done}" + (f"\n  fix:{fix}" if fix else "")) from exc
+    drop_replaced_bundle(spec)
     write_stage_output(spec, "preflight", {"report": report})
 
 

@@ -74,7 +74,7 @@ from hyper_parallel.distributed.local_views import (  # local_piece re-exported
 )
 from hyper_parallel.distributed.mesh import MeshContext, build_expert_mesh
 from hyper_parallel.distributed.model_parts import locate_input, output_embeddings, positional_names
-from hyper_parallel.distributed.name_match import match_plan_keys
+from hyper_parallel.distributed.name_match import PlacedParameter, PlanEntryConflict, match_plan_keys, placed_parameters
 from hyper_parallel.distributed.partial_grads import local_with_grad_placements, reduce_partial_grad
 from hyper_parallel.distributed.sharded_loss import make_sharded_loss
 from hyper_parallel.distributed.state_handoff import install_state_handoff
@@ -118,6 +118,7 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
     model.register_forward_hook(shared.clear, always_call=True)
     targets = _resolve_targets(model, modules)
     blocks = _planned_ancestors(targets)
+    states = _states_by_module(targets)
     for fqn, config in targets.items():
         owner = _expert_mesh(mesh, fqn) if _names_ep(config) else device_mesh
         owner_axes = tuple(owner.mesh_dim_names)
@@ -131,7 +132,7 @@ def apply_sharding_plan(model: nn.Module, modules: Mapping[str, ShardingConfig |
         key = (id(owner), axes)
         if key not in sub_meshes:
             sub_meshes[key] = owner[axes[0]] if len(axes) == 1 else owner[axes]
-        _shard_states(module, fqn, config, sub_meshes[key], axes, sharded, packed)
+        _shard_states(module, fqn, config, states.get(fqn, ()), sub_meshes[key], axes, sharded, packed)
         _install_hooks(module, fqn, config, sub_meshes[key], axes, shared, block=fqn in blocks, order=order)
         if config.state_handoff and config.state_handoff in axes:
             _install_state_handoff(module, fqn, config, owner, order)
@@ -213,6 +214,20 @@ def _resolve_targets(model: nn.Module, modules: Mapping) -> dict[str, ShardingCo
             if not isinstance(model.get_submodule(name), PrunedModule)}
 
 
+def _states_by_module(targets: Mapping[str, ShardingConfig]) -> dict[str, list[PlacedParameter]]:
+    """Per planned module, the parameters its entry places, read as every check reads them
+    (``name_match.placed_parameters``): a parameter two entries place is refused here, as
+    plan lint and preflight refuse it, instead of going to whichever entry comes first."""
+    try:
+        placed = placed_parameters(targets, targets)
+    except PlanEntryConflict as exc:
+        raise PlanApplyError(str(exc)) from None
+    states: dict[str, list[PlacedParameter]] = {}
+    for where in placed.values():
+        states.setdefault(where.module, []).append(where)
+    return states
+
+
 def _as_config(config, key: str) -> ShardingConfig:
     if isinstance(config, ShardingConfig):
         return config
@@ -263,9 +278,11 @@ def _placements(named, axes: tuple[str, ...], ndim: int | None = None) -> tuple:
 # --- parameters ------------------------------------------------------------------------------
 
 
-def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, sub_mesh, axes, sharded,
+def _shard_states(module: nn.Module, fqn: str, config: ShardingConfig, states, sub_mesh, axes, sharded,
                   packed: dict[str, PackedRows]) -> None:
-    for name, named in config.state_shardings.items():
+    """The parameters ``states`` (``PlacedParameter``s of this module's entry) as DTensors."""
+    for where in states:
+        name, named = where.state, where.placement
         param = _state_parameter(module, fqn, name)
         if id(param) not in sharded:
             if isinstance(param, DTensor):

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from hyper_parallel.errors import HyperParallelError
+
 GLOB_CHARS = "*?["
 
 Entry = TypeVar("Entry")
@@ -107,3 +109,63 @@ def in_precedence_order(keys: Sequence[str], names: Iterable[str] = ()) -> list[
     keys in theirs. For sites that apply entries one after another (plan_overrides)."""
     known = frozenset(names)
     return sorted(range(len(keys)), key=lambda index: keys[index] in known or not is_glob(keys[index]))
+
+
+class PlanEntryConflict(ValueError, HyperParallelError):
+    """Two plan entries place one parameter (an entry of its module and one of an ancestor
+    naming it as a child's, ``conv1d.weight``): no precedence decides which applies."""
+
+
+@dataclass(frozen=True)
+class PlacedParameter:
+    """Which entry places one parameter (or buffer): the plan ``key`` whose entry applies to
+    ``module`` (the module the entry is applied to), the ``state`` name that entry gives it
+    (its own ``weight``, or a child's dotted ``conv1d.weight``) and the entry itself; its
+    placement is ``state_shardings[state]`` of the entry."""
+
+    key: str
+    module: str
+    state: str
+    entry: object
+
+    @property
+    def placement(self) -> Mapping:
+        """``{axis: placement}`` the entry gives the parameter."""
+        return _state_shardings(self.entry)[self.state]
+
+
+def placed_parameters(names: Iterable[str], plan: Mapping[str, Entry]) -> dict[str, PlacedParameter]:
+    """Parameter FQN -> the entry that places it, for a model whose module names are
+    ``names``: the one reading of how a plan's entries name parameters, which the applier,
+    plan lint, preflight's coverage and shard checks and verify's diagnosis all use.
+
+    An entry applies to a module by ``match_plan_keys``; the names in its
+    ``state_shardings`` are relative to that module, dotted where they name a child's
+    parameter that the module's own code uses (a head-split mixer placing its packed
+    convolution's ``conv1d.weight``). A parameter named by two applied entries is refused
+    (``PlanEntryConflict``): which of them the applier would use would depend on order."""
+    matches = match_plan_keys(names, plan)
+    placed: dict[str, PlacedParameter] = {}
+    for module, key in matches.applied.items():
+        for state in _state_shardings(plan[key]):
+            name = f"{module}.{state}" if module else state
+            if name in placed:
+                other = placed[name]
+                raise PlanEntryConflict(f"parameter {name} is placed by two plan entries: {other.key!r} (as "
+                                        f"{other.state!r}) and {key!r} (as {state!r}); keep one of them")
+            placed[name] = PlacedParameter(key, module, state, plan[key])
+    return placed
+
+
+def placement_of(param: str, plan: Mapping[str, Entry]) -> PlacedParameter | None:
+    """``placed_parameters`` for one parameter without its model: the modules on its path
+    are the prefixes of its name, which is all the one reading needs to place it."""
+    parts = param.split(".")
+    return placed_parameters([".".join(parts[:index]) for index in range(len(parts))], plan).get(param)
+
+
+def _state_shardings(entry) -> Mapping:
+    """An entry's ``state_shardings``: a ``ShardingConfig``'s attribute, or a plan file's key."""
+    if isinstance(entry, Mapping):
+        return entry.get("state_shardings") or {}
+    return getattr(entry, "state_shardings", None) or {}

@@ -14,7 +14,7 @@ from hyper_parallel.distributed.local_views import (
     owner_of,
     packed_blocks_piece,
 )
-from hyper_parallel.distributed.name_match import match_plan_keys
+from hyper_parallel.distributed.name_match import PlanEntryConflict, match_plan_keys, placed_parameters
 from hyper_parallel.distributed.state_handoff import CACHE_PARAMETERS, cache_parameter
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.protocols.placement_text import parse_placement_text
@@ -98,28 +98,33 @@ def expand_plan_keys(model: nn.Module, modules: Mapping) -> dict[str, str]:
 
 
 def lint_plan(model: nn.Module, modules: Mapping, mesh) -> None:
-    """Shards divide their dims; every trainable parameter is covered; tied ones agree."""
+    """Shards divide their dims; every trainable parameter is covered, by one entry
+    (``name_match.placed_parameters``, the applier's reading); tied ones agree."""
     owner = expand_plan_keys(model, modules)
-    placed: dict[str, dict[str, str]] = {}  # parameter FQN -> {axis: text}
     for fqn, key in owner.items():
-        module = model.get_submodule(fqn)
-        _lint_local_views(fqn, module, modules[key], mesh)
-        _lint_state_handoff(fqn, module, modules[key])
-        for name, named in modules[key].state_shardings.items():
-            try:
-                holder, leaf = owner_of(module, name)
-            except AttributeError:
-                holder, leaf = module, name
-            tensor = holder._parameters.get(leaf)
-            if tensor is None:
-                tensor = holder._buffers.get(leaf)
-            if tensor is None:
-                raise PlanError(f"plan entry {key!r} shards {name!r}, which is not a parameter or buffer "
-                                f"of {fqn or '<root>'} ({type(module).__name__}); it has {sorted(module._parameters)}")
-            full_name = f"{fqn}.{name}" if fqn else name
-            text = {str(axis): placement_to_text(p) for axis, p in named.items()}
-            _lint_divides(full_name, tuple(tensor.shape), text, mesh)
-            placed[full_name] = text
+        _lint_local_views(fqn, model.get_submodule(fqn), modules[key], mesh)
+        _lint_state_handoff(fqn, model.get_submodule(fqn), modules[key])
+    try:
+        found = placed_parameters([name for name, _ in model.named_modules()], modules)
+    except PlanEntryConflict as exc:
+        raise PlanError(str(exc)) from None
+    placed: dict[str, dict[str, str]] = {}  # parameter FQN -> {axis: text}
+    for full_name, where in found.items():
+        module = model.get_submodule(where.module)
+        try:
+            holder, leaf = owner_of(module, where.state)
+        except AttributeError:
+            holder, leaf = module, where.state
+        tensor = holder._parameters.get(leaf)
+        if tensor is None:
+            tensor = holder._buffers.get(leaf)
+        if tensor is None:
+            raise PlanError(f"plan entry {where.key!r} shards {where.state!r}, which is not a parameter or buffer "
+                            f"of {where.module or '<root>'} ({type(module).__name__}); it has "
+                            f"{sorted(module._parameters)}")
+        text = {str(axis): placement_to_text(p) for axis, p in where.placement.items()}
+        _lint_divides(full_name, tuple(tensor.shape), text, mesh)
+        placed[full_name] = text
     _lint_coverage(model, placed)
 
 

@@ -23,7 +23,6 @@ class PreflightError(RuntimeError, HyperParallelError):
 def preflight_integrity_check(bundle_dir: str | Path, *, expected_signature: str | None = None,
                               model: Any = None, fix: str = "doit generate") -> dict[str, Any]:
     """Checks every rank runs before importing a bundle. Returns a small report."""
-    from hyper_parallel.distributed.plan_format import plan_entries
     from hyper_parallel.runtime.loader import load_generated_module
 
     bundle_dir = Path(bundle_dir)
@@ -42,10 +41,7 @@ def preflight_integrity_check(bundle_dir: str | Path, *, expected_signature: str
     if not plan or not plan.get("modules"):
         raise PreflightError(f"{bundle_dir / meta['modeling_file']}: HYPER_PARALLEL_PLAN is empty\n  fix: {fix}")
     if model is not None:
-        uncovered = uncovered_parameters(model, plan_entries(plan))
-        if uncovered:
-            raise PreflightError(f"{bundle_dir / meta['modeling_file']}: the frozen plan covers no entry for "
-                                 f"parameter(s) {', '.join(uncovered[:5])}\n  fix: {fix}")
+        check_plan_covers(model, module, bundle_dir / meta["modeling_file"], fix)
     return {"signature": meta["signature"], "digest": bundle_digest(bundle_dir, meta),
             "plan_entries": len(plan["modules"])}
 
@@ -89,28 +85,27 @@ def sibling_problems(bundle_dir: Path, meta: dict) -> list[str]:
 
 
 def uncovered_parameters(model: Any, modules: dict[str, dict]) -> list[str]:
-    """Trainable parameters no entry of ``modules`` (full entries, ``plan_entries``) places."""
-    from hyper_parallel.distributed.name_match import plan_entry_for
+    """Trainable parameters no entry of ``modules`` (full entries, ``plan_entries``) places,
+    read as the applier reads them (``name_match.placed_parameters``: an entry may place a
+    child's parameter by its dotted name)."""
+    from hyper_parallel.distributed.name_match import placed_parameters
 
-    missing = []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        owner, _, leaf = name.rpartition(".")
-        found = plan_entry_for(owner, modules)
-        if found is None or leaf not in found[1].get("state_shardings", {}):
-            missing.append(name)
-    return missing
+    placed = placed_parameters([name for name, _ in model.named_modules()], modules)
+    return [name for name, param in model.named_parameters() if param.requires_grad and name not in placed]
 
 
-def check_plan_covers(model: Any, module: Any, bundle_dir: Path, fix: str) -> None:
+def check_plan_covers(model: Any, module: Any, where: Path, fix: str) -> None:
     """The model a run built (replacements applied) has no trainable parameter the
-    bundle's frozen plan leaves unplaced."""
+    bundle's frozen plan leaves unplaced, and none that two of its entries place."""
+    from hyper_parallel.distributed.name_match import PlanEntryConflict
     from hyper_parallel.distributed.plan_format import plan_entries
 
-    uncovered = uncovered_parameters(model, plan_entries(module.HYPER_PARALLEL_PLAN))
+    try:
+        uncovered = uncovered_parameters(model, plan_entries(module.HYPER_PARALLEL_PLAN))
+    except PlanEntryConflict as exc:
+        raise PreflightError(f"{where}: the frozen plan: {exc}\n  fix: {fix}") from None
     if uncovered:
-        raise PreflightError(f"{bundle_dir}: the frozen plan has no entry for parameter(s) "
+        raise PreflightError(f"{where}: the frozen plan covers no entry for parameter(s) "
                              f"{', '.join(uncovered[:5])}\n  fix: {fix}")
 
 

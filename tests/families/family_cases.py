@@ -53,7 +53,7 @@ def assert_equivalent(result: dict, form: str) -> None:
 
 def generate_tp2(project: Path, name: str, write_config) -> tuple[Path, str]:
     """A project with one tp2 recipe ``recipes/<name>/recipe.yaml`` whose model folder
-    ``write_config(folder)`` fills; generate it (through verify). Returns the recipe and
+    ``write_config(folder)`` fills; generate it (every stage, preflight included). Returns the recipe and
     the CLI's whole output; the caller asserts on it."""
     model_dir = project / "recipes" / name / "model"
     model_dir.mkdir(parents=True)
@@ -66,7 +66,7 @@ def generate_tp2(project: Path, name: str, write_config) -> tuple[Path, str]:
         "codegen": True,
         "training": {"steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "seq_len": 16, "seed": 0},
         "optimizer": {"name": "adamw", "lr": 1.0e-3}}, sort_keys=False))
-    proc = cli(project, "--verbose", "generate", "--skip-preflight", "--config", str(recipe))
+    proc = cli(project, "--verbose", "generate", "--config", str(recipe))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return recipe, out

@@ -11,9 +11,12 @@ sharded load and steps are tested in tests/trainer/test_train_equivalence.py and
 tied head, tests/families/test_fix_tied_embeddings.py. ``python bench/family_sweep.py
 --families ... --layouts tp2,cp2`` runs the same rows with it.
 
-Verify runs each row's 2 ranks as threads of one process (its mode above the process cap;
+Each row runs the whole generate, preflight included (issue 51). Verify runs each row's 2 ranks as threads of one process (its mode above the process cap;
 tests/verify/test_verify_modes.py shows both modes agree), which costs a third less CPU
-per row than 3 torchrun processes. Families whose models draw random numbers in training
+per row than 3 torchrun processes; with the same cap preflight runs in this one process too
+(the integrity and plan-coverage checks training runs, and every rank's shard computed from
+the plan), while tests/families/test_head_split_preflight.py runs a head-split row's
+preflight on torchrun ranks through ``doit generate``. Families whose models draw random numbers in training
 (``TORCHRUN_FAMILIES``) keep torchrun: verify refuses them as threads, which share one
 random state.
 
@@ -74,6 +77,8 @@ ROWS = {
     ("remote:linear_hybrid", "tp2"): "remote code: a recurrent mixer of its own names run per head (packed [q|k|v], "
                                      "a convolution through its weight, a per-head decay) beside attention layers",
     ("mamba2", "dp2"): "a pure state-space model under FSDP2",
+    ("nemotron_h", "tp2"): "Mamba2 mixers (named mixer) beside attention and MoE layers: the mixer's entry places its "
+                           "convolution's weight and bias by their dotted names, which preflight reads as the applier",
     ("mamba2", "cp2"): "Mamba2 mixers on each cp rank's piece, the scan's state handed on from rank to rank",
     ("longcat_flash", "tp2"): "zero-compute identity experts inside the packed experts (HF's moe_identity_expert); "
                               "a router applying its classifier's weight itself; two attentions and MLPs per layer",
@@ -85,7 +90,8 @@ REFUSED: dict[tuple[str, str], str] = {("llama4_text", "tp2_sp_lp"): "returns it
 # stored sharded over tp (packed order), not replicated
 BUNDLE_LINES = {("qwen3_next", "tp2"): "conv1d.weight: tp=shard(0)",
                 ("mamba2", "tp2"): "in_proj.weight: tp=shard(0)",
-                ("qwen3_5", "tp2"): "in_proj_qkv.weight: tp=shard(0)"}
+                ("qwen3_5", "tp2"): "in_proj_qkv.weight: tp=shard(0)",
+                ("nemotron_h", "tp2"): "conv1d.bias: tp=shard(0) | conv1d.weight: tp=shard(0)"}
 LAYOUTS = ("tp2", "cp2")
 TORCHRUN_FAMILIES = {"phimoe"}  # its router samples experts in training
 TIMEOUT_S = 300

@@ -31,7 +31,7 @@ def test_every_stage_has_a_runner_known_facts_and_existing_implementation():
 
 def test_workspace_entries_are_the_table_records_and_the_staged_folder():
     records = {row.output for row in STAGE_TABLE if not row.in_bundle}
-    assert WORKSPACE_ENTRIES == records | {"staged", "signatures.json"}
+    assert WORKSPACE_ENTRIES == records | {"staged", "signatures.json", "replaced_bundle.json"}
     install = next(row for row in STAGE_TABLE if row.in_bundle)
     assert (install.name, install.output_name) == ("install", "codegen_meta.json")
 

@@ -79,7 +79,7 @@ def preflight_in_process(spec: CodegenSpec) -> dict[str, Any]:
     the plan (none may be empty). The plan itself ran at this world size in verify; the
     bundle digests are compared across ranks when training starts."""
     from hyper_parallel.distributed.mesh import OfflineMesh, expert_mesh_layout, mesh_layout
-    from hyper_parallel.distributed.name_match import plan_entry_for
+    from hyper_parallel.distributed.name_match import placed_parameters
     from hyper_parallel.protocols.placement_text import local_shard_shape
 
     fix = fix_command(spec)
@@ -87,12 +87,12 @@ def preflight_in_process(spec: CodegenSpec) -> dict[str, Any]:
     p = spec.layout
     dims = p.dims
     layouts = {"main": mesh_layout(dims), "expert": expert_mesh_layout(dims)}
-    modules = plan_entries(module.HYPER_PARALLEL_PLAN)
+    placed = placed_parameters([name for name, _ in model.named_modules()], plan_entries(module.HYPER_PARALLEL_PLAN))
     checked = 0
     for name, param in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        key, entry = plan_entry_for(owner, modules)
-        placement = entry["state_shardings"][leaf]
+        if name not in placed:  # a frozen parameter no entry places: whole on every rank
+            continue
+        key, placement = placed[name].key, placed[name].placement
         axes, sizes = layouts["expert" if "ep" in placement else "main"]
         for rank in range(p.world_size):
             coords = list(OfflineMesh(tuple(axes), tuple(sizes)).coordinates(rank))

@@ -51,7 +51,7 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     from hyper_parallel.config import load_training_config
     from hyper_parallel.config.launch import check_launch_world_size
     from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
-    from hyper_parallel.distributed.name_match import plan_entry_for
+    from hyper_parallel.distributed.name_match import placed_parameters
     from hyper_parallel.distributed.plan_format import plan_entries
     from hyper_parallel.protocols.placement_text import local_shard_shape
 
@@ -67,18 +67,18 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     global_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     progress("applying hyper_parallelize")
     module.hyper_parallelize(model, MeshContext(device_mesh=mesh, layout=p))
-    modules = plan_entries(module.HYPER_PARALLEL_PLAN)
+    placed = placed_parameters([name for name, _ in model.named_modules()], plan_entries(module.HYPER_PARALLEL_PLAN))
     checked = 0
     for name, param in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        key, entry = plan_entry_for(owner, modules)
+        found = placed.get(name)  # None: a frozen parameter no entry places stays whole
+        key = found.key if found else None
         # Each parameter lives on its own (sub-)mesh: the tp mesh, or the expert mesh for ep.
         param_mesh = getattr(param, "device_mesh", mesh)
         # An axis of one rank splits nothing, and the applier leaves it out of the parameter's
         # mesh (tp 1 under cp 2): the entry's placement on it says nothing about the shard.
-        placed = {axis: text for axis, text in entry["state_shardings"][leaf].items()
-                  if axis in param_mesh.mesh_dim_names or getattr(dims, str(axis), 0) != 1}
-        expected = local_shard_shape(global_shapes[name], placed,
+        placement = {axis: text for axis, text in (found.placement if found else {}).items()
+                     if axis in param_mesh.mesh_dim_names or getattr(dims, str(axis), 0) != 1}
+        expected = local_shard_shape(global_shapes[name], placement,
                                      list(param_mesh.mesh_dim_names), list(param_mesh.mesh.shape),
                                      list(param_mesh.get_coordinate()))
         local = param.to_local() if hasattr(param, "to_local") else param

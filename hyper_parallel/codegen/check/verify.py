@@ -368,15 +368,13 @@ def _fmt(value) -> str:
 
 def _plan_entry(job: dict, param_name: str) -> tuple[str | None, Any]:
     from hyper_parallel.runtime.loader import load_bundle_module
-    from hyper_parallel.distributed.name_match import plan_entry_for
+    from hyper_parallel.distributed.name_match import placement_of
 
     module = load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"], job["files"])
-    owner, _, leaf = param_name.rpartition(".")
-    found = plan_entry_for(owner, module.HYPER_PARALLEL_PLAN["modules"])
+    found = placement_of(param_name, module.HYPER_PARALLEL_PLAN["modules"])
     if found is None:
         return None, "no entry (replicated everywhere)"
-    key, entry = found
-    return key, brief_entry(entry)
+    return found.key, brief_entry(found.entry)
 
 
 # --- the first diverging module ------------------------------------------------------------------
