@@ -165,7 +165,11 @@ def placement_of(param: str, plan: Mapping[str, Entry]) -> PlacedParameter | Non
 
 
 def _state_shardings(entry) -> Mapping:
-    """An entry's ``state_shardings``: a ``ShardingConfig``'s attribute, or a plan file's key."""
+    """An entry's ``state_shardings``: a ``ShardingConfig``'s attribute, or a plan file's key.
+    A compact one-line entry (the generated literal's) is refused, not read as placing
+    nothing: callers pass ``plan_format.plan_entries`` of it."""
+    if isinstance(entry, str):
+        raise TypeError(f"a compact plan entry ({entry[:40]!r}...): pass full entries (plan_format.plan_entries)")
     if isinstance(entry, Mapping):
         return entry.get("state_shardings") or {}
     return getattr(entry, "state_shardings", None) or {}

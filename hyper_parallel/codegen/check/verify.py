@@ -367,14 +367,19 @@ def _fmt(value) -> str:
 
 
 def _plan_entry(job: dict, param_name: str) -> tuple[str | None, Any]:
+    """The entry that places ``param_name`` (``name_match.placement_of``, as the applier reads
+    the plan), else the entry of the module that holds it, else none."""
+    from hyper_parallel.distributed.name_match import placement_of, plan_entry_for
+    from hyper_parallel.distributed.plan_format import plan_entries
     from hyper_parallel.runtime.loader import load_bundle_module
-    from hyper_parallel.distributed.name_match import placement_of
 
     module = load_bundle_module(job["bundle_dir"], job["modeling_file"], job["bundle_key"], job["files"])
-    found = placement_of(param_name, module.HYPER_PARALLEL_PLAN["modules"])
+    entries = plan_entries(module.HYPER_PARALLEL_PLAN)
+    placed = placement_of(param_name, entries)
+    found = (placed.key, placed.entry) if placed else plan_entry_for(param_name.rpartition(".")[0], entries)
     if found is None:
         return None, "no entry (replicated everywhere)"
-    return found.key, brief_entry(found.entry)
+    return found[0], brief_entry(found[1])
 
 
 # --- the first diverging module ------------------------------------------------------------------
