@@ -23,7 +23,10 @@ SPLIT_MODULES = frozenset({"tests/families/test_family_subset.py"})
 # is what --dist loadgroup schedules by; a mark added after it is ignored.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    no_gpu = _no_gpu_reason()
     for item in items:
+        if no_gpu and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason=no_gpu))
         module = item.nodeid.split("::", 1)[0]
         if module in PROCESS_TESTS:
             item.add_marker(pytest.mark.xdist_group("processes"))
@@ -51,3 +54,14 @@ def _shared_fixture_group(item, module: str) -> str | None:
 def project(tmp_path):
     """A fresh copy of dodo.py and recipes/ to build in."""
     return make_project(tmp_path / "project")
+
+
+def _no_gpu_reason() -> str | None:
+    """Why the ``gpu`` tests cannot run here (None: CUDA is present): pytest -ra prints it
+    once per skipped test, and the summary line counts them."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    build = "a CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no GPU found"
+    return f"gpu: needs a CUDA GPU (torch {torch.__version__}, {build}); bench/gpu_check.sh runs these on one"

@@ -20,7 +20,7 @@ from hyper_parallel.codegen.stages import run_stage, stage_is_current
 from hyper_parallel.codegen.workspace import check_workspace_owned, read_json, remove_orphaned_temp_files, write_json
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TrainerConfig
-from hyper_parallel.distributed.ranks import group_of_several_ranks
+from hyper_parallel.distributed.ranks import fake_world, group_of_several_ranks
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.runtime.meta import META_FILE
 from hyper_parallel.runtime.build import DEFAULT_WAIT_TIMEOUT_S
@@ -125,6 +125,9 @@ def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: floa
 
     if group_of_several_ranks():  # the bytes travel over the process group: no shared folder needed
         share_bundle(spec, signature, build, rank=rank, timeout_s=timeout_s)
+        return
+    if fake_world():  # a rank alone (trainer dry-run): it builds or reuses for itself, as rank 0 would
+        build()
         return
     if rank == 0:
         marker = _failure_marker(spec)

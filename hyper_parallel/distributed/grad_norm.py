@@ -6,17 +6,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from hyper_parallel.platform.device import REDUCE_DTYPE
 
-def global_grad_norm(parameters, pp: int = 1) -> float:
+
+def global_grad_norm(parameters, pp: int = 1, device: torch.device | str | None = None) -> float:
     """L2 norm of all gradients, as one process holding the whole model would compute it.
 
     Every rank of a pipeline stage holds a part of every parameter of its stage (SPMD): a
     DTensor's local shard, or a plain tensor replicated on the stage's ranks. A part is
     held by ``world / pp / (ways it is sharded)`` ranks, so each rank adds its parts'
     squared norms divided by that count, and one all-reduce over every rank (every
-    stage) sums them. Partial gradients are reduced first."""
+    stage) sums them. Partial gradients are reduced first.
+
+    On the run's device throughout (the gradients', or ``device`` where this rank has
+    none): the parts' norms are torch's own ``get_total_norm`` (fused per device and
+    dtype), summed in ``REDUCE_DTYPE`` (hccl reduces no float64), and the result is read
+    back once. torch's norm is not taken over the DTensors themselves: a model's
+    gradients live on several meshes (tp, the expert mesh, plain replicated tensors),
+    which one stacked norm cannot mix."""
     world = dist.get_world_size() // pp
-    total = torch.zeros((), dtype=torch.float64)
+    parts: dict[int, list[torch.Tensor]] = {}  # copies -> local gradient pieces held that many times
     for param in parameters:
         grad = param.grad
         if grad is None:
@@ -30,7 +39,11 @@ def global_grad_norm(parameters, pp: int = 1) -> float:
             ways = math.prod(grad.device_mesh.size(dim) for dim, placement in enumerate(grad.placements)
                              if not placement.is_replicate())
             copies, grad = world // ways, grad.to_local()
-        total += grad.detach().double().pow(2).sum().cpu() / copies
+        parts.setdefault(copies, []).append(grad.detach())
+    where = next((grads[0].device for grads in parts.values()), device or "cpu")
+    total = torch.zeros((), dtype=REDUCE_DTYPE, device=where)
+    for copies, grads in parts.items():
+        total += torch.nn.utils.get_total_norm(grads, norm_type=2.0).to(REDUCE_DTYPE).square() / copies
     dist.all_reduce(total)
     return math.sqrt(total.item())
 

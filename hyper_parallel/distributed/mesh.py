@@ -19,9 +19,6 @@ from hyper_parallel.protocols.axes import CP, DP, EP, EXPERT_MESH_AXES, MESH_AXE
 # Mesh axis order, outermost first (protocols/axes.py says why this order).
 MESH_AXIS_ORDER = MESH_AXES
 
-# torch.distributed backend per accelerator kind.
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-
 
 def mesh_layout(dims: ParallelDims) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Mesh axis names and sizes, outermost first; every axis is present, even of size 1."""
@@ -85,24 +82,28 @@ def build_offline_mesh(dims: ParallelDims) -> OfflineMesh:
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
-    """A real ``DeviceMesh`` over all ranks, initialising the process group if needed."""
+    """A real ``DeviceMesh`` over all ranks, initialising the process group if needed: gloo
+    on the CPU, else one backend per device type (``platform.device.RunDevice.backend``:
+    gloo for host objects beside nccl or hccl) with this rank's device made current."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    if device_type not in _BACKENDS:
-        raise ValueError(f"device_type must be one of {sorted(_BACKENDS)}, got {device_type!r}")
-    if device_type == "npu":
-        import torch_npu  # noqa: F401  (registers the npu device and the hccl backend)
+    from hyper_parallel.platform.device import BACKENDS, RunDevice, device_module
+
+    if device_type not in BACKENDS:
+        raise ValueError(f"device_type must be one of {sorted(BACKENDS)}, got {device_type!r}")
+    run = RunDevice(device_type, None if device_type == "cpu" else int(os.environ.get("LOCAL_RANK", "0")))
+    if device_type != "cpu":
+        device_module(device_type)  # torch_npu registers the npu device and hccl on import
     names, sizes = mesh_layout(dims)
     if not dist.is_initialized():
-        dist.init_process_group(backend=_BACKENDS[device_type])
+        dist.init_process_group(backend=run.backend)
     world = dist.get_world_size()
     if world != dims.world_size:
         raise ValueError(
             f"WORLD_SIZE is {world} but the parallel sizes give pp*dp*cp*tp="
             f"{dims.pp}*{dims.dp}*{dims.cp}*{dims.tp}={dims.world_size}")
-    if device_type != "cpu":
-        _select_local_device(device_type)
+    run.select()
     return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 
@@ -114,13 +115,6 @@ def build_expert_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
     names, sizes = expert_mesh_layout(dims)
     ranks = torch.arange(dims.world_size).reshape(sizes)
     return DeviceMesh(device_type, ranks, mesh_dim_names=names)
-
-
-def _select_local_device(device_type: str) -> None:
-    import torch
-
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    getattr(torch, device_type).set_device(local_rank)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from torch import nn
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.name_match import name_matches
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.platform.device import REDUCE_DTYPE
 from hyper_parallel.protocols.sharding import ShardingConfig
 
 # Set on a pruned model: its StageInfo.
@@ -404,10 +405,10 @@ def through_pipeline(model: nn.Module, run: Callable[..., Any], rows: torch.Tens
     losses: list[torch.Tensor] = []
     run(*((rows,) if info.is_first else ()), target=rows if info.is_last else None,
         losses=losses if info.is_last else None, **options)
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=REDUCE_DTYPE, device=rows.device)  # the run's device: nccl/hccl take no CPU tensor
     if info.is_last:
         total = sum((loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
-                    for loss in losses).float().cpu()
+                    for loss in losses).to(REDUCE_DTYPE)
     dist.all_reduce(total, group=pp_group)  # from the one rank that runs the last stage, wherever it sits
     return total
 

@@ -7,10 +7,20 @@ import os
 
 def group_of_several_ranks() -> bool:
     """A process group of more than one rank is up (training under torchrun): the ranks
-    can, and must, agree through collectives."""
+    can, and must, agree through collectives. Not in a fake world (``fake_world``): there
+    this rank is alone, and what it would agree on with others (bundle bytes, verdicts,
+    cache fingerprints) it takes from its own disk as a single process does."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not fake_world()
+
+
+def fake_world() -> bool:
+    """This rank runs alone on torch's fake process group (``trainer dry-run``): its
+    collectives hand back what they were given, nothing crosses to another rank."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def node_of_this_rank() -> str:

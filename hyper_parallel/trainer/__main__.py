@@ -11,6 +11,7 @@ from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
 from hyper_parallel.models.hf.model_builder import ModelBuildError, weights_to_load
+from hyper_parallel.platform.device import DeviceUnavailableError, resolve_run_device
 from hyper_parallel.trainer.base import BaseTrainer
 from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
 from hyper_parallel.trainer.data import DataError, bytes_dataset_file
@@ -47,6 +48,12 @@ writes the checkpoint as an HF model folder (alone, or under torchrun: each rank
 mfu, peak_memory_bytes per rank, eta_s, eval_loss); training.metrics: {tensorboard_dir,
 peak_flops_per_s} adds TensorBoard scalars and MFU.
 plot: python -m hyper_parallel.trainer plot METRICS --out loss.png draws loss and tokens/s.
+accelerator.device_type (cpu | cuda | npu) is the run's device: every tensor of a step lives
+there, and a recipe whose device this machine lacks is refused (exit 2) unless
+HYPER_PARALLEL_DEVICE_FALLBACK=cpu asks for the CPU on purpose.
+dry-run: python -m hyper_parallel.trainer dry-run --config X.yaml --rank R|all [--steps N] runs rank R
+of the recipe's world alone on this machine (torch's fake process group: real plan, FSDP2,
+pipeline stage and optimizer, collectives skipped) and reports its peak memory and step time.
 prepare-data: python -m hyper_parallel.trainer prepare-data --config X.yaml tokenizes and packs the
 recipe's dataset into the token cache ahead of a run (training then reads no text).
 """
@@ -98,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         return plot_main(argv[1:])
     if argv[:1] == ["prepare-data"]:  # python -m hyper_parallel.trainer prepare-data --config X.yaml
         return prepare_data_main(argv[1:])
+    if argv[:1] == ["dry-run"]:  # python -m hyper_parallel.trainer dry-run --config X.yaml --rank R
+        from hyper_parallel.trainer.dry_run import dry_run_main
+
+        return dry_run_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.trainer", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a recipe under torchrun (gloo on CPU, nccl/hccl on accelerators).",
@@ -112,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_training_config(args.config)
         weights_to_load(config)  # model.init: pretrained needs weights; said before any rank starts
-    except (RecipeError, ModelBuildError) as exc:
+        resolve_run_device(config.accelerator.device_type, where=str(config.where))  # absent: refused, not CPU
+    except (RecipeError, ModelBuildError, DeviceUnavailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if "RANK" not in os.environ:
@@ -137,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     # Found alike by every rank from the recipe and its files (a bundle folder that cannot be
     # one, a model that cannot be built): one line, not a traceback per rank.
-    except (DataError, CheckpointError, RecipeError, ModelBuildError) as exc:
+    except (DataError, CheckpointError, RecipeError, ModelBuildError, DeviceUnavailableError) as exc:
         return _refuse(exc)
     dist.barrier()  # nobody leaves while a peer may still be receiving from it
     dist.destroy_process_group()

@@ -21,7 +21,8 @@ from hyper_parallel.distributed.pipeline import TiedEmbeddingGradients, tied_emb
 from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
 from hyper_parallel.models.hf.compile import compiled_modules
-from hyper_parallel.models.hf.model_builder import recipe_model_dir, runtime_device_type, target_device
+from hyper_parallel.models.hf.model_builder import recipe_model_dir, run_device
+from hyper_parallel.platform.device import REDUCE_DTYPE
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import (
     PackedCorpus,
@@ -65,8 +66,8 @@ class BaseTrainer:
         check_launch_world_size(config)
         acc = config.accelerator
         self.dims = acc.parallel_dims
-        self.mesh_context = MeshContext(build_device_mesh(self.dims, runtime_device_type(acc.device_type)),
-                                        acc.layout)
+        self.device = run_device(config)  # every tensor of a step is made here (platform/device.py)
+        self.mesh_context = MeshContext(build_device_mesh(self.dims, self.device.type), acc.layout)
         self.rank = dist.get_rank()
         # Before any model is built: a bad dataset is found by every rank alike and said
         # once (trainer/__main__.py); the process group lets the ranks leave together.
@@ -161,13 +162,15 @@ class BaseTrainer:
                       f"{' '.join(f'[{a}, {b})' for a, b in info.boundaries)}")
         return build_schedule(model, schedule=pipeline.schedule, microbatches=microbatches,
                               pp_group=self.mesh_context.device_mesh.get_group("pp"),
-                              device=target_device(self.config))
+                              device=self.device.device)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW (optimizer.name is checked at recipe load) over the master parameters."""
         opt = self.config.optimizer
+        # foreach=None: torch's multi-tensor kernels on accelerators (one launch per group,
+        # not per parameter), its per-parameter loop on the CPU, as foreach=False always was.
         return torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                 weight_decay=opt.weight_decay, foreach=False)
+                                 weight_decay=opt.weight_decay, foreach=None)
 
     def _dp_coordinates(self) -> tuple[int, int]:
         mesh = self.mesh_context.device_mesh
@@ -194,7 +197,7 @@ class BaseTrainer:
             self.checkpointer.data_state = lambda done: self._data_state(start_row + (done - first) *
                                                                          training.global_batch_size)
         self.observer = StepObserver(model=self.model, config=self.config, rank=self.rank, world=self.dims.world_size,
-                                     device_type=runtime_device_type(self.config.accelerator.device_type),
+                                     device=self.device,
                                      first_step=first, metrics_path=self.metrics_path)
         evaluation = eval_batches(self.config, vocab, self.eval_rows) if training.eval is not None else []
         if resumed and self.rank == 0:
@@ -208,10 +211,11 @@ class BaseTrainer:
             else:
                 batch = global_batch(step, training, dataset, vocab, byte_tokens)
             seed_step(step, training.seed)
+            batch = batch.to(self.device.device, non_blocking=True)
             parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
             total = self._forward_backward(parts)
             counted = self.tied.counted() if self.tied is not None else self.model.parameters()
-            grad_norm = global_grad_norm(counted, pp=self.dims.pp)
+            grad_norm = global_grad_norm(counted, pp=self.dims.pp, device=self.device.device)
             if training.max_grad_norm is not None:
                 clip_grads_to(self.model.parameters(), grad_norm, training.max_grad_norm)
             lr = self._optimizer_step(step + 1)
@@ -274,8 +278,9 @@ class BaseTrainer:
         group = self.mesh_context.device_mesh.get_group("dp") if dp_size > 1 else None
         if self.pipeline is not None:
             self.model.eval()
-            total = torch.zeros(())
+            total = torch.zeros((), dtype=REDUCE_DTYPE, device=self.device.device)
             for batch in batches:
+                batch = batch.to(self.device.device, non_blocking=True)
                 rows = torch.cat(list(micro_batches(batch, dp_rank, dp_size, self.config.training.micro_batch_size,
                                                     "training.eval")))
                 total += self._through_pipeline(rows, self.pipeline.eval)
@@ -285,7 +290,7 @@ class BaseTrainer:
                 total /= dp_size
             return float(total.item()) / len(batches)
         return eval_loss(self.model, batches, dp_rank=dp_rank, dp_size=dp_size,
-                         micro_batch_size=self.config.training.micro_batch_size, dp_group=group,
+                         micro_batch_size=self.config.training.micro_batch_size, dp_group=group, device=self.device.device,
                          compute=lambda: compute_context(self.config, fsdp_casts=self.dims.dp > 1))
 
     def _observe(self, record: StepRecord) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.platform.device import REDUCE_DTYPE
 from hyper_parallel.trainer.corpus import PackedCorpus
 from hyper_parallel.trainer.data import DataError, global_batch, micro_batches
 
@@ -61,13 +62,15 @@ def due(step: int, config: TrainerConfig) -> bool:
 
 
 def eval_loss(model, batches: list[torch.Tensor], *, dp_rank: int, dp_size: int, micro_batch_size: int,
-              compute, dp_group=None) -> float:
+              compute, dp_group=None, device: torch.device | str = "cpu") -> float:
     """Mean loss over ``batches`` without gradients; ``compute`` is the step's precision
-    context. The model is put back in training mode."""
+    context, ``device`` the run's (the batches go there, the sum stays there until its one
+    read). The model is put back in training mode."""
     model.eval()
-    total = torch.zeros(())
+    total = torch.zeros((), dtype=REDUCE_DTYPE, device=device)
     with torch.no_grad():
         for batch in batches:
+            batch = batch.to(device, non_blocking=True)
             parts = list(micro_batches(batch, dp_rank, dp_size, micro_batch_size, "training.eval"))
             for micro in parts:
                 with compute():

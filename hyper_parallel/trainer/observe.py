@@ -12,13 +12,13 @@ token passes through top_k of them). MFU = (tokens/s of the run / ranks) * FLOPs
 
 import logging
 import math
-import resource
 import statistics
 
 import torch
 import torch.distributed as dist
 
 from hyper_parallel.distributed.config_keys import layer_views
+from hyper_parallel.platform.device import RunDevice
 from hyper_parallel.trainer.metrics import MetricsStream
 
 _LOG = logging.getLogger("hyper_parallel.trainer.base")
@@ -85,25 +85,15 @@ def _scores(kind) -> bool:
     return "attention" in str(kind) and "linear" not in str(kind)
 
 
-def peak_memory_bytes(device_type: str) -> int:
-    """This rank's peak memory so far: the accelerator allocator's peak on cuda and npu,
-    the process's peak resident set on CPU (ru_maxrss, kB on Linux)."""
-    if device_type == "cuda":
-        return int(torch.cuda.max_memory_allocated())
-    if device_type == "npu":
-        return int(torch.npu.max_memory_allocated())  # torch_npu, imported by the npu recipe's build
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 class StepObserver:
     """Fills a step's MFU, per-rank peak memory and ETA, then writes it: the metrics
     stream, TensorBoard, and the progress line every ``log_every`` steps (rank 0)."""
 
-    def __init__(self, *, model, config, rank: int, world: int, device_type: str, first_step: int,
+    def __init__(self, *, model, config, rank: int, world: int, device: RunDevice, first_step: int,
                  metrics_path: str | None):
         training = config.training
         self.steps, self.log_every, self.rank, self.world = training.steps, training.log_every, rank, world
-        self.device_type = device_type
+        self.device = device
         self.peak = training.metrics.peak_flops_per_s
         self.flops = flops_per_token(model, training.seq_len)
         self.seconds: list[float] = []
@@ -140,13 +130,14 @@ class StepObserver:
                 f"ETA {_duration(record.eta_s)}")
 
     def _gather_peaks(self) -> list[int]:
-        """Every rank's peak memory, in rank order (one small all-gather)."""
-        mine = torch.tensor([peak_memory_bytes(self.device_type)], dtype=torch.int64)
+        """Every rank's peak memory, in rank order (one small all-gather on the run's
+        device, read back once)."""
+        mine = self.device.peak_memory_bytes()
         if self.world == 1:
-            return [int(mine.item())]
-        peaks = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(peaks, mine)
-        return [int(p.item()) for p in peaks]
+            return [mine]
+        peaks = torch.zeros(self.world, dtype=torch.int64, device=self.device.device)
+        dist.all_gather_into_tensor(peaks, torch.tensor([mine], dtype=torch.int64, device=self.device.device))
+        return [int(peak) for peak in peaks.tolist()]
 
     def close(self) -> None:
         if self.stream is not None:

@@ -14,7 +14,7 @@ import torch
 
 from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
-from hyper_parallel.models.hf.model_builder import runtime_device_type
+from hyper_parallel.models.hf.model_builder import run_device
 
 
 def compute_context(config: TrainerConfig, *, fsdp_casts: bool) -> contextlib.AbstractContextManager:
@@ -24,5 +24,5 @@ def compute_context(config: TrainerConfig, *, fsdp_casts: bool) -> contextlib.Ab
     policy = precision_policy(config)
     if policy.compute == policy.master or fsdp_casts:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=runtime_device_type(config.accelerator.device_type),
+    return torch.autocast(device_type=run_device(config).type,
                           dtype=getattr(torch, policy.compute))

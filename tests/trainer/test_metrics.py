@@ -10,6 +10,7 @@ import pytest
 import transformers
 
 from hyper_parallel.config import load_training_config
+from hyper_parallel.platform.device import RunDevice
 from hyper_parallel.trainer.base import StepRecord
 from hyper_parallel.trainer.metrics import MetricsStream, read_metrics
 from hyper_parallel.trainer.observe import StepObserver, flops_per_token
@@ -89,7 +90,7 @@ def test_the_observer_fills_mfu_memory_and_eta_and_writes_tensorboard(project, t
     config = load_training_config(recipe)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(recipe.parent / "models" / "tiny-qwen3-moe"))
-    observer = StepObserver(model=model, config=config, rank=0, world=1, device_type="cpu", first_step=0,
+    observer = StepObserver(model=model, config=config, rank=0, world=1, device=RunDevice("cpu"), first_step=0,
                             metrics_path=str(tmp_path / "m.jsonl"))
     for step in (1, 2):
         observer.observe(StepRecord(step, 5.0, 1.0, 1000.0, 0.5, 1e-3))

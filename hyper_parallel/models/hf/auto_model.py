@@ -112,7 +112,7 @@ def _build(config: TrainerConfig, *, mesh_context: MeshContext | None, pretraine
                                 timeout_s=timeout_s)
     if backend is ModelingBackend.CUSTOM:
         return _build_custom(config, recipe.hf_config, mesh_context=mesh_context, with_weights=with_weights)
-    model = mb.build_hf_model(recipe.hf_config, config, with_weights=with_weights).to(mb.target_device(config))
+    model = mb.build_hf_model(recipe.hf_config, config, with_weights=with_weights).to(mb.run_device(config).device)
     if mesh_context is not None:
         mb.prune_for_pipeline(model, config, mesh_context)
         mb.parallelize_with_planner(model, recipe.spec, mesh_context)
@@ -126,7 +126,7 @@ def _build_custom(config: TrainerConfig, hf_config: Any, *, mesh_context: MeshCo
                            f"does not split into pipeline stages yet; use modeling_backend: gen (or hf), or pp_size 1")
     custom = custom_model_module(getattr(hf_config, "model_type", None))
     model = mb.build_custom_model(custom, hf_config, config, with_weights=with_weights)
-    model = model.to(mb.target_device(config))
+    model = model.to(mb.run_device(config).device)
     if mesh_context is not None:
         mb.parallelize_custom(custom, model, config, mesh_context)
     return apply_model_infrastructure(model, config, mesh_context)
@@ -149,7 +149,7 @@ def _build_generated(recipe: Recipe, *, mesh_context: MeshContext | None, with_w
         model.hyper_weight_map = meta.get("weight_map")  # checkpoints carry it for `trainer export`
         return apply_model_infrastructure(model, config, mesh_context)
     model = mb.build_generated_model(model_class, hf_config, config, with_weights=with_weights)
-    model = model.to(mb.target_device(config))
+    model = model.to(mb.run_device(config).device)
     if mesh_context is not None:
         mb.prune_for_pipeline(model, config, mesh_context, bundle=module if planned else None)
         if planned:

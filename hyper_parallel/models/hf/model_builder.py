@@ -8,7 +8,6 @@ applier (``hyper_parallel.distributed.applier``).
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,6 +28,7 @@ from hyper_parallel.distributed.mesh import MeshContext
 from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
 from hyper_parallel.distributed.weight_map import derive_weight_map, saved_layout, to_text
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.platform.device import RunDevice, resolve_run_device
 
 _LOG = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def build_generated_model_sharded(model_class: type, hf_config: Any, config: Tra
     prune_for_pipeline(model, config, mesh_context, bundle=module)
     module.hyper_parallelize(model, mesh_context)
     with parameters_keep_identity():
-        materialize_and_load(model, recipe_model_dir(config), device=target_device(config), weight_map=weight_map)
+        materialize_and_load(model, recipe_model_dir(config), device=run_device(config).device, weight_map=weight_map)
         model = model.to(parameter_dtype(config)).train()
     check_tied(model, tied, "after loading the checkpoint")
     return model
@@ -369,26 +369,8 @@ def parallelize_custom(custom_module: ModuleType, model: nn.Module, config: Trai
                                                   context_parallel=layout.context_parallel)
 
 
-def target_device(config: TrainerConfig) -> torch.device:
-    """Where this rank's model lives: the recipe's accelerator of LOCAL_RANK, or the CPU
-    when that accelerator is not present here (the mesh then uses gloo too)."""
-    kind = runtime_device_type(config.accelerator.device_type)
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device(kind, int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def runtime_device_type(device_type: str) -> str:
-    """The recipe's device type if this machine has it, else "cpu" (with a warning)."""
-    if device_type == "cuda" and torch.cuda.is_available():
-        return "cuda"
-    if device_type == "npu":
-        try:
-            import torch_npu  # noqa: F401  (registers the npu device; only on NPU machines)
-            if torch.npu.is_available():
-                return "npu"
-        except ImportError:
-            pass
-    if device_type != "cpu":
-        _LOG.warning(f"accelerator.device_type {device_type!r} is not available here; using the CPU (gloo)")
-    return "cpu"
+def run_device(config: TrainerConfig) -> RunDevice:
+    """Where this rank's model and every tensor of its steps live: the recipe's accelerator
+    of LOCAL_RANK (``platform/device.py``); an absent one is refused there, naming the
+    recipe, unless the run was told by name to use the CPU."""
+    return resolve_run_device(config.accelerator.device_type, where=str(config.where))
