@@ -139,6 +139,42 @@ def check_owned(folder: Path, action: str, installing: Iterable[str] = ()) -> No
                                           f"them out or set model.codegen_artifact_dir to a folder of its own")
 
 
+REPLACE_ENV = "HYPER_PARALLEL_REPLACE_BUNDLE"  # "1": a recipe may replace another recipe's tracked bundle
+
+
+def check_not_anothers_tracked_bundle(folder: Path, recipe_rel: str, fix: str) -> None:
+    """Refuse, before any stage runs, to replace the bundle another recipe of the same folder
+    made when git tracks it (a copied example recipe would rewrite the committed bundle):
+    recipes that share a folder share one bundle, but replacing a reviewed one is asked for
+    by name (``REPLACE_ENV=1``) or avoided with ``model.codegen_artifact_dir``."""
+    meta = folder / META_FILE
+    if os.environ.get(REPLACE_ENV) == "1" or not meta.is_file():
+        return
+    try:
+        owner = json.loads(meta.read_text()).get("recipe")
+    except (OSError, ValueError):
+        return
+    if owner in (None, recipe_rel) or not _tracked_by_git(meta):
+        return
+    raise BundleError(errno.EEXIST, f"{folder} holds the bundle of {owner}, which git tracks; generating "
+                                    f"{recipe_rel} there would replace it (recipes in one folder share one "
+                                    f"bundle); nothing was changed; fix: set model.codegen_artifact_dir in "
+                                    f"{recipe_rel.rpartition('/')[2]} to a folder of its own (e.g. generated_"
+                                    f"{Path(recipe_rel).stem}), or rerun with {REPLACE_ENV}=1 to replace it "
+                                    f"({fix})")
+
+
+def _tracked_by_git(path: Path) -> bool:
+    """Whether ``path`` is a file git tracks (False where git or a repository is absent)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "ls-files", "--error-unmatch", path.name], cwd=path.parent,
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def check_creatable(folder: Path) -> None:
     """Refuse, before any stage runs, a bundle folder that cannot be made: its nearest
     existing ancestor is a file (the install would find out after derive and verify)."""

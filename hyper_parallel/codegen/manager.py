@@ -12,7 +12,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from hyper_parallel.codegen.bundle_folder import check_creatable, check_owned, remove_stale_staging_dirs
+from hyper_parallel.codegen.bundle_folder import (
+    check_creatable,
+    check_not_anothers_tracked_bundle,
+    check_owned,
+    remove_stale_staging_dirs,
+)
 from hyper_parallel.codegen.bundle_share import share_bundle
 from hyper_parallel.codegen.spec.project import project_codegen_spec, signature_from_spec
 from hyper_parallel.codegen.spec.types import STAGES, CodegenSpec
@@ -43,6 +48,7 @@ def run_pipeline(spec: CodegenSpec, stages: Iterable[str] = STAGES, *, force: bo
     if "install" in stages:  # before any work: a folder install would refuse is refused now
         check_creatable(spec.bundle_dir)
         check_owned(spec.bundle_dir, "install", spec.bundle_file_names)
+        check_not_anothers_tracked_bundle(spec.bundle_dir, spec.recipe_rel, f"doit generate config={spec.recipe_path}")
     remove_orphaned_temp_files(spec.workspace)  # what a killed run left: the next run cleans up
     remove_stale_staging_dirs(spec.bundle_dir)
     fresh = not spec.workspace.exists()

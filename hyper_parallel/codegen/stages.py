@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.codegen.bundle_folder import write_bundle_atomic
+from hyper_parallel.codegen.bundle_folder import check_not_anothers_tracked_bundle, write_bundle_atomic
 from hyper_parallel.codegen.hash import sha256_bytes, sha256_file, sha256_json
 from hyper_parallel.codegen.replaced_bundle import drop_replaced_bundle, keep_replaced_bundle, restore_replaced_bundle
 from hyper_parallel.codegen.spec.project import signature_from_spec, stage_signature
@@ -239,6 +239,7 @@ def run_install(spec: CodegenSpec) -> None:
     if {key: verified["report"].get(key) for key in expected} != expected:
         raise StageError(f"{verify_record}: verify ran as {verified['report']}, this layout needs {expected}; "
                            f"run `doit generate config={spec.recipe_path}`")
+    check_not_anothers_tracked_bundle(spec.bundle_dir, spec.recipe_rel, f"doit generate config={spec.recipe_path}")
     payload, meta = install_payload(spec, expected)
     replaced = installed_recipe(spec.bundle_dir)
     if replaced is not None and replaced != spec.recipe_rel:

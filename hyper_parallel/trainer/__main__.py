@@ -5,16 +5,12 @@ import os
 import sys
 from datetime import timedelta
 
-import torch.distributed as dist
-
 from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
-from hyper_parallel.models.hf.model_builder import ModelBuildError, weights_to_load
-from hyper_parallel.platform.device import DeviceUnavailableError, resolve_run_device
-from hyper_parallel.trainer.base import BaseTrainer
-from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
-from hyper_parallel.trainer.data import DataError, bytes_dataset_file
+
+# torch and the trainer are imported after the arguments are read: `--help` and a usage
+# error answer at once, without torch's seconds of import.
 
 
 EPILOG = """\
@@ -67,6 +63,7 @@ def prepare_data_main(argv: list[str]) -> int:
     from hyper_parallel.config.schema import TOKENIZED_KINDS
     from hyper_parallel.models.hf.model_builder import recipe_model_dir
     from hyper_parallel.trainer.corpus import prepare_corpus
+    from hyper_parallel.trainer.data import DataError
 
     parser = argparse.ArgumentParser(prog="python -m hyper_parallel.trainer prepare-data",
                                      description="Tokenize and pack a recipe's dataset into the token cache "
@@ -111,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.trainer", formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="python -m hyper_parallel.trainer --config X.yaml [--metrics PATH] [--no-resume]\n"
+              "       python -m hyper_parallel.trainer {export,plot,prepare-data,dry-run} ... (each has its --help)",
         description="Train a recipe under torchrun (gloo on CPU, nccl/hccl on accelerators).",
         epilog=EPILOG)
     parser.add_argument("--config", required=True, help="the training recipe (YAML)")
@@ -120,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-resume", action="store_true",
                         help="start from the model's weights even when training.checkpoint.dir holds a checkpoint")
     args = parser.parse_args(argv)
+    import torch.distributed as dist
+
+    from hyper_parallel.models.hf.model_builder import ModelBuildError, weights_to_load
+    from hyper_parallel.platform.device import DeviceUnavailableError, resolve_run_device
+    from hyper_parallel.trainer.base import BaseTrainer
+    from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
+    from hyper_parallel.trainer.data import DataError, bytes_dataset_file
+
     try:
         config = load_training_config(args.config)
         weights_to_load(config)  # model.init: pretrained needs weights; said before any rank starts
@@ -170,6 +177,8 @@ def _leave_together(timeout_s: float = 60.0) -> None:
     first rank to exit makes torchrun end the others, and rank 0 must have said why first.
     Bounded (gloo's monitored barrier); a rank that did not refuse, or a backend without
     it, is not waited for."""
+    import torch.distributed as dist
+
     if not dist.is_initialized() or dist.get_backend() != "gloo":
         return
     try:

@@ -33,6 +33,7 @@ from hyper_parallel.trainer.corpus import (
 from hyper_parallel.trainer.data import global_batch, micro_batches, read_byte_tokens
 from hyper_parallel.trainer.evaluation import due, eval_batches, eval_loss, hold_out
 from hyper_parallel.trainer.observe import StepObserver
+from hyper_parallel.trainer.summary import closing_lines, startup_lines
 from hyper_parallel.trainer.precision import compute_context
 from hyper_parallel.trainer.schedule import set_learning_rate
 
@@ -200,9 +201,14 @@ class BaseTrainer:
                                      device=self.device,
                                      first_step=first, metrics_path=self.metrics_path)
         evaluation = eval_batches(self.config, vocab, self.eval_rows) if training.eval is not None else []
+        if self.rank == 0:
+            for line in startup_lines(self.config, self.model, self.device.device, self.corpus, self.metrics_path,
+                                      first):
+                _LOG.info(line)
         if resumed and self.rank == 0:
             _LOG.info(f"steps {first + 1}..{training.steps} follow" if first < training.steps
                       else f"nothing to train: the checkpoint is at step {first}, training.steps is {training.steps}")
+        started = time.perf_counter()
         for step in range(first, training.steps):
             start = time.perf_counter()
             if self.corpus is not None:
@@ -231,6 +237,9 @@ class BaseTrainer:
             self.checkpointer.maybe_save(record.step, last=record.step == training.steps)
         self.checkpointer.finish()
         self.observer.close()
+        if self.rank == 0:
+            for line in closing_lines(records, self.config, started, self.metrics_path):
+                _LOG.info(line)
         return records
 
     def _forward_backward(self, parts: list[torch.Tensor]) -> torch.Tensor:

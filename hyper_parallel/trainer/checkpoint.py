@@ -44,6 +44,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.local_views import PackedRows, packed_rows
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.models.hf.model_builder import recipe_model_dir
 from hyper_parallel.protocols.axes import SIZE_AXES
 from hyper_parallel.trainer.checkpoint_check import (
     CheckpointMismatch,
@@ -458,7 +459,8 @@ class Checkpointer:
         (tmp / "rng").mkdir(parents=True, exist_ok=True)
         torch.save(torch.get_rng_state(), tmp / "rng" / f"rank_{self.rank}.pt")
         if self.rank == 0:
-            write_export_info(tmp, self.model)  # the HF config and weight map `export` needs
+            # the HF config, weight map, tokenizer and generation config `export` needs
+            write_export_info(tmp, self.model, recipe_model_dir(self.config))
         dims = self.config.accelerator
         record = {
             "format": FORMAT,

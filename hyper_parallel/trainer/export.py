@@ -20,6 +20,8 @@ import itertools
 import json
 import logging
 import re
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,10 +45,17 @@ class ExportError(ValueError, HyperParallelError):
     """A checkpoint that cannot be exported; names the folder and the tensor."""
 
 
-def write_export_info(folder: Path, model: torch.nn.Module) -> None:
-    """At save (rank 0): the model's HF config and its recorded weight map, if it has
-    them (a custom-backend model carries the HF config it was built from, and the map
-    from the HF layout to its own names)."""
+# Files of the model folder a checkpoint carries for `export`, so the exported folder is one
+# transformers' pipeline("text-generation", ...) loads (tokenizer, generation defaults).
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
+
+
+def write_export_info(folder: Path, model: torch.nn.Module, source: Path | None = None) -> None:
+    """At save (rank 0): the model's HF config, its recorded weight map, if it has them (a
+    custom-backend model carries the HF config it was built from, and the map from the HF
+    layout to its own names), the model folder's tokenizer files (``source``) and its
+    generation config (made from the model's config where the folder has none)."""
     config = getattr(model, "hyper_hf_config", None) or getattr(model, "config", None)
     if config is None or not callable(getattr(config, "to_json_file", None)):
         return
@@ -56,6 +65,13 @@ def write_export_info(folder: Path, model: torch.nn.Module) -> None:
     recorded = getattr(model, "hyper_weight_map", None)
     if recorded:
         (info / WEIGHT_MAP_FILE).write_text(json.dumps(recorded, indent=1) + "\n")
+    for name in SIDE_FILES:
+        if source is not None and (source / name).is_file():
+            shutil.copyfile(source / name, info / name)
+    if not (info / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).to_json_file(str(info / "generation_config.json"))
 
 
 def _weight_map(checkpoint: Path) -> dict:
@@ -167,7 +183,9 @@ class _Reader:
         pieces = []
         for key in keys:
             piece = torch.empty(saved[key].size, dtype=dtype)
-            dcp.load({key: piece}, storage_reader=self.storage, no_dist=True)
+            with warnings.catch_warnings():  # one process reading on purpose: no_dist says so
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({key: piece}, storage_reader=self.storage, no_dist=True)
             pieces.append(piece)
         if len(pieces) == 1:
             return pieces[0]
@@ -276,7 +294,9 @@ def _write_index(out: Path, checkpoint: Path, index: dict[str, str], total: int,
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": sum(t for _, t in parts)}, "weight_map": dict(sorted(weight_map.items()))},
         indent=1) + "\n")
-    (out / "config.json").write_text((checkpoint / EXPORT_INFO / "config.json").read_text())
+    for side in sorted((checkpoint / EXPORT_INFO).iterdir()):  # config.json, tokenizer, generation config
+        if side.is_file() and side.name != WEIGHT_MAP_FILE:
+            shutil.copyfile(side, out / side.name)
     _LOG.info(f"exported {checkpoint} to {out}: {len(weight_map)} tensors")
 
 

@@ -63,3 +63,15 @@ def test_a_recipe_path_that_is_a_folder_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: {tmp_path}: is a folder; expected a recipe YAML file "
                                    f"(e.g. {tmp_path / 'recipe.yaml'})")
+
+
+def test_help_imports_no_torch_and_names_every_subcommand():
+    """``--help`` answers before torch is imported (seconds of import; issue 56) and its usage
+    line names the subcommands."""
+    probe = ("import runpy, sys\nsys.argv = ['hyper_parallel.trainer', '--help']\ntry:\n"
+             "    runpy.run_module('hyper_parallel.trainer', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
+    proc = run([sys.executable, "-c", probe], cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("no torch"), proc.stdout[-500:]
+    assert "{export,plot,prepare-data,dry-run}" in proc.stdout

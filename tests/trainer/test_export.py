@@ -79,3 +79,39 @@ def test_a_custom_backend_checkpoint_exports_to_the_hf_layout(tmp_path):
     ids = torch.randint(0, hf_config.vocab_size, (2, 12))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+def _tiny_tokenizer(folder, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer of at most ``vocab_size`` tokens, saved as transformers does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer=trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder)
+
+
+def test_the_exported_folder_generates_text_through_a_pipeline(tmp_path):
+    """Tokenizer files and a generation config come along (issue 56), and export warns of nothing."""
+    import warnings
+
+    config = transformers.AutoConfig.from_pretrained(CONFIG_DIR)
+    source = tmp_path / "model"
+    _tiny_tokenizer(source, config.vocab_size)
+    torch.manual_seed(7)
+    trained = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    step = tmp_path / "step_1"
+    dcp.save({"model": trained.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    write_export_info(step, trained, source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_checkpoint(step, tmp_path / "hf")
+    assert [str(w.message) for w in caught] == []
+    out = tmp_path / "hf"
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    generate = transformers.pipeline("text-generation", model=str(out), device="cpu")
+    text = generate("the quick", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert text.startswith("the quick") and len(text) > len("the quick"), text
