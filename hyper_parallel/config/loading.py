@@ -5,6 +5,7 @@ import importlib.util
 import os
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,10 @@ class _RecipeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_training_config(path: str | os.PathLike) -> TrainerConfig:
-    """Parse and validate the recipe at ``path``. Never writes anything."""
+def load_training_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> TrainerConfig:
+    """Parse and validate the recipe at ``path``, with ``overrides`` (``--set KEY=VALUE``,
+    ``apply_overrides``) applied before validation, so a key or value they get wrong is
+    refused as the recipe's would be. Never writes anything."""
     yaml_path = Path(path).resolve()
     try:
         if yaml_path.is_dir():
@@ -91,13 +94,38 @@ def load_training_config(path: str | os.PathLike) -> TrainerConfig:
     if not isinstance(data, dict):
         got = "an empty document" if data is None else type(data).__name__
         raise RecipeError(f"{path}: expected a mapping at the top level, got {got}")
-    overrides = data.pop("plan_overrides", [])
+    apply_overrides(data, overrides, str(path))
+    plan = data.pop("plan_overrides", [])
     config = _build(TrainerConfig, data, str(path), "")
-    config.plan_overrides = _plan_overrides(overrides, config.model, str(path))
+    config.plan_overrides = _plan_overrides(plan, config.model, str(path))
     config._yaml_path = str(yaml_path)
     config._written_keys = frozenset(_dotted_keys(data))
     validate_training_config(config, str(path))
     return config
+
+
+def apply_overrides(data: dict, overrides: Sequence[str], where: str) -> None:
+    """``KEY=VALUE`` items (``training.steps=3``, ``accelerator.tp_size=2``,
+    ``training.checkpoint.dir=null``) set into the recipe's mapping; VALUE is read as YAML
+    (numbers, booleans, null, lists). A malformed item, or a key under a value that is not a
+    section, is refused naming it; unknown keys and wrong types are the schema's to refuse."""
+    for item in overrides:
+        key, equals, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not equals or not all(part.strip() for part in parts):
+            raise RecipeError(f"{where}: --set {item!r}: expected KEY=VALUE with a dotted key, e.g. "
+                              f"--set training.steps=3")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{where}: --set {item!r}: the value is not YAML: {exc}") from None
+        section = data
+        for depth, part in enumerate(parts[:-1]):
+            section = section.setdefault(part, {})
+            if not isinstance(section, dict):
+                raise RecipeError(f"{where}: --set {item!r}: {'.'.join(parts[:depth + 1])} is a value, not a "
+                                  f"section with keys")
+        section[parts[-1]] = value
 
 
 def _dotted_keys(data: dict, prefix: str = "") -> list[str]:

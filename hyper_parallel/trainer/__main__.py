@@ -8,6 +8,7 @@ from datetime import timedelta
 from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.distributed.rank_exit import exit_rank
+from hyper_parallel.trainer.cli_options import add_set_argument
 
 # torch and the trainer are imported after the arguments are read: `--help` and a usage
 # error answer at once, without torch's seconds of import.
@@ -15,8 +16,9 @@ from hyper_parallel.distributed.rank_exit import exit_rank
 
 EPILOG = """\
 example:
-  python -m torch.distributed.run --nproc_per_node=2 -m hyper_parallel.trainer \\
-      --config recipes/tiny_cpu/qwen3_moe_tiny.yaml
+  python -m hyper_parallel.trainer launch --config recipes/tiny_cpu/qwen3_moe_tiny.yaml --set training.steps=3
+  (the same as: python -m torch.distributed.run --standalone --nproc_per_node=2 -m hyper_parallel.trainer \\
+      --config recipes/tiny_cpu/qwen3_moe_tiny.yaml --set training.steps=3)
 
 The recipe's accelerator section sets the parallel sizes (their product is the number
 of processes to launch), modeling_backend / codegen pick the model (hf, custom, or the
@@ -102,13 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         return plot_main(argv[1:])
     if argv[:1] == ["prepare-data"]:  # python -m hyper_parallel.trainer prepare-data --config X.yaml
         return prepare_data_main(argv[1:])
+    if argv[:1] == ["launch"]:  # python -m hyper_parallel.trainer launch --config X.yaml [--set K=V]
+        from hyper_parallel.trainer.launch import launch_main
+
+        return launch_main(argv[1:])
     if argv[:1] == ["dry-run"]:  # python -m hyper_parallel.trainer dry-run --config X.yaml --rank R
         from hyper_parallel.trainer.dry_run import dry_run_main
 
         return dry_run_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.trainer", formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="python -m hyper_parallel.trainer --config X.yaml [--metrics PATH] [--no-resume]\n"
+        usage="python -m hyper_parallel.trainer launch --config X.yaml [--set KEY=VALUE ...]   (starts the ranks)\n"
+              "       python -m hyper_parallel.trainer --config X.yaml [--set KEY=VALUE ...]   (one rank, under torchrun)\n"
               "       python -m hyper_parallel.trainer {export,plot,prepare-data,dry-run} ... (each has its --help)",
         description="Train a recipe under torchrun (gloo on CPU, nccl/hccl on accelerators).",
         epilog=EPILOG)
@@ -118,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "a resumed run keeps the lines up to its checkpoint's step")
     parser.add_argument("--no-resume", action="store_true",
                         help="start from the model's weights even when training.checkpoint.dir holds a checkpoint")
+    add_set_argument(parser)
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from hyper_parallel.trainer.data import DataError, bytes_dataset_file
 
     try:
-        config = load_training_config(args.config)
+        config = load_training_config(args.config, args.set)
         weights_to_load(config)  # model.init: pretrained needs weights; said before any rank starts
         resolve_run_device(config.accelerator.device_type, where=str(config.where))  # absent: refused, not CPU
     except (RecipeError, ModelBuildError, DeviceUnavailableError) as exc:
@@ -187,5 +195,15 @@ def _leave_together(timeout_s: float = 60.0) -> None:
         pass
 
 
+def _entry() -> int:
+    """``main``; under torchrun an exception is also recorded in the rank's error file, so a
+    launch names it in one line (``trainer launch``)."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(main)()
+    return main()
+
+
 if __name__ == "__main__":
-    exit_rank(main())  # without the interpreter's teardown (see rank_exit)
+    exit_rank(_entry())  # without the interpreter's teardown (see rank_exit)

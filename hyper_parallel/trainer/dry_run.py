@@ -29,6 +29,7 @@ import time
 from hyper_parallel.config import RecipeError, load_training_config
 from hyper_parallel.console_log import configure_console_logging
 from hyper_parallel.platform.device import FALLBACK_ENV
+from hyper_parallel.trainer.cli_options import add_set_argument, set_arguments
 
 REPORT_PREFIX = "dry-run report: "  # the JSON line each rank's process prints for --rank all
 
@@ -43,9 +44,10 @@ def dry_run_main(argv: list[str]) -> int:
     parser.add_argument("--rank", default="0", help="the rank to run (0 .. world-1), or 'all' for each in turn")
     parser.add_argument("--steps", type=int, default=2, help="training steps to run (default 2)")
     parser.add_argument("--json", metavar="PATH", help="also write the reports here (a JSON list)")
+    add_set_argument(parser)
     args = parser.parse_args(argv)
     try:
-        config = load_training_config(args.config)
+        config = load_training_config(args.config, args.set)
         world = config.accelerator.parallel_dims.world_size
         ranks = range(world) if args.rank == "all" else [_rank(args.rank, world, args.config)]
         if args.steps < 1:
@@ -65,7 +67,7 @@ def dry_run_main(argv: list[str]) -> int:
     else:
         reports = []
         for rank in ranks:
-            report = _rank_in_own_process(args.config, rank, args.steps)
+            report = _rank_in_own_process(args.config, rank, args.steps, args.set)
             if report is None:
                 return 1
             print(_line(report), flush=True)
@@ -125,11 +127,11 @@ def _alone(config, steps: int) -> None:
         config.dataset.kind, config.dataset.path, config.dataset.streaming = "synthetic", None, False
 
 
-def _rank_in_own_process(config_path: str, rank: int, steps: int) -> dict | None:
+def _rank_in_own_process(config_path: str, rank: int, steps: int, overrides: list[str]) -> dict | None:
     """One rank's dry run in a fresh process (its memory peak is its own); None, with the
     process's output shown, when it failed."""
     command = [sys.executable, "-m", "hyper_parallel.trainer", "dry-run", "--config", config_path,
-               "--rank", str(rank), "--steps", str(steps)]
+               "--rank", str(rank), "--steps", str(steps), *set_arguments(overrides)]
     proc = subprocess.run(command, capture_output=True, text=True)
     reports = [line[len(REPORT_PREFIX):] for line in proc.stdout.splitlines() if line.startswith(REPORT_PREFIX)]
     if proc.returncode != 0 or not reports:

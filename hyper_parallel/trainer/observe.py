@@ -135,9 +135,10 @@ class StepObserver:
         mine = self.device.peak_memory_bytes()
         if self.world == 1:
             return [mine]
-        peaks = torch.zeros(self.world, dtype=torch.int64, device=self.device.device)
-        dist.all_gather_into_tensor(peaks, torch.tensor([mine], dtype=torch.int64, device=self.device.device))
-        return [int(peak) for peak in peaks.tolist()]
+        device = self.device.device
+        peaks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
+        dist.all_gather(peaks, torch.tensor([mine], dtype=torch.int64, device=device))
+        return [int(peak) for peak in torch.cat(peaks).tolist()]
 
     def close(self) -> None:
         if self.stream is not None:
