@@ -83,7 +83,7 @@ def _checkpoints(config: TrainerConfig):
     """``training.checkpoint.dir`` as the trainer resolves it (against the recipe's folder)."""
     from hyper_parallel.trainer.checkpoint import checkpoint_root
 
-    return checkpoint_root(config, str(config.where))
+    return checkpoint_root(config, str(config.where)).resolve()
 
 
 def _count(n: int) -> str:
