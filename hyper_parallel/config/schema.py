@@ -37,12 +37,14 @@ LR_DECAYS = ("constant", "linear", "cosine")  # training.lr_schedule.decay after
 
 @dataclass
 class ModelConfig:
-    pretrained_model_name_or_path: str
-    init: str = "pretrained"  # one of MODEL_INITS
-    config_overrides: dict[str, Any] = field(default_factory=dict)
-    torch_dtype: str = "float32"
-    attn_implementation: str = "eager"
-    force_hf: bool = False
+    pretrained_model_name_or_path: str  # the model folder (config.json, weights, tokenizer), relative to the recipe
+    init: str = "pretrained"  # one of MODEL_INITS: the folder's weights, or the model's own random initialization
+    config_overrides: dict[str, Any] = field(default_factory=dict)  # config.json keys replaced for this recipe
+    torch_dtype: str = "float32"  # one of TORCH_DTYPES: the weights' dtype and the compute dtype under mixed precision
+    attn_implementation: str = "eager"  # transformers' attention: eager, sdpa, flash_attention_2, ...
+    force_hf: bool = False  # build with transformers' modeling code even where a bundle or custom model exists
+    # The bundle's folder, relative to the recipe; null: generated/ beside the recipe (shared by
+    # the recipes of that folder).
     codegen_artifact_dir: str | None = None
     # The model folder's own code (config.json auto_map) runs only when this is true.
     trust_remote_code: bool = False
@@ -58,8 +60,8 @@ class ContextParallelConfig:
     ``load_balance``: (allgather_kv) the sequence is cut into 2*cp chunks and rank r
     holds chunks r and 2*cp-1-r, so every rank has the same causal-attention work."""
 
-    algorithm: str | None = None
-    load_balance: bool = True
+    algorithm: str | None = None  # one of CP_ALGORITHMS; null: DEFAULT_CP_ALGORITHM where attention can run it
+    load_balance: bool = True  # allgather_kv: each rank holds chunks r and 2*cp-1-r of the sequence (equal work)
 
 
 @dataclass
@@ -70,25 +72,25 @@ class PipelineConfig:
     per rank for the interleaved schedule. The number of
     micro-batches is the recipe's (``global_batch_size / (dp_size * micro_batch_size)``)."""
 
-    schedule: str = DEFAULT_PP_SCHEDULE
-    split_points: list[int] | None = None
+    schedule: str = DEFAULT_PP_SCHEDULE  # torch.distributed.pipelining's schedule (config/pipeline.py PP_SCHEDULES)
+    split_points: list[int] | None = None  # the first decoder layer of each stage after the first; null: balanced
     virtual_stages: int = 1  # stages per rank; 2 or more with schedule interleaved_1f1b
 
 
 @dataclass
 class AcceleratorConfig:
-    device_type: str = "cpu"
-    dp_size: int = 1
-    tp_size: int = 1
-    cp_size: int = 1
-    ep_size: int = 1
-    pp_size: int = 1
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    nproc_per_node: int = 1
-    nnodes: int = 1
+    device_type: str = "cpu"  # one of DEVICE_TYPES: the run's device (an absent one is refused at start)
+    dp_size: int = 1  # data parallel ranks (FSDP2 shards parameters, gradients and optimizer state over them)
+    tp_size: int = 1  # tensor parallel ranks (heads, MLP width, vocabulary split)
+    cp_size: int = 1  # context parallel ranks (the sequence split end to end)
+    ep_size: int = 1  # expert parallel ranks, borrowed from dp*cp (must divide it): experts split over them
+    pp_size: int = 1  # pipeline stages (decoder layers split); world = pp*dp*cp*tp
+    sequence_parallel: bool = False  # tp: norms and the residual stream sharded on the sequence between blocks
+    loss_parallel: bool = False  # tp: logits stay vocabulary-sharded into the cross entropy
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)  # how cp splits attention
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # pp > 1: the schedule and the stage split
+    nproc_per_node: int = 1  # processes per node (trainer launch starts them)
+    nnodes: int = 1  # nodes; nproc_per_node * nnodes is the world size
     # verify's and preflight's collectives give up after this long; the error names the
     # rank that went silent.
     check_timeout_s: int = 120
@@ -136,8 +138,8 @@ class MixedPrecisionConfig:
     ``reduce_dtype``. The recipe value ``none`` trains in ``model.torch_dtype`` throughout
     (pure low precision, an explicit opt-in)."""
 
-    param_dtype: str | None = None
-    reduce_dtype: str = "float32"
+    param_dtype: str | None = None  # the compute dtype of forward and backward; null: model.torch_dtype
+    reduce_dtype: str = "float32"  # the dtype gradients are reduced in across dp ranks
 
 
 @dataclass
@@ -145,9 +147,9 @@ class LrScheduleConfig:
     """``training.lr_schedule``: ``optimizer.lr`` ramps up linearly over ``warmup_steps``,
     then ``decay`` takes it to ``min_lr_ratio * lr`` at ``training.steps``."""
 
-    warmup_steps: int = 0
-    decay: str = "constant"  # one of LR_DECAYS
-    min_lr_ratio: float = 0.0
+    warmup_steps: int = 0  # updates over which the rate rises linearly from 0 to optimizer.lr
+    decay: str = "constant"  # one of LR_DECAYS: the rate's course after the warmup
+    min_lr_ratio: float = 0.0  # the rate at the last step, as a fraction of optimizer.lr (linear and cosine)
 
 
 @dataclass
@@ -155,8 +157,8 @@ class EvalConfig:
     """``training.eval``: every ``every_steps`` steps, the mean loss of ``batches`` held-out
     global batches (no gradients) is recorded as the step's ``eval_loss``."""
 
-    every_steps: int = 100
-    batches: int = 1
+    every_steps: int = 100  # evaluate after every this many steps, and after the last
+    batches: int = 1  # held-out global batches evaluated each time
 
 
 @dataclass
@@ -171,29 +173,29 @@ class MetricsConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 10
-    global_batch_size: int = 8
-    micro_batch_size: int = 1
-    seq_len: int = 128
-    seed: int = 0
-    log_every: int = 1
-    activation_checkpointing: bool = False
+    steps: int = 10  # optimizer updates the run trains
+    global_batch_size: int = 8  # sequences per update over all dp ranks
+    micro_batch_size: int = 1  # sequences per forward and backward on one rank (gradients accumulate)
+    seq_len: int = 128  # tokens per sequence
+    seed: int = 0  # the model's initialization, the data's order and each step's random state
+    log_every: int = 1  # rank 0 prints a progress line every this many steps (and the last)
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     compile: bool = False  # torch.compile each decoder layer (models/hf/compile.py), after the plan, before FSDP2
     max_grad_norm: float | None = None  # clip the global gradient norm to this; None: no clipping
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving and resuming (DCP)
     # A mapping (MixedPrecisionConfig), or the string "none".
     mixed_precision: MixedPrecisionConfig | str = field(default_factory=MixedPrecisionConfig)
-    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
+    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)  # warmup and decay of optimizer.lr
     eval: EvalConfig | None = None  # null: no evaluation
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # TensorBoard and MFU
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
-    lr: float = 1.0e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    name: str = "adamw"  # the optimizer: adamw (torch.optim.AdamW)
+    lr: float = 1.0e-4  # the peak learning rate (training.lr_schedule shapes it)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's betas (0.95, not torch's 0.999)
 
 
 @dataclass
@@ -220,15 +222,16 @@ class DatasetConfig:
 
 @dataclass
 class TrainerConfig:
-    model: ModelConfig
-    accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)
-    # Parsed and checked once, by the loader (config/plan_override.py); read-only after.
+    model: ModelConfig  # the model: its folder, dtype, attention and bundle folder
+    accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)  # the device and the parallel layout
+    # Module entries that change the derived plan or replace modules (the codegen guide's
+    # "plan_overrides"); parsed and checked once by the loader (config/plan_override.py).
     plan_overrides: tuple[PlanOverride, ...] = ()
-    codegen: bool = False
-    modeling_backend: str | None = None
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    codegen: bool = False  # train the generated bundle (modeling_backend gen)
+    modeling_backend: str | None = None  # one of MODELING_BACKENDS; null: resolved (the guide's "Backends")
+    training: TrainingConfig = field(default_factory=TrainingConfig)  # steps, batch, sequence, checkpoints, eval
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # AdamW's settings
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # where the training tokens come from
     # Absolute path of the YAML this config was read from; set by load_training_config.
     _yaml_path: str | None = field(default=None, repr=False, compare=False)
     # The dotted keys the YAML wrote (``accelerator.context_parallel.algorithm``, ...): a
