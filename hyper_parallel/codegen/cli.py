@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             cmd.add_argument("--force", action="store_true", help="rerun every stage")
             cmd.add_argument("--skip-preflight", action="store_true", help="stop after install")
+            cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                             help="override a recipe key for this generate (repeatable), e.g. --set "
+                                  "accelerator.tp_size=4; checked as the recipe's own keys are")
     return parser
 
 
@@ -105,7 +108,7 @@ def _naming_recipe(message: str, config: str) -> str:
 
 
 def _dispatch(args: argparse.Namespace, recipe: str) -> int:
-    config = load_training_config(recipe)  # the recipe's one parse in this process
+    config = load_training_config(recipe, getattr(args, "set", []))  # the recipe's one parse in this process
     spec = project_codegen_spec(config, workspace_root=args.workspace)  # and its one projection
     if args.command == "clean":
         clean_recipe(spec)

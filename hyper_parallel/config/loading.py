@@ -100,6 +100,7 @@ def load_training_config(path: str | os.PathLike, overrides: Sequence[str] = ())
     config.plan_overrides = _plan_overrides(plan, config.model, str(path))
     config._yaml_path = str(yaml_path)
     config._written_keys = frozenset(_dotted_keys(data))
+    config._overrides = tuple(overrides)
     validate_training_config(config, str(path))
     return config
 

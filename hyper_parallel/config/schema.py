@@ -237,6 +237,9 @@ class TrainerConfig:
     # The dotted keys the YAML wrote (``accelerator.context_parallel.algorithm``, ...): a
     # key written where it has no effect is refused, a default left out is not.
     _written_keys: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    # The --set KEY=VALUE items it was loaded with (config/loading.py): a process that loads
+    # the recipe again for the same run (a preflight rank) applies them too.
+    _overrides: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def where(self) -> str:

@@ -34,7 +34,8 @@ def run_torchrun_preflight(spec: CodegenSpec) -> dict[str, Any]:
     with scratch_dir("preflight") as tmp:
         files = RankFiles(str(tmp / "preflight"))
         cmd = torchrun_command(world, "hyper_parallel.codegen.check.preflight_worker",
-                               ["--config", str(spec.recipe_path), "--reports", files.prefix,
+                               ["--config", str(spec.recipe_path), *(f"--set={item}" for item in spec.recipe_overrides),
+                                "--reports", files.prefix,
                                 "--timeout-s", str(spec.check_timeout_s)], rank_preload(spec.source))
         _LOG.info(f"[preflight] torchrun --nproc_per_node={world} preflight of {spec.bundle_dir}")
         env = {**os.environ, "HYPER_PARALLEL_WORKSPACE": str(spec.workspace.parent)}

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--reports", required=True, help="prefix of the per-rank report files")
     parser.add_argument("--timeout-s", type=float, required=True, help="collective timeout")
+    parser.add_argument("--set", action="append", default=[], help="the recipe's --set items, as generate had them")
     args = parser.parse_args(argv)
 
     import torch.distributed as dist
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
             "gloo", timeout=timedelta(seconds=args.timeout_s)), args.timeout_s):
         exit_rank(1)
     try:
-        report = _check_rank(args.config, rank, lambda phase: files.report_progress(rank, phase))
+        report = _check_rank(args.config, args.set, rank, lambda phase: files.report_progress(rank, phase))
         error = None
     except Exception as exc:  # each rank reports its own error: no collective a silent rank could block
         report, error = None, f"rank {rank}: {type(exc).__name__}: {exc}"
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_rank(1 if error else 0)
 
 
-def _check_rank(config_path: str, rank: int, progress) -> dict:
+def _check_rank(config_path: str, overrides: list[str], rank: int, progress) -> dict:
     from hyper_parallel.codegen.check.preflight import PreflightError, checked_meta_model
     from hyper_parallel.codegen.spec.project import project_codegen_spec
     from hyper_parallel.config import load_training_config
@@ -55,7 +56,7 @@ def _check_rank(config_path: str, rank: int, progress) -> dict:
     from hyper_parallel.distributed.plan_format import plan_entries
     from hyper_parallel.protocols.placement_text import local_shard_shape
 
-    config = load_training_config(config_path)
+    config = load_training_config(config_path, overrides)
     check_launch_world_size(config)
     spec = project_codegen_spec(config)  # workspace from $HYPER_PARALLEL_WORKSPACE
     fix = f"doit generate config={config_path}"

@@ -111,6 +111,7 @@ def project_codegen_spec(config: TrainerConfig, *, workspace_root: str | Path | 
         workspace=root / rid,
         recipe_id=rid,
         check_timeout_s=acc.check_timeout_s,
+        recipe_overrides=tuple(config._overrides),
     )
 
 

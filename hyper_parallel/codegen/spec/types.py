@@ -37,6 +37,7 @@ class CodegenSpec:
     workspace: Path = Path()
     recipe_id: str = ""
     check_timeout_s: int = 120  # collectives of verify and preflight (not a codegen input)
+    recipe_overrides: tuple[str, ...] = ()  # the --set items the recipe was loaded with (preflight's ranks too)
 
     @cached_property
     def source(self) -> ModelSource:
