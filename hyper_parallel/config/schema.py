@@ -228,7 +228,7 @@ class TrainerConfig:
     # "plan_overrides"); parsed and checked once by the loader (config/plan_override.py).
     plan_overrides: tuple[PlanOverride, ...] = ()
     codegen: bool = False  # train the generated bundle (modeling_backend gen)
-    modeling_backend: str | None = None  # one of MODELING_BACKENDS; null: resolved (the guide's "Backends")
+    modeling_backend: str | None = None  # one of MODELING_BACKENDS; null: resolved as the training guide's "Starting a run" says
     training: TrainingConfig = field(default_factory=TrainingConfig)  # steps, batch, sequence, checkpoints, eval
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # AdamW's settings
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # where the training tokens come from
