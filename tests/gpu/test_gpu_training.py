@@ -35,7 +35,7 @@ BF16_LOSS_RTOL = 2e-2
 
 def _project(tmp_path, *, dtype: str = "float32", nproc: int = 1, **training) -> tuple:
     """A project whose tiny recipe trains on ``nproc`` GPUs from saved random weights."""
-    project = make_project(tmp_path / "project")
+    project = make_project(tmp_path / "project")  # tmp_path: a folder of the test's own
     recipe = project / TINY_RECIPE
     data = yaml.safe_load(recipe.read_text())
     model_dir = recipe.parent / data["model"]["pretrained_model_name_or_path"]
@@ -117,12 +117,13 @@ def test_compile_and_activation_checkpointing_train_like_eager(tmp_path):
 
 
 def test_a_resumed_run_continues_the_uninterrupted_one(tmp_path):
-    project, recipe = _project(tmp_path, checkpoint={"dir": "ckpt", "every_steps": 2})
-    straight = _train(project, recipe, 1, "--no-resume")
+    project, recipe = _project(tmp_path / "straight")
+    straight = _train(project, recipe)
+    project, recipe = _project(tmp_path / "resumed", checkpoint={"dir": "ckpt", "every_steps": 2})
     data = yaml.safe_load(recipe.read_text())
     data["training"]["steps"] = 2
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
-    _train(project, recipe, 1, "--no-resume")  # two steps, saved at step 2
+    _train(project, recipe)  # two steps, saved at step 2
     data["training"]["steps"] = STEPS
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     resumed = _train(project, recipe)  # resumes from step 2
