@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
+from hyper_parallel.protocols.axes import EP, MESH_AXES
 
 
 def startup_lines(config: TrainerConfig, model: torch.nn.Module, device, corpus, metrics_path: str | None,
@@ -21,14 +22,16 @@ def startup_lines(config: TrainerConfig, model: torch.nn.Module, device, corpus,
     total = sum(p.numel() for p in model.parameters())
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     dims = acc.parallel_dims
-    layout = " ".join(f"{axis} {getattr(dims, axis)}" for axis in ("pp", "dp", "cp", "tp", "ep")
+    layout = " ".join(f"{axis} {getattr(dims, axis)}" for axis in (*MESH_AXES, EP)
                       if getattr(dims, axis) > 1) or "one rank"
     policy = precision_policy(config)
     steps = training.steps - first_step
     tokens = training.global_batch_size * training.seq_len
+    rows = getattr(corpus, "num_rows", None)  # None: streamed (no token cache, no length known ahead)
     data = (f"{config.dataset.kind} tokens" if corpus is None else
-            f"{corpus.num_rows:,} packed rows of {config.dataset.path} "
-            f"({training.steps * training.global_batch_size / max(corpus.num_rows, 1):.2f} epochs)")
+            f"{config.dataset.path}, streamed" if rows is None else
+            f"{rows:,} packed rows of {config.dataset.path} "
+            f"({training.steps * training.global_batch_size / max(rows, 1):.2f} epochs)")
     outputs = [f"checkpoints {_checkpoints(config)}" if training.checkpoint.dir else "no checkpoints"]
     if metrics_path:
         outputs.append(f"metrics {metrics_path}")

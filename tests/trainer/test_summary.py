@@ -40,3 +40,13 @@ def test_closing_says_how_far_and_where_the_results_are():
     assert lines[1] == (f"results: checkpoint {REPO / 'recipes/tiny_cpu/ckpt/step_2'}; metrics m.jsonl "
                         "(plot: python -m hyper_parallel.trainer plot m.jsonl --out loss.png)")
     assert closing_lines([], config, 0.0, None) == ["trained no step"]
+
+
+def test_a_streamed_dataset_has_no_length_to_count_epochs_by():
+    config = _config()
+    config.dataset.kind, config.dataset.path = "jsonl", "data/train.jsonl"
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"))
+    streamed = type("Streamed", (), {"num_rows": None})()
+    line = startup_lines(config, model, "cpu", streamed, None, first_step=0)[3]
+    assert line == "data: data/train.jsonl, streamed; 10 step(s) of 2 x 16 = 32 tokens", line
