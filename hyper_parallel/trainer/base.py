@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TOKENIZED_KINDS, TrainerConfig
@@ -168,10 +169,9 @@ class BaseTrainer:
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW (optimizer.name is checked at recipe load) over the master parameters."""
         opt = self.config.optimizer
-        # foreach=None: torch's multi-tensor kernels on accelerators (one launch per group,
-        # not per parameter), its per-parameter loop on the CPU, as foreach=False always was.
-        return torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                 weight_decay=opt.weight_decay, foreach=None)
+        params = list(self.model.parameters())
+        return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay,
+                                 foreach=None if _one_kind_of_tensor(params) else False)
 
     def _dp_coordinates(self) -> tuple[int, int]:
         mesh = self.mesh_context.device_mesh
@@ -311,3 +311,13 @@ class BaseTrainer:
         """What a checkpoint records of the corpus: the next row and which rows these are."""
         return {"next_row": next_row, "rows": self.corpus.num_rows, "fingerprint": self.corpus.fingerprint,
                 "shuffle": self.config.dataset.shuffle}
+
+
+def _one_kind_of_tensor(params: list[torch.Tensor]) -> bool:
+    """Whether torch may pick its multi-tensor AdamW (``foreach=None``: one kernel per group
+    on accelerators, the per-parameter loop on the CPU as before): every parameter a plain
+    tensor, or every one a DTensor of one mesh. A foreach op over plain tensors and DTensors
+    together, or DTensors of several meshes (tp and the expert mesh), is refused by DTensor,
+    so such a model keeps the per-parameter loop."""
+    meshes = {param.device_mesh for param in params if isinstance(param, DTensor)}
+    return not meshes or (len(meshes) == 1 and all(isinstance(param, DTensor) for param in params))
