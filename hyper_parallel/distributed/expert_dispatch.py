@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
+from hyper_parallel.platform.host_values import counts_to_host
+
 
 def install_expert_dispatch(module: nn.Module, fqn: str, group, ep_size: int) -> None:
     total = getattr(module, "num_experts", None)
@@ -43,10 +45,11 @@ def _dispatch_and_combine(module, local_forward, hidden, top_k_index, top_k_weig
     owner = experts // local_experts
     order = torch.argsort(owner, stable=True)
     token_of = torch.arange(tokens, device=hidden.device).repeat_interleave(choices)[order]
-    send_counts = torch.bincount(owner, minlength=ep_size)
+    # Counted into a fixed-size tensor (bincount's size depends on the largest id: no fake-tensor shape)
+    send_counts = torch.zeros(ep_size, dtype=torch.long, device=owner.device).index_add_(0, owner, torch.ones_like(owner))
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send, recv = send_counts.tolist(), recv_counts.tolist()
+    send, recv = counts_to_host(send_counts, tokens * choices), counts_to_host(recv_counts, tokens * choices)
 
     routed = _exchange(hidden[token_of], recv, send, group)
     weights = _exchange(top_k_weights.reshape(-1)[order].unsqueeze(-1), recv, send, group)

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from hyper_parallel.platform.device import REDUCE_DTYPE
+from hyper_parallel.platform.host_values import to_host_float
 
 
 def global_grad_norm(parameters, pp: int = 1, device: torch.device | str | None = None) -> float:
@@ -45,7 +46,7 @@ def global_grad_norm(parameters, pp: int = 1, device: torch.device | str | None 
     for copies, grads in parts.items():
         total += torch.nn.utils.get_total_norm(grads, norm_type=2.0).to(REDUCE_DTYPE).square() / copies
     dist.all_reduce(total)
-    return math.sqrt(total.item())
+    return math.sqrt(to_host_float(total))
 
 
 def clip_grads_to(parameters, total_norm: float, max_norm: float) -> None:

@@ -89,6 +89,7 @@ def build_device_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hyper_parallel.platform.device import BACKENDS, RunDevice, device_module
+    from hyper_parallel.platform.host_values import outside_fake_tensors
 
     if device_type not in BACKENDS:
         raise ValueError(f"device_type must be one of {sorted(BACKENDS)}, got {device_type!r}")
@@ -104,7 +105,8 @@ def build_device_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
             f"WORLD_SIZE is {world} but the parallel sizes give pp*dp*cp*tp="
             f"{dims.pp}*{dims.dp}*{dims.cp}*{dims.tp}={dims.world_size}")
     run.select()
-    return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    with outside_fake_tensors():  # a mesh's rank table is host data, real under a fake dry run too
+        return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 
 def build_expert_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
@@ -112,9 +114,11 @@ def build_expert_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
+    from hyper_parallel.platform.host_values import outside_fake_tensors
+
     names, sizes = expert_mesh_layout(dims)
-    ranks = torch.arange(dims.world_size).reshape(sizes)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    with outside_fake_tensors():  # host data, as build_device_mesh's
+        return DeviceMesh(device_type, torch.arange(dims.world_size).reshape(sizes), mesh_dim_names=names)
 
 
 @dataclass

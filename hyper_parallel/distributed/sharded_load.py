@@ -236,3 +236,34 @@ def materialize_and_load(model: torch.nn.Module, model_dir: str | Path, *, devic
             if name in kept:
                 buf.copy_(kept[name])
     return load_sharded_safetensors(model, model_dir, strict=strict, key_mapping=key_mapping, weight_map=weight_map)
+
+
+def materialize_as_fake(model: torch.nn.Module, device: str | torch.device) -> None:
+    """Give a meta-device (already parallelized) model this rank's parameters and buffers as
+    fake tensors on ``device``, under the active ``FakeTensorMode`` (``trainer dry-run
+    --fake-tensors``): each DTensor keeps its mesh, placements and global shape over a fake
+    local shard; a tied parameter stays one parameter. ``to_empty`` cannot do this: it swaps
+    tensor internals, which fake tensors (weakly referenced by their mode) refuse."""
+    from hyper_parallel.distributed.applier import reinstall_grad_hooks
+
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            local = tensor.to_local()
+            local = torch.empty(local.shape, dtype=local.dtype, device=device)
+            return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                      shape=tensor.shape, stride=tensor.stride())
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+
+    for module in model.modules():
+        for slots, as_parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in list(slots.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    new = fake(tensor.detach())
+                    made[id(tensor)] = torch.nn.Parameter(new, requires_grad=tensor.requires_grad) \
+                        if as_parameter else new
+                slots[name] = made[id(tensor)]
+    reinstall_grad_hooks(model)

@@ -24,6 +24,7 @@ from hyper_parallel.models.hf.auto_model import HyperAutoModel
 from hyper_parallel.models.hf.compile import compiled_modules
 from hyper_parallel.models.hf.model_builder import recipe_model_dir, run_device
 from hyper_parallel.platform.device import REDUCE_DTYPE
+from hyper_parallel.platform.host_values import to_host_float
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import (
     PackedCorpus,
@@ -229,7 +230,7 @@ class BaseTrainer:
                 dist.all_reduce(total, group=self.mesh_context.device_mesh.get_group("dp"))
                 total /= dp_size
             seconds = time.perf_counter() - start
-            record = StepRecord(step + 1, total.item(), grad_norm, batch.numel() / seconds, seconds, lr)
+            record = StepRecord(step + 1, to_host_float(total), grad_norm, batch.numel() / seconds, seconds, lr)
             if due(record.step, self.config):
                 record.eval_loss = self._eval_loss(evaluation, dp_rank, dp_size)
             records.append(record)

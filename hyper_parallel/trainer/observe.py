@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hyper_parallel.distributed.config_keys import layer_views
 from hyper_parallel.platform.device import RunDevice
+from hyper_parallel.platform.host_values import to_host_list
 from hyper_parallel.trainer.metrics import MetricsStream
 
 _LOG = logging.getLogger("hyper_parallel.trainer.base")
@@ -138,7 +139,7 @@ class StepObserver:
         device = self.device.device
         peaks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
         dist.all_gather(peaks, torch.tensor([mine], dtype=torch.int64, device=device))
-        return [int(peak) for peak in torch.cat(peaks).tolist()]
+        return [int(peak) for peak in to_host_list(torch.cat(peaks), [mine] * self.world)]
 
     def close(self) -> None:
         if self.stream is not None:

@@ -38,7 +38,7 @@ def startup_lines(config: TrainerConfig, model: torch.nn.Module, device, corpus,
     if training.metrics.tensorboard_dir:
         outputs.append(f"TensorBoard {config.folder / training.metrics.tensorboard_dir}")
     return [
-        f"model: {type(model).__name__} from {_backend(model)}, {_count(total)} parameters, "
+        f"model: {_model_class(model).__name__} from {_backend(model)}, {_count(total)} parameters, "
         f"{_count(local)} on this rank",
         f"layout: {layout} over {dims.world_size} rank(s) on {device}",
         f"precision: {policy.master} master weights, {policy.compute} compute, {policy.reduce} reduction; "
@@ -73,13 +73,23 @@ def closing_lines(records: list, config: TrainerConfig, started: float, metrics_
 def _backend(model: torch.nn.Module) -> str:
     """Which modeling code the run trains: the generated bundle's file, transformers' or the
     custom one (models/common)."""
-    module = type(model).__module__
+    module = _model_class(model).__module__
     if module.startswith("transformers."):
         return f"transformers ({module})"
     source = getattr(sys.modules.get(module), "__file__", None)
     if module.startswith("hyper_parallel.models"):
         return f"the custom backend ({module})"
     return f"the generated bundle {source}" if source else module
+
+
+def _model_class(model: torch.nn.Module) -> type:
+    """The model's own class: FSDP2 (dp > 1) swaps in a subclass of its own making
+    (``FSDP<Name>``, defined in torch), whose name and module say nothing of the model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    return next(base for base in cls.__mro__ if not issubclass(base, FSDPModule)) if issubclass(cls, FSDPModule) \
+        else cls
 
 
 def _checkpoints(config: TrainerConfig):

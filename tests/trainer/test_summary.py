@@ -50,3 +50,23 @@ def test_a_streamed_dataset_has_no_length_to_count_epochs_by():
     streamed = type("Streamed", (), {"num_rows": None})()
     line = startup_lines(config, model, "cpu", streamed, None, first_step=0)[3]
     assert line == "data: data/train.jsonl, streamed; 10 step(s) of 2 x 16 = 32 tokens", line
+
+
+def test_a_model_wrapped_by_fsdp2_is_named_by_its_own_class():
+    """FSDP2 (dp > 1) swaps the model's class for ``FSDP<Name>`` defined in torch: the line
+    names the model's class and where its code lives, not torch's FSDP module."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(REPO / "recipes/tiny_cpu/models/tiny-qwen3-moe"))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        line = startup_lines(_config(), model, "cpu", None, None, first_step=0)[0]
+    finally:
+        dist.destroy_process_group()
+    assert type(model).__name__ == "FSDPQwen3MoeForCausalLM"
+    assert line.startswith("model: Qwen3MoeForCausalLM from transformers (transformers.models.qwen3_moe"), line

@@ -43,6 +43,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from transformers.activations import SiLUActivation
 
+from hyper_parallel.platform.host_values import counts_to_host
+
 # A block's working set (gathered rows, projections, activation, output) stays under this.
 BLOCK_BYTES = 16 << 20
 
@@ -86,8 +88,10 @@ class ExpertRoutes:
         # Within an expert, rows in HF's torch.where order over [K, T] (by k, then token),
         # so the weight gradients sum their rows in HF's order too. Stable sort keeps it.
         expert, position = torch.sort(top_k_index.t().reshape(-1), stable=True)
-        counts = torch.bincount(expert.clamp(max=num_experts), minlength=num_experts + 1)[:num_experts]
-        counts_list = counts.tolist()  # one host sync: the row counts size everything below
+        # Counted into a fixed-size tensor (bincount's size depends on the largest id: no fake-tensor shape)
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=expert.device).index_add_(
+            0, expert.clamp(max=num_experts), torch.ones_like(expert))[:num_experts]
+        counts_list = counts_to_host(counts, top_k_index.numel())  # one host sync: the counts size all below
         routed = sum(counts_list)
         position, expert = position[:routed], expert[:routed]  # sentinels (id >= E) sort last
         token = position % num_tokens

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 
 from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
@@ -32,6 +33,7 @@ from hyper_parallel.distributed.mesh import MeshContext
 from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
 from hyper_parallel.models.hf import model_builder as mb
 from hyper_parallel.models.hf.compile import compile_decoder_layers
+from hyper_parallel.platform.host_values import outside_fake_tensors
 from hyper_parallel.models.hf.backend import (
     BackendError,
     ModelingBackend,
@@ -142,7 +144,10 @@ def _build_generated(recipe: Recipe, *, mesh_context: MeshContext | None, with_w
     model_class = mb.generated_model_class(module, meta, bundle_dir)
     planned = meta.get("covered", {}).get("sharding_plan") is True
     # The per-rank loader reads safetensors; .bin weights load whole through transformers.
-    if with_weights and mesh_context is not None and planned and mb.has_safetensors(mb.recipe_model_dir(config)):
+    # Under a fake tensor mode (dry-run --fake-tensors) no weights are read, but the model
+    # is planned on the meta device all the same: its full size never exists.
+    sharded_load = with_weights and mb.has_safetensors(mb.recipe_model_dir(config))
+    if mesh_context is not None and planned and (sharded_load or active_fake_mode() is not None):
         # Each rank reads only its own shards: plan on the meta device, then load slices.
         model = mb.build_generated_model_sharded(model_class, hf_config, config, module, mesh_context,
                                                  weight_map=meta.get("weight_map"))
@@ -190,7 +195,10 @@ def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
         from hyper_parallel.distributed.fsdp import fully_shard_over_dp
 
         expert_mesh = mesh_context.expert_mesh
-        fully_shard_over_dp(model, mesh_context.device_mesh["dp"],
-                            expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None,
-                            mp_policy=fsdp_mixed_precision(config))
+        # FSDP2 builds sub-meshes from rank tables, host data that a fake dry run keeps real;
+        # fake parameters (dry-run --fake-tensors) still shard under their own mode.
+        with outside_fake_tensors():
+            fully_shard_over_dp(model, mesh_context.device_mesh["dp"],
+                                expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None,
+                                mp_policy=fsdp_mixed_precision(config))
     return model

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 
 from hyper_parallel.config.model_files import (
     LOOKED_FOR,
@@ -29,6 +30,7 @@ from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
 from hyper_parallel.distributed.weight_map import derive_weight_map, saved_layout, to_text
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.platform.device import RunDevice, resolve_run_device
+from hyper_parallel.platform.host_values import outside_fake_tensors
 
 _LOG = logging.getLogger(__name__)
 
@@ -140,21 +142,30 @@ def build_generated_model_sharded(model_class: type, hf_config: Any, config: Tra
     """The generated model parallelized by its bundle's ``hyper_parallelize`` on the meta
     device, then materialized with only this rank's shards read from the checkpoint,
     placed by the bundle's recorded ``weight_map`` (a bundle without one: derived at load).
+    Under an active ``FakeTensorMode`` (``trainer dry-run --fake-tensors``) the shards are
+    fake tensors instead and nothing is read.
     Weights transformers ties stay one parameter throughout (``tie_like_transformers``)."""
     from accelerate import init_empty_weights
 
-    from hyper_parallel.distributed.sharded_load import materialize_and_load
+    from hyper_parallel.distributed.sharded_load import materialize_and_load, materialize_as_fake
 
-    with init_empty_weights(include_buffers=False):
-        model = model_class(hf_config)
-    tied = tie_like_transformers(model)
-    prune_for_pipeline(model, config, mesh_context, bundle=module)
-    module.hyper_parallelize(model, mesh_context)
+    with outside_fake_tensors():  # planned on real meta tensors, as a real run plans
+        with init_empty_weights(include_buffers=False):
+            model = model_class(hf_config)
+        tied = tie_like_transformers(model)
+        prune_for_pipeline(model, config, mesh_context, bundle=module)
+        module.hyper_parallelize(model, mesh_context)
+    device = run_device(config).device
     with parameters_keep_identity():
-        materialize_and_load(model, recipe_model_dir(config), device=run_device(config).device, weight_map=weight_map)
-        model = model.to(parameter_dtype(config)).train()
+        if active_fake_mode() is not None:  # trainer dry-run --fake-tensors: shapes, no storage, no weights
+            with outside_fake_tensors():
+                model = model.to(parameter_dtype(config))  # on meta: fake tensors cannot be converted
+            materialize_as_fake(model, device)
+        else:
+            materialize_and_load(model, recipe_model_dir(config), device=device, weight_map=weight_map)
+            model = model.to(parameter_dtype(config))
     check_tied(model, tied, "after loading the checkpoint")
-    return model
+    return model.train()
 
 
 def recorded_pipeline_stages(module: ModuleType) -> tuple[tuple[int, int], ...] | None:
