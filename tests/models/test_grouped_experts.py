@@ -69,7 +69,7 @@ def assert_same_results(reference, grouped, hidden, index, weights, grad_out, **
     return expected, actual
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("layout", ["packed", "padded", "grouped_mm"])
 def test_matches_hf_experts_forward_and_backward(config, layout):
     reference = hf_experts(config)
     grouped = replace_qwen3_moe_grouped_experts(reference, layout=layout)
@@ -86,7 +86,7 @@ def test_matches_hf_experts_forward_and_backward(config, layout):
     assert torch.count_nonzero(actual[3][:5]) > 0
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("layout", ["packed", "padded", "grouped_mm"])
 def test_skewed_routing_matches(config, layout):
     """All tokens on one expert (padding 8x the rows in the padded layout)."""
     reference = hf_experts(config)
@@ -108,18 +108,29 @@ def test_auto_layout_packs_on_cpu_and_pads_elsewhere_while_padding_is_bounded(co
         replace_qwen3_moe_grouped_experts(hf_experts(config), layout="dense")
 
 
+def test_auto_layout_takes_torchs_grouped_kernel_on_cuda_in_bfloat16_only(config):
+    grouped = replace_qwen3_moe_grouped_experts(hf_experts(config))
+    assert not grouped._groups_in_one_kernel(torch.device("cuda"))  # float32: the padded bmm's
+    assert not grouped._groups_in_one_kernel(torch.device("cpu"))
+    grouped.to(torch.bfloat16)
+    assert grouped._groups_in_one_kernel(torch.device("cuda"))
+    assert not grouped._groups_in_one_kernel(torch.device("cpu"))
+    forced = replace_qwen3_moe_grouped_experts(hf_experts(config), layout="grouped_mm")
+    assert forced._groups_in_one_kernel(torch.device("cpu"))
+
+
 def test_sentinel_expert_ids_select_nothing(config):
     """Id == num_experts (HF's expert-parallel sentinel) contributes nothing, as in HF."""
     reference = hf_experts(config)
     hidden, index, weights = routing(config, hot_experts=5)
     index[::3, 1] = config.num_experts
     grad_out = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(4))
-    for layout in ("packed", "padded"):
+    for layout in ("packed", "padded", "grouped_mm"):
         grouped = replace_qwen3_moe_grouped_experts(reference, layout=layout)
         assert_same_results(reference, grouped, hidden, index, weights, grad_out)
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("layout", ["packed", "padded", "grouped_mm"])
 def test_no_routed_tokens_gives_zeros_and_zero_gradients(config, layout):
     """An expert-parallel rank may receive no tokens: its output is zero and its weights
     get zero gradients, not none (data-parallel reductions expect one on every rank)."""

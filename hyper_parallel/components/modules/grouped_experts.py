@@ -11,7 +11,11 @@ weights per expert (whose backward allocates a full-size gradient per expert).
 Here the (token, expert) pairs are sorted by expert once and the experts run as
 grouped matmuls with a hand-written backward (``routed_experts``): on CPU one ``mm``
 per expert over its contiguous rows, elsewhere one padded ``bmm`` per projection
-unless routing is so uneven that padding would more than double the work.
+unless routing is so uneven that padding would more than double the work. On CUDA in
+bfloat16 (the dtype its kernel is made for) the default is torch's grouped matmul kernel
+(``torch._grouped_mm``, layout ``grouped_mm``): one kernel per projection over every
+expert's rows, no padding, torch's autograd for the backward; what transformers' own
+``grouped_mm`` experts run on Hopper GPUs. ``layout`` forces one of the three.
 
 Sizes come from the parameter tensors at every call, never from a config: under the
 applier's ``local_map`` the module runs on tensor-parallel local shards
@@ -28,12 +32,17 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from hyper_parallel.components.modules.routed_experts import ExpertRoutes, ExpertRows, routed_experts
+from hyper_parallel.components.modules.routed_experts import (
+    ExpertRoutes,
+    ExpertRows,
+    grouped_mm_experts,
+    routed_experts,
+)
 
 # Off CPU, pad every expert to the busiest one's row count while that costs at most
 # this many times the routed rows; beyond it the packed layout wastes less.
 DEFAULT_MAX_PADDING_RATIO = 2.0
-LAYOUTS = ("auto", "packed", "padded")
+LAYOUTS = ("auto", "packed", "padded", "grouped_mm")
 
 
 class GroupedExperts(nn.Module):
@@ -92,11 +101,20 @@ class GroupedExperts(nn.Module):
         # graph, so the weights get zero gradients rather than none (a rank whose
         # gradient is missing would skip the data-parallel reduction its peers wait in).
         routes = ExpertRoutes.of(top_k_index, self.gate_up_proj.shape[0])
+        if self._groups_in_one_kernel(hidden_states.device):
+            return grouped_mm_experts(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, routes,
+                                      self.act_fn)
         if self._pads(routes, hidden_states.device):
             rows = ExpertRows.padded_to_capacity(routes, hidden_states.shape[0], top_k_index.numel())
         else:
             rows = ExpertRows.packed(routes)
         return routed_experts(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, rows, self.act_fn)
+
+    def _groups_in_one_kernel(self, device: torch.device) -> bool:
+        """``torch._grouped_mm``: when asked, or by default on CUDA in bfloat16."""
+        if self.layout != "auto":
+            return self.layout == "grouped_mm"
+        return device.type == "cuda" and self.gate_up_proj.dtype == torch.bfloat16
 
     def _pads(self, routes: ExpertRoutes, device: torch.device) -> bool:
         if self.layout != "auto":
@@ -133,7 +151,7 @@ def replace_with_grouped_experts(module: nn.Module, **kwargs) -> GroupedExperts:
     (see :func:`grouped_experts_class_for`), on ``module``'s device and dtype, with its
     weights unless they are on the meta device. ``module`` is a packed-experts module
     (HF's class or a generated copy); sizes come from its tensors, so local shards work too.
-    ``kwargs``: ``max_padding_ratio``, ``layout`` (``auto``, ``packed``, ``padded``)."""
+    ``kwargs``: ``max_padding_ratio``, ``layout`` (``auto``, ``packed``, ``padded``, ``grouped_mm``)."""
     unknown = sorted(set(kwargs) - {"max_padding_ratio", "layout"})
     if unknown:
         raise TypeError(f"replace_with_grouped_experts: unknown static argument(s) {unknown}; "
