@@ -22,15 +22,17 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Lowest first. A module belongs to the layer of its longest matching prefix (relative to
 # the package); an import may reach its own layer or a lower one, never a higher one.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "class_paths", "console_log", "digest", "errors"),  # the package root and leaf modules: stdlib only
+    ("", "class_paths", "console_log", "digest", "errors", "hf_config_keys"),  # the package root and leaf
+                                            # modules: stdlib only
     ("platform",),                          # torch backend indirection (platform.Module/Linear): torch only
     ("protocols",),                         # Module (on platform.Module) / Config / ShardingConfig / placements
     ("config",),                            # the recipe: dataclasses, YAML loading, launch check; its
                                             # plan_overrides are written in the plan's own placement text
-    ("distributed",),                       # mesh, planner, applier
+    ("distributed",),                       # what runs in training: mesh, the plan applier, collectives
     ("models.common", "components"),        # building blocks and their declarative sharding
     ("runtime", "launch"),                  # what a training process needs of a bundle (generated files import
                                             # it); starting ranks under torchrun and hearing from each
+    ("planning",),                          # build-time planning: the planner, dataflow, dry runs, lints
     ("codegen",),                           # the pipeline: the build tool
     ("models.hf", "models.qwen3_moe", "models"),  # model builders: hf / custom / gen backends
     ("trainer",),                           # training on a built model
@@ -38,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # The layers the issue names as "lower": none of them may import any "higher" one.
 LOWER = ("config", "protocols", "platform", "distributed")
-HIGHER = ("runtime", "launch", "codegen", "models", "trainer", "components")
+HIGHER = ("runtime", "launch", "planning", "codegen", "models", "trainer", "components")
 
 # Imports the layer order allows but the design does not: the trainer reaches codegen
 # only through the model builders (HyperAutoModel), never its internals.

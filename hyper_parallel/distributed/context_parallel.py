@@ -54,6 +54,10 @@ CONTEXT_ATTRIBUTE = "_hyper_cp_attention"
 # and ulysses: ``models/common``'s ``BaseAttention``), for a model that has no attention
 # interface to route.
 OWN_ATTENTION_MARK = "hyper_splits_attention_over_cp"
+# The roles of the attention blocks that keep each cp rank's tokens, and the algorithm each
+# runs: the planner (planning/sequence_layout.py) gives them, the applier installs it.
+TOKEN_ATTENTION_ROLES = {"kv_gathered_attention": "allgather_kv", "ulysses_attention": "ulysses"}
+ATTENTION_ROLE = {algorithm: role for role, algorithm in TOKEN_ATTENTION_ROLES.items()}
 
 
 class ContextParallelError(ValueError, HyperParallelError):

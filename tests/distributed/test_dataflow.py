@@ -1,4 +1,4 @@
-"""Roles from dataflow (hyper_parallel/distributed/dataflow.py): traced on tiny real models
+"""Roles from dataflow (hyper_parallel/planning/dataflow.py): traced on tiny real models
 whose module names say nothing (the remote-code fixtures) and on transformers families
 whose structure needs more than names (a norm over a whole projection, global head counts
 in a reshape, a fused q/k/v of unequal parts, routers, learned positions)."""
@@ -20,10 +20,11 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from hyper_parallel.config.context_parallel import ContextParallel
-from hyper_parallel.distributed.dataflow import GATHERED_MODE, SPLIT_MODE, analyze, local_widths_dry_run, pattern
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-from hyper_parallel.distributed.plan_lint import PlanError
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.distributed.mesh import ParallelDims
+from hyper_parallel.planning.dataflow import GATHERED_MODE, SPLIT_MODE, analyze, local_widths_dry_run, pattern
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.plan_lint import PlanError
+from hyper_parallel.planning.planner import ShardingPlanner
 
 pytestmark = pytest.mark.slow
 
@@ -659,7 +660,7 @@ def test_a_head_split_whose_sizes_tp_does_not_divide_is_refused_naming_them():
 def test_parameter_layouts_from_what_each_rank_needs():
     from torch.distributed.tensor import Replicate
 
-    from hyper_parallel.distributed.dataflow import _param_layout, _rank_blocks
+    from hyper_parallel.planning.dataflow import _param_layout, _rank_blocks
 
     def need(owner, shape_tail=()):
         mask = torch.zeros(2, len(owner), *shape_tail, dtype=torch.bool)

@@ -11,8 +11,9 @@ import torch
 import transformers
 from torch.distributed.tensor import Replicate, Shard
 
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
+from hyper_parallel.distributed.mesh import ParallelDims
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import PlanError, ShardingPlanner
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "remote_code"
 

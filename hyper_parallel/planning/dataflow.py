@@ -54,9 +54,9 @@ from hyper_parallel.distributed.model_parts import (
     positional_names,
 )
 from hyper_parallel.distributed.local_views import block_sizes, local_piece, local_sizes, owner_of, packed_blocks_piece
-from hyper_parallel.distributed.sequence_dry_run import check_sequence_split, is_attention, whole_over_cp
-from hyper_parallel.distributed.state_handoff import handoff_blocks, recurrent_candidates
-from hyper_parallel.distributed.token_attention_dry_run import token_attention_refusals
+from hyper_parallel.planning.sequence_dry_run import check_sequence_split, is_attention, whole_over_cp
+from hyper_parallel.planning.handoff_check import handoff_blocks, recurrent_candidates
+from hyper_parallel.planning.token_attention_dry_run import token_attention_refusals
 
 SPLIT_MODE, GATHERED_MODE, WHOLE_MODE = "split", "gathered", "whole"
 _ATTENTION_FUNCTIONS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flex_attention"})
