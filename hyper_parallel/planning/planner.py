@@ -43,20 +43,14 @@ from torch.distributed.tensor import Replicate, Shard
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import PlanOverride
-from hyper_parallel.hf_config_keys import layer_views
 from hyper_parallel.distributed.context_parallel import ATTENTION_ROLE
 from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.distributed.name_match import plan_entry_for
-from hyper_parallel.planning.dataflow import (
-    HEAD_SPLIT_ROLE,
-    PLACED_BY_PARENT_ROLE,
-    SPLIT_MODE,
-    Dataflow,
-    StandIns,
-    roles_for,
-)
+from hyper_parallel.hf_config_keys import layer_views
+from hyper_parallel.planning.dataflow import Dataflow, roles_for
 from hyper_parallel.planning.expert_layout import apply_expert_layout
+from hyper_parallel.planning.linear_blocks import HEAD_SPLIT_ROLE, PLACED_BY_PARENT_ROLE, SPLIT_MODE
 from hyper_parallel.planning.offline_mesh import OfflineMesh, build_offline_mesh
 from hyper_parallel.planning.plan_lint import PlanError, heads_not_dividing, lint_config_divisibility, lint_plan
 from hyper_parallel.planning.plan_overrides import merge_plan_overrides, overridden_modules
@@ -80,6 +74,7 @@ from hyper_parallel.planning.roles import (
     style_meaning,
 )
 from hyper_parallel.planning.sequence_layout import TracedFacts, apply_sequence_layout
+from hyper_parallel.planning.stand_ins import StandIns
 from hyper_parallel.protocols.axes import CP, EP, SIZE_AXES, SP, TP
 from hyper_parallel.protocols.placements import placement_to_text
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig

@@ -68,11 +68,11 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hyper_parallel.distributed.context_parallel import ATTENTION_NAMES, TOKEN_ATTENTION_ROLES
-from hyper_parallel.planning.dataflow import pattern
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.planning.plan_lint import PlanError
 from hyper_parallel.planning.roles import replicate
 from hyper_parallel.planning.sequence_dry_run import is_attention, whole_over_cp
+from hyper_parallel.planning.stand_ins import pattern
 from hyper_parallel.protocols.axes import CP, TP
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 

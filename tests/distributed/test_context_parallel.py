@@ -330,7 +330,7 @@ def test_the_default_algorithm_gathers_attention_reading_beyond_its_tokens(famil
 
     from bench.families.tiny import tiny_config
     from hyper_parallel.config.context_parallel import ContextParallel
-    from hyper_parallel.planning.dataflow import pattern
+    from hyper_parallel.planning.stand_ins import pattern
     from hyper_parallel.distributed.mesh import ParallelDims
     from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.planning.plan_lint import PlanError

@@ -21,10 +21,13 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.mesh import ParallelDims
-from hyper_parallel.planning.dataflow import GATHERED_MODE, SPLIT_MODE, analyze, local_widths_dry_run, pattern
+from hyper_parallel.planning.dataflow import analyze
+from hyper_parallel.planning.linear_blocks import GATHERED_MODE, SPLIT_MODE
+from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
 from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.plan_lint import PlanError
 from hyper_parallel.planning.planner import ShardingPlanner
+from hyper_parallel.planning.stand_ins import pattern
 
 pytestmark = pytest.mark.slow
 
@@ -660,7 +663,7 @@ def test_a_head_split_whose_sizes_tp_does_not_divide_is_refused_naming_them():
 def test_parameter_layouts_from_what_each_rank_needs():
     from torch.distributed.tensor import Replicate
 
-    from hyper_parallel.planning.dataflow import _param_layout, _rank_blocks
+    from hyper_parallel.planning.linear_blocks import _param_layout, _rank_blocks
 
     def need(owner, shape_tail=()):
         mask = torch.zeros(2, len(owner), *shape_tail, dtype=torch.bool)

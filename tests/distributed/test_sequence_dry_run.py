@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hyper_parallel.codegen.check.probe import faithful_probe_config
 from hyper_parallel.distributed.mesh import ParallelDims
-from hyper_parallel.planning.dataflow import analyze, local_widths_dry_run
+from hyper_parallel.planning.dataflow import analyze
+from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
 from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import ShardingPlanner
 

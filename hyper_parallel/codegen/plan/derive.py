@@ -10,8 +10,8 @@ import itertools
 from typing import Any
 
 from hyper_parallel.codegen.spec.types import CodegenSpec
-from hyper_parallel.hf_config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS, layer_views
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.hf_config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS, layer_views
 
 
 class DeriveError(ValueError, HyperParallelError):
@@ -194,7 +194,8 @@ def trace_dataflow(spec: CodegenSpec):
 
     from hyper_parallel.codegen.check.probe import faithful_probe_config, shrink_widths
     from hyper_parallel.runtime import hyper_apply_replacements
-    from hyper_parallel.planning.dataflow import analyze, local_widths_dry_run
+    from hyper_parallel.planning.dataflow import analyze
+    from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
 
     p = spec.layout
     try:
