@@ -26,10 +26,10 @@ from hyper_parallel.distributed.name_match import (
     placement_of,
     plan_entry_for,
 )
+from hyper_parallel.planning.module_roles import _lookup
 from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.plan_lint import PlanError, expand_plan_keys, lint_plan
 from hyper_parallel.planning.plan_overrides import merge_plan_overrides
-from hyper_parallel.planning.planner import _lookup
 from hyper_parallel.runtime import hyper_apply_replacements
 from hyper_parallel.runtime.integrity import uncovered_parameters
 
