@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("codegen",),                           # the pipeline: the build tool
     ("models.hf", "models.qwen3_moe", "models"),  # model builders: hf / custom / gen backends
     ("trainer",),                           # training on a built model
+    ("testing",),                           # what the tests and the benches share (tiny families, one case)
 )
 
 # The layers the issue names as "lower": none of them may import any "higher" one.
@@ -428,3 +429,14 @@ def test_generated_files_import_only_the_runtime():
     for path in bundles:
         ours = {name.split(".")[1] for name, _ in _module_level_imports(path) if name.startswith(PACKAGE + ".")}
         assert ours == {"runtime"}, (path, ours)
+
+
+def test_no_test_imports_the_bench_folder():
+    """bench/ is a folder of scripts, not a package: what the tests share with the benches
+    lives in ``hyper_parallel/testing/``, which both import."""
+    found = []
+    for path in sorted((ROOT.parent / "tests").rglob("*.py")):
+        for name, line, _ in _imported_names(ast.parse(path.read_text(encoding="utf-8")), "tests.x", False):
+            if name == "bench" or name.startswith("bench."):
+                found.append(f"{path.relative_to(ROOT.parent)}:{line}: {name}")
+    assert not found, "\n".join(found)

@@ -20,7 +20,7 @@ from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.plan_lint import PlanError, lint_config_divisibility
 from hyper_parallel.planning.planner import ShardingPlanner
 from hyper_parallel.planning.stand_ins import pattern
-from bench.families.tiny import meta_model, tiny_config
+from hyper_parallel.testing.tiny_families import meta_model, tiny_config
 
 
 def _probe(config, tp: int = 1):

@@ -294,7 +294,7 @@ def test_the_dry_run_on_one_rank_s_tokens_finds_attention_code_using_the_whole_s
     a plain attention (Llama, eager and sdpa) passes."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
     from hyper_parallel.planning.token_attention_dry_run import token_attention_refusals
 
     ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -328,7 +328,7 @@ def test_the_default_algorithm_gathers_attention_reading_beyond_its_tokens(famil
     gathered over cp with a note naming it and why; named in the recipe, it is refused."""
     from transformers import AutoModelForCausalLM
 
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
     from hyper_parallel.config.context_parallel import ContextParallel
     from hyper_parallel.planning.stand_ins import pattern
     from hyper_parallel.distributed.mesh import ParallelDims
