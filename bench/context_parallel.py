@@ -73,7 +73,7 @@ def _parallel(model, config, algorithm: str, balance: bool, mesh_context, dims):
     from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import MeshContext
     from hyper_parallel.distributed.plan_format import plan_to_json
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.planning.planner import ShardingPlanner
     from hyper_parallel.runtime import hyper_parallelize
 
     with torch.device("meta"):

@@ -78,10 +78,10 @@ a trained pass). ``--keep DIR`` keeps the checkpoints too (an existing one is re
 Prints a table and a summary line; writes ``docs/families.md`` and ``docs/families.json``
 (``--no-docs``: don't) with exactly the rows that were run: a run over fewer families or
 layouts than the full sweep says so ("partial run") in both the summary and the docs.
-The tiny configs and checkpoints (``bench/families/tiny.py``) and one case's recipe,
-generate and training (``bench/families/case.py``) live beside this script: the test
-suite's fast subset (``tests/families/test_family_subset.py``, 8 families at tp2 and cp2)
-runs the same code. Progress goes to stderr, one line per case with its seconds. Runs
+The tiny configs and checkpoints (``hyper_parallel/testing/tiny_families.py``) and one
+case's recipe, generate and training (``hyper_parallel/testing/family_case.py``) live in
+the package: the test suite's fast subset (``tests/families/test_family_subset.py``, 8
+families at tp2 and cp2) runs the same code. Progress goes to stderr, one line per case with its seconds. Runs
 subprocesses with OMP_NUM_THREADS=1 and no torchrun variables; ``--jobs N`` runs N cases at
 a time.
 """
@@ -107,9 +107,9 @@ from transformers import CONFIG_MAPPING
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-# The tiny configs and the case runner live beside this script (bench/families/), so the
+# The tiny configs and the case runner live in the package (hyper_parallel/testing/), so the
 # test suite's family subset (tests/families/test_family_subset.py) runs the same code.
-from families.case import (
+from hyper_parallel.testing.family_case import (
     LAYOUTS,
     MOE_LAYOUTS,
     TRAIN_STEPS,
@@ -122,7 +122,7 @@ from families.case import (
     run_bounded,
     run_case,
 )
-from families.tiny import (
+from hyper_parallel.testing.tiny_families import (
     REMOTE_PREFIX,
     class_defaults,
     family_dir,

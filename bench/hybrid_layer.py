@@ -56,10 +56,11 @@ def parallel_hybrid(model, config, mesh_context, dims, *, traced: bool = True):
     import transformers
 
     from hyper_parallel.config.layout import Layout
-    from hyper_parallel.distributed.dataflow import analyze, local_widths_dry_run
+    from hyper_parallel.planning.dataflow import analyze
+    from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
     from hyper_parallel.distributed.mesh import MeshContext
     from hyper_parallel.distributed.plan_format import plan_to_json
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.planning.planner import ShardingPlanner
     from hyper_parallel.runtime import hyper_parallelize
 
     flow = None

@@ -1,6 +1,6 @@
 """Which decoder families split into pipeline stages: for each family of the family sweep
 (bench/family_sweep.py's list, transformers' own; remote-code fixtures aside), a tiny
-random model (bench/families/tiny.py), then
+random model (hyper_parallel/testing/tiny_families.py), then
 
 - ``check_stage_handoff`` on its weights and on the meta device (as derive and the
   sharded load run it): pass, or the refusal;
@@ -26,8 +26,6 @@ import torch
 import transformers
 from accelerate import init_empty_weights
 
-from families.tiny import is_remote, tiny_config
-from family_sweep import enumerate_families
 from hyper_parallel.config.pipeline import PipelineSettings, stage_split
 from hyper_parallel.distributed.pipeline import (
     PipelineSplitError,
@@ -36,6 +34,9 @@ from hyper_parallel.distributed.pipeline import (
     decoder_layer_weights,
     prune_to_stage,
 )
+from hyper_parallel.testing.tiny_families import is_remote, tiny_config
+
+from family_sweep import enumerate_families  # beside this script
 
 STAGE_TOLERANCE = 1e-4  # max abs difference of the logits (float32, the same ops in the same order)
 

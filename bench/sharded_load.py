@@ -33,8 +33,9 @@ def worker(model_dir: str, out: str) -> None:
 
     from hyper_parallel.distributed.applier import apply_sharding_plan
     from hyper_parallel.config.layout import Layout
-    from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
+    from hyper_parallel.planning.offline_mesh import build_offline_mesh
+    from hyper_parallel.planning.planner import ShardingPlanner
     from hyper_parallel.distributed.sharded_load import materialize_and_load
 
     dims = ParallelDims(tp=int(os.environ["WORLD_SIZE"]))

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from light_boot import NO_TORCH_BOOT, TORCH_IMPORTED_RC
+from hyper_parallel.testing.light_boot import NO_TORCH_BOOT, TORCH_IMPORTED_RC
 
 try:
     import psutil

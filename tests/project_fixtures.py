@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.light_boot import NO_TORCH_BOOT
+from hyper_parallel.testing.light_boot import NO_TORCH_BOOT
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = "recipes/tiny_cpu/qwen3_moe_tiny.yaml"

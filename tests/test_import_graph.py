@@ -22,23 +22,26 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Lowest first. A module belongs to the layer of its longest matching prefix (relative to
 # the package); an import may reach its own layer or a lower one, never a higher one.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "class_paths", "console_log", "digest", "errors"),  # the package root and leaf modules: stdlib only
+    ("", "class_paths", "console_log", "digest", "errors", "hf_config_keys"),  # the package root and leaf
+                                            # modules: stdlib only
     ("platform",),                          # torch backend indirection (platform.Module/Linear): torch only
     ("protocols",),                         # Module (on platform.Module) / Config / ShardingConfig / placements
     ("config",),                            # the recipe: dataclasses, YAML loading, launch check; its
                                             # plan_overrides are written in the plan's own placement text
-    ("distributed",),                       # mesh, planner, applier
+    ("distributed",),                       # what runs in training: mesh, the plan applier, collectives
     ("models.common", "components"),        # building blocks and their declarative sharding
     ("runtime", "launch"),                  # what a training process needs of a bundle (generated files import
                                             # it); starting ranks under torchrun and hearing from each
+    ("planning",),                          # build-time planning: the planner, dataflow, dry runs, lints
     ("codegen",),                           # the pipeline: the build tool
     ("models.hf", "models.qwen3_moe", "models"),  # model builders: hf / custom / gen backends
     ("trainer",),                           # training on a built model
+    ("testing",),                           # what the tests and the benches share (tiny families, one case)
 )
 
 # The layers the issue names as "lower": none of them may import any "higher" one.
 LOWER = ("config", "protocols", "platform", "distributed")
-HIGHER = ("runtime", "launch", "codegen", "models", "trainer", "components")
+HIGHER = ("runtime", "launch", "planning", "codegen", "models", "trainer", "components")
 
 # Imports the layer order allows but the design does not: the trainer reaches codegen
 # only through the model builders (HyperAutoModel), never its internals.
@@ -315,13 +318,19 @@ def test_importing_a_submodule_runs_its_packages():
 
 
 def test_no_subpackage_cycle():
+    """Between subpackages the door's calls up into codegen are left out: codegen reads the
+    runtime (meta, loader, apply), so runtime -> codegen through the door would always close
+    a circle at this granularity. Between modules it may not (``test_no_module_cycle``)."""
     cycles = _cycles(_graph(layered_edges(), key=subpackage))
     if cycles:
         pytest.fail("import cycles between subpackages:\n" + _describe(cycles, key=subpackage), pytrace=False)
 
 
 def test_no_module_cycle():
-    cycles = _cycles(_graph(layered_edges()))
+    """No module reaches itself through any chain of imports: every edge counts, the door's
+    function-level imports into codegen included (a circle hidden inside a function still
+    runs, at the first call)."""
+    cycles = _cycles(_graph(module_edges()))
     if cycles:
         pytest.fail("import cycles between modules:\n" + _describe(cycles), pytrace=False)
 
@@ -371,6 +380,23 @@ def _module_level_imports(path: Path) -> list[tuple[str, int]]:
     return found
 
 
+# What training imports (below the build tool, or beside it as the model builders and the
+# trainer are), and the build-time code it must never import: the build tool, and the
+# planning it runs. Training applies a frozen plan; it never plans.
+TRAINING_SIDE = ("runtime", "trainer", "distributed", "models", "components")
+BUILD_TIME = ("planning", "codegen")
+
+
+def test_the_training_side_imports_no_build_time_code():
+    """runtime/, trainer/, distributed/, models/ and components/ import neither planning/
+    nor codegen/, at any level, but for the door's late calls into codegen."""
+    bad = [edge for edge in module_edges() if _top(edge.source) in TRAINING_SIDE
+           and _top(edge.target) in BUILD_TIME and not _through_the_door(edge)]
+    if bad:
+        pytest.fail(f"imports from the training side ({'/'.join(TRAINING_SIDE)}) of build-time code "
+                    f"({'/'.join(BUILD_TIME)}):\n" + "\n".join(f"  {edge}" for edge in bad), pytrace=False)
+
+
 def test_the_training_side_reaches_the_build_tool_only_through_the_door():
     """Nothing under runtime/, models/ or trainer/ imports codegen, at any level, but the
     door (runtime/build.py); the door imports it only inside its functions; and the door
@@ -403,3 +429,14 @@ def test_generated_files_import_only_the_runtime():
     for path in bundles:
         ours = {name.split(".")[1] for name, _ in _module_level_imports(path) if name.startswith(PACKAGE + ".")}
         assert ours == {"runtime"}, (path, ours)
+
+
+def test_no_test_imports_the_bench_folder():
+    """bench/ is a folder of scripts, not a package: what the tests share with the benches
+    lives in ``hyper_parallel/testing/``, which both import."""
+    found = []
+    for path in sorted((ROOT.parent / "tests").rglob("*.py")):
+        for name, line, _ in _imported_names(ast.parse(path.read_text(encoding="utf-8")), "tests.x", False):
+            if name == "bench" or name.startswith("bench."):
+                found.append(f"{path.relative_to(ROOT.parent)}:{line}: {name}")
+    assert not found, "\n".join(found)

@@ -11,12 +11,10 @@ import pytest
 from torch import nn
 
 import hyper_parallel
-from hyper_parallel.runtime.integrity import uncovered_parameters
 from hyper_parallel.codegen.plan.freeze import compress_by_pattern
-from hyper_parallel.runtime import hyper_apply_replacements
 from hyper_parallel.config.plan_override import parse_plan_overrides
 from hyper_parallel.distributed.applier import PlanApplyError, _resolve_targets, _states_by_module
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.name_match import (
     PlanEntryConflict,
     in_precedence_order,
@@ -28,9 +26,12 @@ from hyper_parallel.distributed.name_match import (
     placement_of,
     plan_entry_for,
 )
-from hyper_parallel.distributed.plan_lint import PlanError, expand_plan_keys, lint_plan
-from hyper_parallel.distributed.plan_overrides import merge_plan_overrides
-from hyper_parallel.distributed.planner import _lookup
+from hyper_parallel.planning.module_roles import _lookup
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.plan_lint import PlanError, expand_plan_keys, lint_plan
+from hyper_parallel.planning.plan_overrides import merge_plan_overrides
+from hyper_parallel.runtime import hyper_apply_replacements
+from hyper_parallel.runtime.integrity import uncovered_parameters
 
 PACKAGE_DIR = Path(hyper_parallel.__file__).parent
 NAMES = ["", "layers", "layers.0", "layers.0.attn", "layers.0.mlp", "layers.1", "layers.1.attn", "layers.1.mlp",

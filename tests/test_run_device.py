@@ -64,7 +64,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
                                                                                "host, then sent from the run device",
     ("distributed/state_handoff.py", "Link.receive_header", "host:tolist"): "the header's shapes size the receive "
                                                                                "buffers: one read per hand-off",
-    ("distributed/state_handoff.py", "_grads", "factory:linspace"): _PLANNING,
     ("distributed/expert_dispatch.py", "_dispatch_and_combine", "host:counts_to_host"): "all_to_all_single takes its split "
                                                                                 "sizes as Python lists (one read per MoE layer)",
     ("components/modules/routed_experts.py", "ExpertRoutes.of", "host:counts_to_host"): "the per-expert row counts size the "
@@ -78,12 +77,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("distributed/mesh.py", "build_expert_mesh", "factory:arange"): "the mesh's rank numbers (DeviceMesh takes them "
                                                                     "on the host)",
     ("distributed/pipeline.py", "check_stage_handoff", "factory:empty"): _PLANNING,
-    ("distributed/dataflow.py", "_owner_list", "host:tolist"): _PLANNING,
-    ("distributed/dataflow.py", "_rank_needs", "factory:zeros"): _PLANNING,
-    ("distributed/dataflow.py", "_rank_needs", "factory:rand"): _PLANNING,
-    ("distributed/sequence_dry_run.py", "perturbed", "factory:randn"): _PLANNING,
-    ("distributed/sequence_dry_run.py", "_PieceRun._whole", "host:item"): _PLANNING,
-    ("distributed/token_attention_dry_run.py", "_rehearse", "host:item"): _PLANNING,
     ("distributed/weight_map_sources.py", "Assembled.read", "factory:empty"): "checkpoint bytes read on the host, copied "
                                                                     "into the rank's parameters",
     ("models/common/moe.py", "Router.__init__", "factory:zeros"): _CONSTRUCTION,

@@ -25,10 +25,9 @@ from hyper_parallel.codegen.stages import run_stage, stage_is_current
 from hyper_parallel.codegen.workspace import check_workspace_owned, read_json, remove_orphaned_temp_files, write_json
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.schema import TrainerConfig
-from hyper_parallel.distributed.ranks import fake_world, group_of_several_ranks
+from hyper_parallel.distributed.ranks import BUNDLE_WAIT_TIMEOUT_S, fake_world, group_of_several_ranks
 from hyper_parallel.errors import HyperParallelError
 from hyper_parallel.runtime.meta import META_FILE
-from hyper_parallel.runtime.build import DEFAULT_WAIT_TIMEOUT_S
 
 _LOG = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ def _run_id() -> str:
 
 
 def ensure_codegen_artifact(config: TrainerConfig, *, rank: int | None = None,
-                            timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, poll_s: float = 0.2,
+                            timeout_s: float = BUNDLE_WAIT_TIMEOUT_S, poll_s: float = 0.2,
                             workspace_root: str | Path | None = None) -> CodegenSpec:
     """Make sure the recipe's bundle is installed and current, coordinating ranks. (The
     name is the seed's, which calls the bundle an "artifact"; so is the recipe key
@@ -115,7 +114,7 @@ def ensure_codegen_artifact(config: TrainerConfig, *, rank: int | None = None,
     return spec
 
 
-def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+def ensure_bundle(spec: CodegenSpec, *, rank: int | None = None, timeout_s: float = BUNDLE_WAIT_TIMEOUT_S,
                   poll_s: float = 0.2) -> None:
     """``ensure_codegen_artifact`` for a recipe already projected (the CLI projects it once)."""
     from hyper_parallel.codegen.check.drift import installed_bundle_problems

@@ -55,7 +55,7 @@ from hyper_parallel.distributed.boundary_collectives import (
     output_reductions,
     output_shares,
 )
-from hyper_parallel.distributed.context_parallel import SequenceOrder, install_context_parallel
+from hyper_parallel.distributed.context_parallel import TOKEN_ATTENTION_ROLES, SequenceOrder, install_context_parallel
 from hyper_parallel.distributed.pipeline import (
     PrunedModule,
     names_only_pruned,
@@ -86,8 +86,6 @@ from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfi
 
 EP_AXIS = EP
 CP_AXIS = CP
-# the roles sequence_layout gives the attention blocks of allgather_kv and ulysses
-TOKEN_ATTENTION_ROLES = ("kv_gathered_attention", "ulysses_attention")
 
 
 class PlanApplyError(ValueError, HyperParallelError):

@@ -54,9 +54,13 @@ CONTEXT_ATTRIBUTE = "_hyper_cp_attention"
 # and ulysses: ``models/common``'s ``BaseAttention``), for a model that has no attention
 # interface to route.
 OWN_ATTENTION_MARK = "hyper_splits_attention_over_cp"
+# The roles of the attention blocks that keep each cp rank's tokens, and the algorithm each
+# runs: the planner (planning/sequence_layout.py) gives them, the applier installs it.
+TOKEN_ATTENTION_ROLES = {"kv_gathered_attention": "allgather_kv", "ulysses_attention": "ulysses"}
+ATTENTION_ROLE = {algorithm: role for role, algorithm in TOKEN_ATTENTION_ROLES.items()}
 
 
-class ContextParallelError(ValueError, HyperParallelError):
+class ContextParallelAttentionError(ValueError, HyperParallelError):
     """A model or input the context parallel attention cannot run on; names what to change."""
 
 
@@ -71,9 +75,9 @@ def balanced_order(length: int, cp: int) -> torch.Tensor:
 def check_balanced_length(length: int, cp: int) -> None:
     """Load balance cuts the sequence into 2*cp equal chunks."""
     if length % (2 * cp):
-        raise ContextParallelError(f"sequence length {length} must be divisible by 2*cp_size = {2 * cp} for "
-                                   f"accelerator.context_parallel.load_balance (each rank holds two chunks); "
-                                   f"change training.seq_len or set load_balance: false")
+        raise ContextParallelAttentionError(f"sequence length {length} must be divisible by 2*cp_size = {2 * cp} for "
+                                            f"accelerator.context_parallel.load_balance (each rank holds two chunks); "
+                                            f"change training.seq_len or set load_balance: false")
 
 
 class SequenceOrder:
@@ -200,8 +204,9 @@ def gather_kv(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     key, value, positions = _gathered(module, context, query, key, value)
     length = key.shape[2]
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        raise ContextParallelError(f"{type(module).__name__}: attention mask of type {type(attention_mask).__name__}"
-                                   "; allgather_kv takes tensor masks (sdpa, eager)")
+        raise ContextParallelAttentionError(
+            f"{type(module).__name__}: attention mask of type {type(attention_mask).__name__}"
+            "; allgather_kv takes tensor masks (sdpa, eager)")
     if attention_mask is not None:
         mask = attention_mask[:, :, :, :length]
         if mask.shape[2] != 1:
@@ -320,12 +325,12 @@ def _check_split(module: nn.Module, context: CpAttention, query, length: int) ->
     """This rank's queries are its share of a ``length``-token sequence; counts the call
     (the tests read that the work was split)."""
     if context.algorithm != "allgather_kv":
-        raise ContextParallelError(f"{type(module).__name__} gathers K/V (allgather_kv), but the plan's "
-                                   f"context_parallel.algorithm is {context.algorithm}")
+        raise ContextParallelAttentionError(f"{type(module).__name__} gathers K/V (allgather_kv), but the plan's "
+                                            f"context_parallel.algorithm is {context.algorithm}")
     positions = context.local_positions(length, query.device)
     if query.shape[2] != positions.numel():
-        raise ContextParallelError(f"{type(module).__name__}: {query.shape[2]} local queries, expected "
-                                   f"{positions.numel()} (sequence {length} over cp={context.size})")
+        raise ContextParallelAttentionError(f"{type(module).__name__}: {query.shape[2]} local queries, expected "
+                                            f"{positions.numel()} (sequence {length} over cp={context.size})")
     context.calls += 1
     context.query_lengths.add(int(query.shape[2]))
     context.inner_shapes.add((int(query.shape[1]), int(query.shape[2])))
@@ -357,8 +362,8 @@ def _eager_function(module: nn.Module):
     """The model file's own eager attention (softcapping, sinks and such are in it)."""
     function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if function is None:
-        raise ContextParallelError(f"{type(module).__module__} has no eager_attention_forward for "
-                                   f"{type(module).__name__}; run allgather_kv with attn_implementation: sdpa")
+        raise ContextParallelAttentionError(f"{type(module).__module__} has no eager_attention_forward for "
+                                            f"{type(module).__name__}; run allgather_kv with attn_implementation: sdpa")
     return function
 
 
@@ -376,8 +381,8 @@ def _sequence_to_heads(tensor: torch.Tensor, context: CpAttention) -> torch.Tens
     batch, heads, local, dim = tensor.shape
     cp = context.size
     if heads % cp:
-        raise ContextParallelError(f"ulysses: {heads} local heads do not split over cp={cp}; use "
-                                   "accelerator.context_parallel.algorithm: allgather_kv")
+        raise ContextParallelAttentionError(f"ulysses: {heads} local heads do not split over cp={cp}; use "
+                                            "accelerator.context_parallel.algorithm: allgather_kv")
     pieces = tensor.reshape(batch, cp, heads // cp, local, dim).transpose(0, 1)
     received = _all_to_all(pieces, context.group)  # [source rank, batch, heads/cp, local, dim]
     whole = received.permute(1, 2, 0, 3, 4).reshape(batch, heads // cp, cp * local, dim)
@@ -419,8 +424,9 @@ class HeadExchange:
 def _count_ulysses_call(module: nn.Module, context: CpAttention, query, kwargs) -> None:
     """Refuse what ulysses cannot split; count the call (tests read the split)."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise ContextParallelError(f"ulysses: {type(module).__name__} has per-head attention sinks, which ulysses "
-                                   "does not split by head group yet; use allgather_kv")
+        raise ContextParallelAttentionError(
+            f"ulysses: {type(module).__name__} has per-head attention sinks, which ulysses "
+            "does not split by head group yet; use allgather_kv")
     context.calls += 1
     context.query_lengths.add(int(query.shape[2]))
     context.inner_shapes.add((int(query.shape[1]) // context.size, int(query.shape[2]) * context.size))
@@ -565,16 +571,18 @@ def _route_attention(model: nn.Module, attention_blocks: list[str], algorithm: s
         for fqn in attention_blocks:
             if not any(getattr(type(module), OWN_ATTENTION_MARK, False)
                        for module in model.get_submodule(fqn).modules()):
-                raise ContextParallelError(f"accelerator.context_parallel.algorithm: {algorithm}: {fqn} "
-                                           f"({type(model.get_submodule(fqn)).__name__}) has no attention module "
-                                           "that splits its work over cp; set algorithm: gather_sequence")
+                raise ContextParallelAttentionError(
+                    f"accelerator.context_parallel.algorithm: {algorithm}: {fqn} "
+                    f"({type(model.get_submodule(fqn)).__name__}) has no attention module "
+                    "that splits its work over cp; set algorithm: gather_sequence")
         return "own"
     current = config._attn_implementation
     inner = next((name for name, wrapper in ATTENTION_NAMES.items() if current in (name, wrapper)), None)
     if inner is None:
-        raise ContextParallelError(f"accelerator.context_parallel.algorithm: {algorithm} runs on attention "
-                                   f"implementation sdpa or eager, the model has {current!r}; set "
-                                   f"model.attn_implementation: sdpa (or eager), or algorithm: gather_sequence")
+        raise ContextParallelAttentionError(
+            f"accelerator.context_parallel.algorithm: {algorithm} runs on attention "
+            f"implementation sdpa or eager, the model has {current!r}; set "
+            f"model.attn_implementation: sdpa (or eager), or algorithm: gather_sequence")
     register_attention_functions()
     config._attn_implementation = ATTENTION_NAMES[inner]
     return inner

@@ -1,8 +1,8 @@
 """Parallel sizes and the device mesh they describe.
 
 ``mesh_layout`` is the one place that decides the mesh axis names, their order and
-their sizes; the offline mesh (planning, codegen) and the real ``DeviceMesh``
-(training, preflight) are both built from it, so they cannot disagree.
+their sizes; the offline mesh (``planning/offline_mesh.py``: planning, codegen) and the
+real ``DeviceMesh`` (training, preflight) are both built from it, so they cannot disagree.
 
 The sizes themselves (``ParallelDims``, validated where they are made) live with the
 recipe in ``config.parallel_dims``; expert parallelism borrows its ranks from ``dp * cp``.
@@ -14,7 +14,7 @@ from typing import Any
 
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.parallel_dims import ParallelDims
-from hyper_parallel.protocols.axes import CP, DP, EP, EXPERT_MESH_AXES, MESH_AXES, PP, TP
+from hyper_parallel.protocols.axes import CP, DP, EXPERT_MESH_AXES, MESH_AXES, PP, TP
 
 # Mesh axis order, outermost first (protocols/axes.py says why this order).
 MESH_AXIS_ORDER = MESH_AXES
@@ -36,49 +36,6 @@ def expert_mesh_layout(dims: ParallelDims) -> tuple[tuple[str, ...], tuple[int, 
     by_axis = dict(zip(names, sizes))
     borrowed = by_axis[DP] * by_axis[CP]
     return EXPERT_MESH_AXIS_ORDER, (by_axis[PP], borrowed // dims.ep, dims.ep, by_axis[TP])
-
-
-@dataclass(frozen=True)
-class OfflineMesh:
-    """The mesh's shape without any process group: what planning and codegen need."""
-
-    axis_names: tuple[str, ...]
-    sizes: tuple[int, ...]
-    ep: int = 1  # the expert axis lives on the expert mesh (ranks borrowed from dp*cp)
-
-    @property
-    def placement_axes(self) -> tuple[str, ...]:
-        """Axes a placement may name: the mesh's, and ``ep``."""
-        return (*self.axis_names, EP)
-
-    def size(self, axis: str) -> int:
-        if axis == EP:
-            return self.ep
-        if axis not in self.axis_names:
-            raise KeyError(f"mesh has no axis {axis!r}; axes are {list(self.axis_names)}")
-        return self.sizes[self.axis_names.index(axis)]
-
-    @property
-    def world_size(self) -> int:
-        total = 1
-        for size in self.sizes:
-            total *= size
-        return total
-
-    def coordinates(self, rank: int) -> tuple[int, ...]:
-        """Row-major coordinates of ``rank`` (the layout init_device_mesh uses)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside a mesh of world size {self.world_size}")
-        coords = []
-        for size in reversed(self.sizes):
-            coords.append(rank % size)
-            rank //= size
-        return tuple(reversed(coords))
-
-
-def build_offline_mesh(dims: ParallelDims) -> OfflineMesh:
-    names, sizes = mesh_layout(dims)
-    return OfflineMesh(names, sizes, ep=dims.ep)
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str = "cpu") -> Any:

@@ -4,6 +4,10 @@ manager and the bundle's integrity check import this torch-free)."""
 
 import os
 
+# How long a rank other than 0 waits, by default, for rank 0 to build or reuse the recipe's
+# bundle: read by the build tool (codegen/manager.py) and by its door (runtime/build.py).
+BUNDLE_WAIT_TIMEOUT_S = 600.0
+
 
 def group_of_several_ranks() -> bool:
     """A process group of more than one rank is up (training under torchrun): the ranks

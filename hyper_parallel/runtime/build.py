@@ -10,9 +10,7 @@ codegen when it is called, never at module level; no other module under ``runtim
 
 from typing import Any
 
-# How long a non-zero rank waits for rank 0 to build the bundle (codegen/manager.py's
-# default, restated so the runtime need not import the build tool to know it).
-DEFAULT_WAIT_TIMEOUT_S = 600.0
+from hyper_parallel.distributed.ranks import BUNDLE_WAIT_TIMEOUT_S
 
 
 def project_recipe(config: Any, workspace_root: Any = None) -> Any:
@@ -40,7 +38,7 @@ def build_bundle(spec: Any, *, rank: int | None, timeout_s: float | None) -> tup
     from hyper_parallel.codegen.manager import ensure_bundle
     from hyper_parallel.codegen.spec.project import signature_from_spec
 
-    ensure_bundle(spec, rank=rank, timeout_s=DEFAULT_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
+    ensure_bundle(spec, rank=rank, timeout_s=BUNDLE_WAIT_TIMEOUT_S if timeout_s is None else timeout_s)
     return signature_from_spec(spec), fix_command(spec)
 
 

@@ -39,7 +39,7 @@ _LOG = logging.getLogger(__name__)
 _PART = re.compile(r"^(?P<key>.+)@part(?P<k>\d+)of(?P<s>\d+)$")
 
 
-class LayoutError(ValueError, HyperParallelError):
+class CheckpointLayoutError(ValueError, HyperParallelError):
     """A checkpoint tensor whose saved form this layout cannot load; names it."""
 
 
@@ -103,8 +103,9 @@ def _block_holders(name: str, key: str, tensor: torch.Tensor, saved: dict[str, t
     dim = next(iter(dims), None)
     if len(blocks) != count or len(dims) != 1 or any(len(s) != tensor.dim() for s in shapes) \
             or sum(s[dim] for s in shapes) != tensor.shape[dim]:
-        raise LayoutError(f"{key}: saved as {len(blocks)} block(s) of shapes {[tuple(s) for s in shapes]}, which "
-                          f"do not make this layout's {tuple(tensor.shape)}")
+        raise CheckpointLayoutError(
+            f"{key}: saved as {len(blocks)} block(s) of shapes {[tuple(s) for s in shapes]}, which "
+            f"do not make this layout's {tuple(tensor.shape)}")
     out, start = {}, 0
     for k, shape in enumerate(shapes):  # equal blocks (a strided split) or unequal (packed order)
         holder, copy_back = _block(tensor, dim, start, shape[dim], key)
@@ -142,8 +143,8 @@ def _block_of_split_dim(tensor: DTensor, dim: int, start: int, length: int, key:
     that mesh dim, and the copy of the rows this rank holds."""
     split = [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard) and p.dim % tensor.dim() == dim]
     if len(split) != 1 or isinstance(tensor.placements[split[0]], _StridedShard):
-        raise LayoutError(f"{key}: saved as blocks along dim {dim}, which this layout shards "
-                          f"({tuple(tensor.placements)}); resuming into that is not supported yet")
+        raise CheckpointLayoutError(f"{key}: saved as blocks along dim {dim}, which this layout shards "
+                                    f"({tuple(tensor.placements)}); resuming into that is not supported yet")
     mesh, axis = tensor.device_mesh, split[0]
     lo, hi = chunk_range(0, tensor.shape[dim], mesh.size(axis), mesh.get_coordinate()[axis])
     local = tensor.to_local()

@@ -17,7 +17,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.distributed.config_keys import layer_views
+from hyper_parallel.hf_config_keys import layer_views
 from hyper_parallel.platform.device import RunDevice
 from hyper_parallel.platform.host_values import to_host_list
 from hyper_parallel.trainer.metrics import MetricsStream

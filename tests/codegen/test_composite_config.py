@@ -4,7 +4,7 @@ the plan, verify and training see its ``text_config`` (``derive.text_decoder_con
 import transformers
 
 from hyper_parallel.codegen.plan.derive import text_decoder_config
-from bench.families.tiny import composite_config, is_composite, tiny_config
+from hyper_parallel.testing.tiny_families import composite_config, is_composite, tiny_config
 
 
 def test_the_text_decoder_of_a_composite_config_is_what_is_planned():

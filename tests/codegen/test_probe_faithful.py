@@ -13,12 +13,14 @@ from hyper_parallel.codegen.check.probe import (
     layer_kinds,
     shrink_widths,
 )
-from hyper_parallel.distributed.dataflow import analyze, pattern
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.model_parts import decoder_layers
-from hyper_parallel.distributed.plan_lint import PlanError, lint_config_divisibility
-from hyper_parallel.distributed.planner import ShardingPlanner
-from bench.families.tiny import meta_model, tiny_config
+from hyper_parallel.planning.dataflow import analyze
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.plan_lint import PlanError, lint_config_divisibility
+from hyper_parallel.planning.planner import ShardingPlanner
+from hyper_parallel.planning.stand_ins import pattern
+from hyper_parallel.testing.tiny_families import meta_model, tiny_config
 
 
 def _probe(config, tp: int = 1):

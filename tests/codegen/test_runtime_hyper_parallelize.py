@@ -19,10 +19,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from hyper_parallel.config.layout import Layout
 from hyper_parallel.codegen.emit.modeling import emit_modeling_source
-from hyper_parallel.runtime import hyper_apply_replacements
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import parse_plan_overrides, replacement_entries
+from hyper_parallel.runtime import hyper_apply_replacements
 from tests.launch import assert_ran, torchrun
 from tests.rank_exit import leave_after_barrier
 
@@ -46,9 +46,10 @@ def tiny_config():
 
 def frozen_tp2_plan() -> dict:
     from hyper_parallel.codegen.plan.freeze import freeze_plan
-    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+    from hyper_parallel.distributed.mesh import ParallelDims
+    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.distributed.plan_format import plan_modules_to_json
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.planning.planner import ShardingPlanner
 
     dims = ParallelDims(tp=2)
     mesh = build_offline_mesh(dims)

@@ -37,7 +37,7 @@ from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.distributed.context_parallel import CONTEXT_ATTRIBUTE
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.plan_format import plan_to_json
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.planning.planner import ShardingPlanner
 from tests.batch_worker import run_cases
 from tests.distributed.tp_equivalence_worker import train_steps
 from tests.rank_exit import leave_after_barrier

@@ -29,7 +29,7 @@ from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.grad_norm import global_grad_norm
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
-from hyper_parallel.distributed.roles import packed_experts, replicate
+from hyper_parallel.planning.roles import packed_experts, replicate
 from tests.rank_exit import leave_after_barrier
 
 EXPERTS, HIDDEN, INTER, TOKENS, TOP_K = 4, 8, 6, 10, 2

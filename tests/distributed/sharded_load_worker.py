@@ -25,10 +25,11 @@ from safetensors.torch import load_file
 
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import apply_sharding_plan
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.sharded_load import materialize_and_load
 from hyper_parallel.distributed.weight_map import weight_map_text
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import ShardingPlanner
 from tests.batch_worker import run_cases
 from tests.distributed.tp_equivalence_worker import one_step_against_reference
 from tests.rank_exit import leave_after_barrier

@@ -8,9 +8,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import PlanApplyError, apply_sharding_plan
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_to_json
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import ShardingPlanner
 from tests.distributed.conftest import build_meta_model
 
 

@@ -208,9 +208,9 @@ def _emit_generated(out: Path, layout: str, dims) -> Path:
     """The modeling file codegen emits for the tiny Mixtral at ``dims`` (plan, freeze, emit)."""
     from hyper_parallel.codegen.emit.modeling import emit_modeling_source
     from hyper_parallel.codegen.plan.freeze import freeze_plan
-    from hyper_parallel.distributed.mesh import build_offline_mesh
+    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.distributed.plan_format import plan_modules_to_json
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.planning.planner import ShardingPlanner
 
     mesh = build_offline_mesh(dims)
     with torch.device("meta"):

@@ -132,7 +132,7 @@ def test_allgather_kv_refuses_attention_outside_the_attention_interface():
 
     from hyper_parallel.config.context_parallel import ContextParallel
     from hyper_parallel.distributed.mesh import ParallelDims
-    from hyper_parallel.distributed.plan_lint import PlanError
+    from hyper_parallel.planning.plan_lint import PlanError
     from tests.distributed.test_dataflow import _planned
 
     config = BloomConfig(hidden_size=64, n_head=4, n_layer=1, vocab_size=128)
@@ -159,9 +159,10 @@ def test_the_default_algorithm_gathers_attention_of_an_implementation_it_does_no
     from transformers import AutoModelForCausalLM, MistralConfig
 
     from hyper_parallel.config.context_parallel import ContextParallel
-    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-    from hyper_parallel.distributed.plan_lint import PlanError
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.distributed.mesh import ParallelDims
+    from hyper_parallel.planning.offline_mesh import build_offline_mesh
+    from hyper_parallel.planning.plan_lint import PlanError
+    from hyper_parallel.planning.planner import ShardingPlanner
     from tests.distributed.test_dataflow import _flow, _tiny
 
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -192,8 +193,9 @@ def test_allgather_kv_plan_keeps_tokens_split_through_attention():
     from transformers import MistralConfig
 
     from hyper_parallel.config.context_parallel import ContextParallel
-    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.distributed.mesh import ParallelDims
+    from hyper_parallel.planning.offline_mesh import build_offline_mesh
+    from hyper_parallel.planning.planner import ShardingPlanner
     from hyper_parallel.protocols.placements import placement_to_text
 
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -268,9 +270,10 @@ def test_ulysses_refuses_heads_tp_times_cp_does_not_divide():
     from transformers import AutoModelForCausalLM, MistralConfig
 
     from hyper_parallel.config.context_parallel import ContextParallel
-    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-    from hyper_parallel.distributed.plan_lint import PlanError
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.distributed.mesh import ParallelDims
+    from hyper_parallel.planning.offline_mesh import build_offline_mesh
+    from hyper_parallel.planning.plan_lint import PlanError
+    from hyper_parallel.planning.planner import ShardingPlanner
 
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2)
@@ -291,8 +294,8 @@ def test_the_dry_run_on_one_rank_s_tokens_finds_attention_code_using_the_whole_s
     a plain attention (Llama, eager and sdpa) passes."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from bench.families.tiny import tiny_config
-    from hyper_parallel.distributed.token_attention_dry_run import token_attention_refusals
+    from hyper_parallel.testing.tiny_families import tiny_config
+    from hyper_parallel.planning.token_attention_dry_run import token_attention_refusals
 
     ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
     config = tiny_config("qwen4_exp_text")
@@ -325,12 +328,13 @@ def test_the_default_algorithm_gathers_attention_reading_beyond_its_tokens(famil
     gathered over cp with a note naming it and why; named in the recipe, it is refused."""
     from transformers import AutoModelForCausalLM
 
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
     from hyper_parallel.config.context_parallel import ContextParallel
-    from hyper_parallel.distributed.dataflow import pattern
-    from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-    from hyper_parallel.distributed.plan_lint import PlanError
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.planning.stand_ins import pattern
+    from hyper_parallel.distributed.mesh import ParallelDims
+    from hyper_parallel.planning.offline_mesh import build_offline_mesh
+    from hyper_parallel.planning.plan_lint import PlanError
+    from hyper_parallel.planning.planner import ShardingPlanner
     from tests.distributed.test_dataflow import _flow, _tiny
 
     tiny, dims = _tiny(copy.deepcopy(tiny_config(family))), ParallelDims(cp=2)

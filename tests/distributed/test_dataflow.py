@@ -1,4 +1,4 @@
-"""Roles from dataflow (hyper_parallel/distributed/dataflow.py): traced on tiny real models
+"""Roles from dataflow (hyper_parallel/planning/dataflow.py): traced on tiny real models
 whose module names say nothing (the remote-code fixtures) and on transformers families
 whose structure needs more than names (a norm over a whole projection, global head counts
 in a reshape, a fused q/k/v of unequal parts, routers, learned positions)."""
@@ -20,10 +20,14 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from hyper_parallel.config.context_parallel import ContextParallel
-from hyper_parallel.distributed.dataflow import GATHERED_MODE, SPLIT_MODE, analyze, local_widths_dry_run, pattern
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-from hyper_parallel.distributed.plan_lint import PlanError
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.distributed.mesh import ParallelDims
+from hyper_parallel.planning.dataflow import analyze
+from hyper_parallel.planning.linear_blocks import GATHERED_MODE, SPLIT_MODE
+from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.plan_lint import PlanError
+from hyper_parallel.planning.planner import ShardingPlanner
+from hyper_parallel.planning.stand_ins import pattern
 
 pytestmark = pytest.mark.slow
 
@@ -179,7 +183,7 @@ def test_per_head_vector_of_a_gathered_attention_stays_whole():
     # gate_bias hinted colwise; the dry run finds the block cannot run on local heads, so it
     # is gathered, every rank keeps every head, and gate_bias must not be split.
     from hyper_parallel.codegen.check.probe import shrink_widths
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = shrink_widths(tiny_config("beam"), tp=TP, ep=1, seq_len=8, where="beam")
     result = _planned(config, ParallelDims(tp=TP))
@@ -228,7 +232,7 @@ def test_a_split_that_runs_but_computes_other_values_is_gathered():
 def test_a_block_returning_flattened_tokens_is_refused_under_sp_and_planned_under_cp():
     # Llama 4's MoE returns [tokens, hidden]: sequence parallel's reduce-scatter along dim 1
     # would split the hidden dim (the decoder layer's view() hid it: wrong numbers, no error).
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = tiny_config("llama4_text")
     with pytest.raises(Exception, match=r"sequence_parallel: model.layers.0.feed_forward \(Llama4TextMoe\) "
@@ -240,7 +244,7 @@ def test_a_block_returning_flattened_tokens_is_refused_under_sp_and_planned_unde
 def test_a_block_taking_the_stream_several_times_converts_each():
     # CTRL calls its attention as attn(normed, normed, normed) (v, k, q): under sp every one of
     # the three must be gathered, not only the first (a size mismatch in the attention).
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     result = _planned(tiny_config("ctrl"), ParallelDims(tp=TP), sequence_parallel=True)
     block = result.modules["transformer.h.0.multi_head_attention"]
@@ -254,7 +258,7 @@ def test_a_block_whose_norm_reads_its_partial_sums_reduces_them_first_under_sp()
     # AXK1's MoE ends in post_mlp_layernorm(experts + shared): a norm of partial sums is not
     # a partial sum of norms, so the experts and the shared down projection all-reduce and
     # the block hands on a slice; Qwen3-MoE's block still hands on its partial sum.
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     axk1 = _planned(tiny_config("axk1"), ParallelDims(tp=TP), sequence_parallel=True)
     block = axk1.modules["model.layers.1.mlp"]
@@ -268,7 +272,7 @@ def test_decoder_layer_parameters_of_its_own_read_the_sequence_piece():
     # Doge's decoder layer scales the residual with parameters of its own: under sp the
     # first layer's entry both splits the sequence and keeps them, later layers' entries
     # read the piece (so their gradients are summed over the split axis).
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     result = _planned(tiny_config("doge"), ParallelDims(tp=TP), sequence_parallel=True)
     first, second = result.modules["model.layers.0"], result.modules["model.layers.1"]
@@ -280,7 +284,7 @@ def test_decoder_layer_parameters_of_its_own_read_the_sequence_piece():
 def test_a_module_of_matrices_off_every_block_is_replicated():
     # DBRX's expert GLU holds w1/v1/w2 that the experts' loop slices per expert: no role by
     # name, joined to no projection: replicated rather than refused.
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     result = _planned(tiny_config("dbrx"), ParallelDims(tp=TP))
     assert result.roles["transformer.blocks.0.ffn.experts.mlp"] == "replicate"
@@ -381,7 +385,7 @@ def test_attention_over_a_key_filled_through_views_is_seen_and_its_sinks_stay_wh
     # TP plan writes ``self_attn.sinks: colwise``; the trace must see the attention (the
     # base carries what was written into its views), and as the dataflow gathers that
     # attention (a latent shared by every head), every rank keeps every head's sink.
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = tiny_config("hy_v4")
     flow = _flow(_tiny(config))
@@ -395,7 +399,7 @@ def test_attention_over_a_key_filled_through_views_is_seen_and_its_sinks_stay_wh
 def test_an_input_embedding_running_a_module_of_its_own_is_replicated():
     # Inkling-2's embedding normalizes its lookup inside its own forward: split by vocabulary,
     # the norm would see the lookup's partial sums (reduced only at the module's output).
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     result = _planned(tiny_config("inkling2_loop_text"), ParallelDims(tp=TP))
     assert result.roles["model.embed_tokens"] == "replicate"
@@ -410,7 +414,7 @@ def test_a_block_handing_on_two_streams_splits_both_whole(dims, options):
     # DBRX's norm_attn_norm returns (residual + attention, its norm): both are the stream, so
     # both are handed on split along the sequence, each whole before the split (a partial
     # sum reaching two outputs would be reduced for one only).
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     result = _planned(tiny_config("dbrx"), dims, **options)
     block = result.modules["transformer.blocks.0.norm_attn_norm"]
@@ -423,7 +427,7 @@ def test_all_reduce_on_a_module_of_its_own_parameters_sums_their_partial_output(
     # Inkling's shared experts hold 3-d gate/up/down tensors written colwise/colwise/rowwise
     # and the module itself all_reduce: each tensor split as written, the output a partial
     # sum over tp reduced on the way out. At tp 1 (dp, cp) the style needs no role at all.
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = tiny_config("inkling_text")
     result = _planned(config, ParallelDims(tp=TP))
@@ -457,7 +461,7 @@ def test_a_parameter_handed_out_as_a_view_is_refused_under_a_sequence_split(monk
     # view of it (or one taken into another module) it cannot follow: refused by name.
     from transformers.models.gpt_neox_japanese import modeling_gpt_neox_japanese as neox_j
 
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = tiny_config("gpt_neox_japanese")
     planned = _planned(config, ParallelDims(cp=2))
@@ -477,7 +481,7 @@ def test_a_parameter_handed_out_as_a_view_is_refused_under_a_sequence_split(monk
 def test_modules_after_the_layers_read_the_split_stream_through_other_modules_too():
     # HY-V4's final norm reads its hyper-connection head, which reads the layers: both run
     # on the sequence piece, so both sum their weight gradients over the split axis.
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = tiny_config("hy_v4")
     flow = _flow(_tiny(config))
@@ -491,7 +495,7 @@ def test_a_block_holding_other_matrices_is_left_whole_not_split_by_names():
     # Inkling-2's attention runs short convolutions (Conv1d) on k and v: the roles lay out
     # nn.Linear weights only, so the dataflow leaves the block whole; names must not split
     # o_proj.gate_proj alone (colwise by its name, against a replicated attention output).
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     result = _planned(tiny_config("inkling2_loop_text"), ParallelDims(tp=TP))
     attention = {name: role for name, role in result.roles.items() if name.startswith("model.layers.0.self_attn.")}
@@ -507,7 +511,7 @@ def test_a_block_whose_parameters_are_read_outside_their_modules_is_gathered_ove
     # DBRX's experts slice their GLU's matrices in the experts' loop, outside the GLU's
     # forward: those stay plain tensors, whose gradients only whole-sequence work makes whole,
     # so context parallel gathers that block like attention (sequence parallel need not).
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     result = _planned(tiny_config("dbrx"), ParallelDims(cp=2))
     block = result.modules["transformer.blocks.0.ffn"]
@@ -519,7 +523,7 @@ def test_a_block_whose_parameters_are_read_outside_their_modules_is_gathered_ove
 def test_experts_taking_no_routing_are_refused_under_expert_parallel():
     # Llama 4 applies its router before the experts, which take the routed hidden states
     # alone: the token dispatch has no top-k indices to route by (a TypeError in training).
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     with pytest.raises(Exception, match=r"accelerator.ep_size: model.layers.0.feed_forward.experts "
                                         r"\(Llama4TextExperts\) takes \(hidden_states\)"):
@@ -532,7 +536,7 @@ def test_heads_tp_cannot_split_leave_attention_whole_and_split_the_rest():
     # layers' attention is replicated whole (exact at any tp) while the MLP and the
     # vocabulary stay split; the plan's note says why. Without a dataflow to show which
     # modules are attention, the head count is refused as before.
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = tiny_config("gpt_bigcode")
     assert config.num_key_value_heads == 1
@@ -550,7 +554,7 @@ def test_heads_tp_cannot_split_leave_attention_whole_and_split_the_rest():
 def test_a_projection_the_trace_saw_pick_experts_is_replicated_whatever_its_name():
     # ZAYA's router MLP ends in out_proj ("rowwise" by name, beside fc1's colwise split); the
     # trace sees it pick the experts: a router, replicated (rowwise crashed on the ranks).
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     result = _planned(tiny_config("zaya"), ParallelDims(tp=TP))
     assert result.roles["model.layers.0.mlp.gate.router_mlp.out_proj"] == "replicate"
@@ -561,7 +565,7 @@ def test_a_linear_weight_applied_outside_its_forward_is_that_linear_output():
     self.classifier.weight)``): the scores top-k picks from are the classifier's output, so
     the classifier is the router. Read as the input's, they named the stream's last writer,
     attention's o_proj, a router, and its attention lost its block."""
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     flow = _flow(_tiny(tiny_config("longcat_flash")))
     assert {pattern(name) for name in flow.routers} == {"model.layers.*.mlp.router.classifier"}
@@ -573,7 +577,7 @@ def test_a_linear_weight_applied_outside_its_forward_is_that_linear_output():
 def _small_gdn(family: str):
     """A gated delta-net family with small linear-attention widths (2 key heads, 4 value
     heads of 8 and 16 dims: key_dim 16, value_dim 64), so the packed blocks are unequal."""
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = tiny_config(family)
     config.linear_num_key_heads, config.linear_num_value_heads = 2, 4
@@ -586,7 +590,7 @@ def test_a_mamba2_mixer_is_split_on_its_heads_and_groups():
     [x | B | C]; with groups tp divides, each rank keeps its heads and groups: the per-head
     vectors and the gated norm's per-channel weight follow them, the blocks are named by
     the mixer's sizes (B, C: n_groups*ssm_state_size), and its widths are local while it runs."""
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = tiny_config("mamba2")
     assert config.n_groups % TP == 0
@@ -659,7 +663,7 @@ def test_a_head_split_whose_sizes_tp_does_not_divide_is_refused_naming_them():
 def test_parameter_layouts_from_what_each_rank_needs():
     from torch.distributed.tensor import Replicate
 
-    from hyper_parallel.distributed.dataflow import _param_layout, _rank_blocks
+    from hyper_parallel.planning.linear_blocks import _param_layout, _rank_blocks
 
     def need(owner, shape_tail=()):
         mask = torch.zeros(2, len(owner), *shape_tail, dtype=torch.bool)
@@ -681,7 +685,7 @@ def test_a_block_tied_across_layers_gets_one_entry_for_every_place_it_is_reached
     """Zamba ties its shared transformer block across its hybrid layers: one tensor reached
     under several names. The traced copy saw it as a block only under the first name; the
     other names planned it replicated, and the plan gave one tensor two placements."""
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     dims = ParallelDims(tp=tp) if tp > 1 else ParallelDims(dp=2)
     result = _planned(tiny_config("zamba"), dims)
@@ -698,7 +702,7 @@ def test_a_recurrent_layer_under_cp_hands_its_state_on_and_the_plan_says_so(fami
     on from the previous cp rank (role state_handoff, ``state_handoff: cp``); the convolution
     weight its code hands to a kernel is placed by the block's entry (a local tensor there),
     with or without its heads split over tp; derive says so in a note."""
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = _small_gdn(family) if family == "qwen3_next" else tiny_config(family)
     result = _planned(config, ParallelDims(cp=2, tp=tp))
@@ -725,7 +729,7 @@ def test_a_layer_part_with_vectors_of_its_own_no_role_places_is_left_whole():
     """RWKV's feed-forward block: time-mix vectors beside its key/receptance/value
     projections, no role for the block itself: the whole part is replicated (exact at any
     tp), and derive says so, instead of refusing the family."""
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     result = _planned(tiny_config("rwkv"), ParallelDims(tp=TP))
     assert any(note.startswith("rwkv.blocks.*.feed_forward replicated whole over tp") for note in result.notes)

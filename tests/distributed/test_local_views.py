@@ -83,8 +83,8 @@ def test_a_packed_parameter_placed_other_than_shard_of_its_dim_or_replicated_is_
     """The plan's placement of a packed parameter must be one the loader, checkpoint and
     verify read as packed order (shard of the packed dim) or replicated."""
     from hyper_parallel.config.parallel_dims import ParallelDims
-    from hyper_parallel.distributed.plan_lint import PlanError, _lint_local_views
-    from hyper_parallel.distributed.planner import build_offline_mesh
+    from hyper_parallel.planning.plan_lint import PlanError, _lint_local_views
+    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.protocols.sharding import ShardingConfig
 
     mesh = build_offline_mesh(ParallelDims(tp=2))

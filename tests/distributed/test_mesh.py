@@ -4,14 +4,8 @@ import pytest
 
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.parallel_dims import ParallelDimsError
-from hyper_parallel.distributed.mesh import (
-    MeshContext,
-    OfflineMesh,
-    ParallelDims,
-    build_device_mesh,
-    build_offline_mesh,
-    mesh_layout,
-)
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, mesh_layout
+from hyper_parallel.planning.offline_mesh import OfflineMesh, build_offline_mesh
 
 
 def test_world_size_excludes_ep_and_accepts_borrowed_ep():

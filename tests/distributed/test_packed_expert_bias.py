@@ -14,8 +14,9 @@ import torch
 import transformers
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.distributed.mesh import ParallelDims
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import ShardingPlanner
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
 

@@ -6,9 +6,10 @@ import transformers
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh, expert_mesh_layout, mesh_layout
+from hyper_parallel.distributed.mesh import ParallelDims, expert_mesh_layout, mesh_layout
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
-from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import PlanError, ShardingPlanner
 from tests.distributed.conftest import build_meta_model
 from tests.families.family_cases import FAMILY_CONFIGS
 
@@ -116,7 +117,7 @@ def test_experts_not_divisible_by_ep_is_a_plan_time_error(tiny_config):
 def test_sequence_layout_needs_decoder_layers():
     from torch import nn
 
-    from hyper_parallel.distributed.sequence_layout import apply_sequence_layout
+    from hyper_parallel.planning.sequence_layout import apply_sequence_layout
 
     with pytest.raises(PlanError, match="Linear: sequence/context parallel needs the decoder layers"):
         apply_sequence_layout(nn.Linear(4, 4), {}, {}, cp=True, sp=False, loss_parallel=False)

@@ -7,7 +7,7 @@ import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hyper_parallel.config.layout import Layout
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.plan_format import (
     PlanFormatError,
     plan_entries,
@@ -18,7 +18,8 @@ from hyper_parallel.distributed.plan_format import (
     sharding_config_from_json,
     sharding_config_to_json,
 )
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import ShardingPlanner
 from hyper_parallel.protocols.sharding import ShardingConfig
 from hyper_parallel.protocols.sharding_json import compact_entry, entry_line, full_entry
 

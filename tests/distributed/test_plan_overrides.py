@@ -5,8 +5,9 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 from hyper_parallel.config.plan_override import PlanOverrideError, parse_plan_overrides
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-from hyper_parallel.distributed.planner import PlanError, ShardingPlanner, merge_plan_overrides
+from hyper_parallel.distributed.mesh import ParallelDims
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import PlanError, ShardingPlanner, merge_plan_overrides
 
 TP = "tp"
 LINEAR = "torch.nn.modules.linear.Linear"

@@ -2,9 +2,10 @@ import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.distributed.mesh import OfflineMesh, ParallelDims, build_offline_mesh
-from hyper_parallel.distributed.plan_lint import lint_plan
-from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
+from hyper_parallel.distributed.mesh import ParallelDims
+from hyper_parallel.planning.offline_mesh import OfflineMesh, build_offline_mesh
+from hyper_parallel.planning.plan_lint import lint_plan
+from hyper_parallel.planning.planner import PlanError, ShardingPlanner
 from hyper_parallel.protocols.sharding import ShardingConfig
 from tests.distributed.conftest import build_meta_model
 

@@ -11,8 +11,9 @@ import torch
 import transformers
 from torch.distributed.tensor import Replicate, Shard
 
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
+from hyper_parallel.distributed.mesh import ParallelDims
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import PlanError, ShardingPlanner
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "remote_code"
 
@@ -71,7 +72,7 @@ def test_expert_parallel_over_a_module_list_is_not_reported_applied():
 def test_an_expert_count_in_a_nested_config_fits_expert_parallel():
     # DBRX keeps moe_num_experts in its ffn_config: ep 2 was refused for "no expert count";
     # its experts are no packed tensors, so ep is recorded as not applied instead.
-    from bench.families.tiny import meta_model, tiny_config
+    from hyper_parallel.testing.tiny_families import meta_model, tiny_config
 
     config = tiny_config("dbrx")
     result = _plan(meta_model(config), dp=2, ep=2)
@@ -106,7 +107,7 @@ def test_expert_parallel_refuses_experts_it_cannot_number():
     # Longcat-Flash's experts have no num_experts, and their gate_up_proj holds rows for the
     # zero-compute experts that down_proj lacks: the token dispatch, which numbers experts by
     # num_experts along dim 0 of every weight, failed on the ranks; refused at derive now.
-    from bench.families.tiny import meta_model, tiny_config
+    from hyper_parallel.testing.tiny_families import meta_model, tiny_config
 
     with pytest.raises(PlanError, match=r"accelerator.ep_size: model.layers.0.mlp.experts \(LongcatFlashExperts\): "
                                         r"expert parallel numbers the experts by the module's num_experts.*"

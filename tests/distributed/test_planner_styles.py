@@ -24,9 +24,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
 from hyper_parallel.config.plan_override import parse_plan_overrides
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
-from hyper_parallel.distributed.roles import (
+from hyper_parallel.distributed.mesh import ParallelDims
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import PlanError, ShardingPlanner
+from hyper_parallel.planning.roles import (
     EXPERT_DIM,
     FULL,
     LEGACY_TP_STYLES,

@@ -3,8 +3,8 @@
 import re
 from pathlib import Path
 
-from hyper_parallel.distributed import roles
-from hyper_parallel.distributed.role_legend import ROLE_LEGEND, legend_lines
+from hyper_parallel.planning import roles
+from hyper_parallel.planning.role_legend import ROLE_LEGEND, legend_lines
 
 DISTRIBUTED = Path(roles.__file__).parent
 # How the planner names a role in its source: roles[...] = "x", role="x", role: str = "x".

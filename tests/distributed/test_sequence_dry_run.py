@@ -11,9 +11,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hyper_parallel.codegen.check.probe import faithful_probe_config
-from hyper_parallel.distributed.dataflow import analyze, local_widths_dry_run
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.distributed.mesh import ParallelDims
+from hyper_parallel.planning.dataflow import analyze
+from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import ShardingPlanner
 
 VARIANTS = Path(__file__).resolve().parents[1] / "data" / "sequence_split_variants"
 LAYOUTS = {"cp": (ParallelDims(cp=2), {}), "sp": (ParallelDims(tp=2), {"sequence_parallel": True})}

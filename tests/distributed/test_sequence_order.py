@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hyper_parallel.distributed.context_parallel import (
-    ContextParallelError,
+    ContextParallelAttentionError,
     CpAttention,
     SequenceOrder,
     balanced_order,
@@ -41,5 +41,5 @@ def test_local_rows_are_the_rank_s_positions(cp, balanced):
 
 
 def test_a_length_the_chunks_do_not_divide_is_refused_naming_the_key():
-    with pytest.raises(ContextParallelError, match="accelerator.context_parallel.load_balance"):
+    with pytest.raises(ContextParallelAttentionError, match="accelerator.context_parallel.load_balance"):
         SequenceOrder(2).permute(torch.zeros(1, 6), 1)

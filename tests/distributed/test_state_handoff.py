@@ -1,5 +1,6 @@
 """The cp state hand-off of recurrent blocks (``distributed/state_handoff.py``): the cache it
-gives a block, the generate-time check that picks the blocks it fits, and the transport:
+gives a block, the generate-time check that picks the blocks it fits
+(``planning/handoff_check.py``), and the transport:
 three cp ranks (threads of one process, real collectives and point-to-point sends) each
 running a transformers gated delta-net on its piece must give the whole sequence's output
 and, summed over the ranks, every parameter's gradient (fp32)."""
@@ -11,12 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hyper_parallel.distributed.state_handoff import (
-    CONV,
-    HandOffCache,
-    handoff_check,
-    install_state_handoff,
-)
+from hyper_parallel.distributed.state_handoff import CONV, HandOffCache, install_state_handoff
+from hyper_parallel.planning.handoff_check import handoff_check
 from tests.threaded_world import run_ranks as _run_ranks
 
 TOKENS, HIDDEN = 12, 32

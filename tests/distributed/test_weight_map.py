@@ -70,7 +70,7 @@ def test_a_dense_family_maps_every_tensor_to_its_own_name():
 def test_keys_with_a_number_and_a_name_at_one_place_are_ordered():
     """Laguna's checkpoint holds ``mlp.experts.0...`` beside ``mlp.experts.<name>`` tensors:
     ordering its keys compared an int with a str and derive crashed at every layout."""
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(tiny_config("laguna"))

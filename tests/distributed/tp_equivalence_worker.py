@@ -33,9 +33,10 @@ from safetensors.torch import load_file
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.fsdp import fully_shard_over_dp
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import ShardingPlanner
 from hyper_parallel.protocols.placement_text import local_shard_shape
 from hyper_parallel.protocols.placements import placement_to_text
 from tests.batch_worker import run_cases

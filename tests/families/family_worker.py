@@ -23,9 +23,10 @@ from safetensors.torch import load_file
 
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import apply_sharding_plan
-from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh, build_offline_mesh
+from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import ShardingPlanner
 from tests.distributed.tp_equivalence_worker import compare_grads, compress_to_globs
 from tests.rank_exit import leave_after_barrier
 

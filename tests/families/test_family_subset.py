@@ -30,8 +30,8 @@ import re
 import pytest
 
 from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
-from bench.families.case import Case, make_project, run_case
-from bench.families.tiny import family_dir, save_checkpoint
+from hyper_parallel.testing.family_case import Case, make_project, run_case
+from hyper_parallel.testing.tiny_families import family_dir, save_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

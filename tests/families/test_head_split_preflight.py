@@ -13,11 +13,11 @@ Every reader now asks ``name_match.placed_parameters``."""
 
 import pytest
 
-from bench.families.case import make_project, write_recipe
-from bench.families.tiny import family_dir, save_checkpoint
 from hyper_parallel.distributed.name_match import placement_of
 from hyper_parallel.distributed.plan_format import plan_entries
 from hyper_parallel.runtime.loader import load_generated_module
+from hyper_parallel.testing.family_case import make_project, write_recipe
+from hyper_parallel.testing.tiny_families import family_dir, save_checkpoint
 from tests.project_fixtures import doit
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -4,7 +4,7 @@ rank's exception or its last stderr lines (torchrun's own report left out)."""
 
 from pathlib import Path
 
-from bench.families.case import exit_text, training_crash
+from hyper_parallel.testing.family_case import exit_text, training_crash
 
 PROJECT = Path("/tmp/family_sweep_x/project")
 LAUNCHER = """W1201 02:40:35.362000 4953 site-packages/torch/distributed/elastic/multiprocessing/api.py:1028] Sending \

@@ -4,8 +4,8 @@ rounding-sized noise (AdamW's own sensitivity, measured on the same model)."""
 
 import pytest
 
-from bench.families.case import compare_training, write_recipe
-from bench.families.tiny import save_checkpoint
+from hyper_parallel.testing.family_case import compare_training, write_recipe
+from hyper_parallel.testing.tiny_families import save_checkpoint
 from hyper_parallel.trainer.reference import reference_training
 
 pytestmark = pytest.mark.slow

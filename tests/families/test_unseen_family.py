@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from hyper_parallel.config.plan_override import parse_plan_overrides
-from hyper_parallel.distributed.mesh import ParallelDims, build_offline_mesh
+from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.plan_format import plan_modules_to_json
-from hyper_parallel.distributed.planner import PlanError, ShardingPlanner
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import PlanError, ShardingPlanner
 from tests.families.custom_decoder import build_fused_decoder, build_with_unclassifiable
 from tests.families.family_cases import FAMILY_CONFIGS, FORMS, UNSEEN_FAMILY, assert_equivalent
 

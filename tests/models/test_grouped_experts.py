@@ -9,7 +9,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qw
 from hyper_parallel.components.modules import routed_experts
 from hyper_parallel.components.modules.grouped_experts import GroupedExperts, grouped_experts_class_for
 from hyper_parallel.components.modules.routed_experts import ExpertRoutes, ExpertRows
-from hyper_parallel.distributed.roles import is_packed_experts
+from hyper_parallel.planning.roles import is_packed_experts
 from hyper_parallel.models.qwen3_moe.adapter.replacements import (
     GroupedQwen3MoeExperts,
     replace_qwen3_moe_grouped_experts,

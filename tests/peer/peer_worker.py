@@ -13,8 +13,9 @@ import torch.distributed as dist
 import transformers
 
 from hyper_parallel.distributed.applier import apply_sharding_plan
-from hyper_parallel.distributed.mesh import MeshContext, build_offline_mesh
-from hyper_parallel.distributed.planner import ShardingPlanner
+from hyper_parallel.distributed.mesh import MeshContext
+from hyper_parallel.planning.offline_mesh import build_offline_mesh
+from hyper_parallel.planning.planner import ShardingPlanner
 from tests.distributed.tp_equivalence_worker import loss_of, start_tp2_worker
 from tests.rank_exit import leave_after_barrier
 

@@ -17,6 +17,7 @@ from hyper_parallel.codegen.spec.project import project_codegen_spec
 from hyper_parallel.config import load_training_config
 from hyper_parallel.config.model_files import checkpoint_files, model_location
 from hyper_parallel.models.hf import model_builder as mb
+from hyper_parallel.runtime.recipe import Recipe
 from tests.project_fixtures import TINY_RECIPE
 
 TINY_MODEL = "models/tiny-qwen3-moe"
@@ -39,7 +40,7 @@ def _reference(model_dir, seed: int = 3) -> dict[str, torch.Tensor]:
 def _built_state(recipe) -> dict[str, torch.Tensor]:
     """The model as the trainer's builder makes it (hf backend, one process)."""
     config = load_training_config(recipe)
-    model = mb.build_hf_model(mb.build_hf_config(config), config, with_weights=mb.weights_to_load(config))
+    model = mb.build_hf_model(Recipe.load(config).hf_config, config, with_weights=mb.weights_to_load(config))
     return model.state_dict()
 
 

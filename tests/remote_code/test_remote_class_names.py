@@ -13,8 +13,8 @@ from hyper_parallel.codegen.plan.derive import build_meta_model
 from hyper_parallel.runtime import ReplacementError
 from hyper_parallel.codegen.spec.types import STAGES
 from hyper_parallel.config.plan_override import parse_plan_overrides
-from hyper_parallel.distributed.plan_lint import PlanError
-from hyper_parallel.distributed.plan_overrides import overridden_modules
+from hyper_parallel.planning.plan_lint import PlanError
+from hyper_parallel.planning.plan_overrides import overridden_modules
 from tests.remote_code import remote_replacements
 from tests.remote_code.remote_project import BUNDLE, MODEL_DATA, RECIPE, make_remote_project
 from tests.remote_code.remote_tp_worker import build_remote_model

@@ -134,7 +134,7 @@ def test_plot_refuses_what_it_cannot_draw_in_one_line(tmp_path, content, message
 def test_flops_per_token_reads_a_heterogeneous_config_layer_by_layer():
     """A heterogeneous config (``per_layer_config``: dots3's heads differ per layer) raises
     when its heads are read for the whole model; the attention term sums each layer's own."""
-    from bench.families.tiny import tiny_config
+    from hyper_parallel.testing.tiny_families import tiny_config
 
     config = tiny_config("dots3_note_text")
     assert config.is_heterogeneous

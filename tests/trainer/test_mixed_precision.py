@@ -24,7 +24,8 @@ import yaml
 from safetensors.torch import save_file
 
 from hyper_parallel.config import load_training_config
-from hyper_parallel.models.hf.model_builder import build_hf_config, build_hf_model
+from hyper_parallel.models.hf.model_builder import build_hf_model
+from hyper_parallel.runtime.recipe import Recipe
 from hyper_parallel.trainer.data import global_batch
 from hyper_parallel.trainer.metrics import read_metrics
 from hyper_parallel.trainer.precision import compute_context
@@ -125,7 +126,7 @@ def test_an_update_below_bf16_resolution_moves_the_float32_master_weights(projec
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     config = load_training_config(recipe)
     torch.manual_seed(0)
-    model = build_hf_model(build_hf_config(config), config, with_weights=False)
+    model = build_hf_model(Recipe.load(config).hf_config, config, with_weights=False)
     norms = {name: p for name, p in model.named_parameters() if name.endswith("norm.weight")}
     before = {name: p.detach().clone() for name, p in norms.items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1.0e-4, foreach=False)

@@ -20,9 +20,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from bench.families.case import Case, make_project, run_case
-from bench.families.tiny import family_dir, save_checkpoint
 from hyper_parallel.codegen.check.verify_mode import MAX_PROCS_ENV
+from hyper_parallel.testing.family_case import Case, make_project, run_case
+from hyper_parallel.testing.tiny_families import family_dir, save_checkpoint
 from hyper_parallel.trainer.checkpoint_layout import saved_tensors
 from hyper_parallel.trainer.export import export_checkpoint
 from hyper_parallel.trainer.metrics import read_metrics

@@ -79,8 +79,9 @@ def preflight_in_process(spec: CodegenSpec) -> dict[str, Any]:
     the full-size meta-device model, and each rank's shard of every parameter computed from
     the plan (none may be empty). The plan itself ran at this world size in verify; the
     bundle digests are compared across ranks when training starts."""
-    from hyper_parallel.distributed.mesh import OfflineMesh, expert_mesh_layout, mesh_layout
+    from hyper_parallel.distributed.mesh import expert_mesh_layout, mesh_layout
     from hyper_parallel.distributed.name_match import placed_parameters
+    from hyper_parallel.planning.offline_mesh import OfflineMesh
     from hyper_parallel.protocols.placement_text import local_shard_shape
 
     fix = fix_command(spec)

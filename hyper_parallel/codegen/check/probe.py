@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.distributed.config_keys import (
+from hyper_parallel.hf_config_keys import (
     EXPERT_COUNT_KEYS,
     EXPERT_GROUP_KEYS,
     TOP_GROUP_KEYS,

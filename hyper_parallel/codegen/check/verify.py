@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from hyper_parallel.codegen.check.rank_preload import rank_preload
+from hyper_parallel.codegen.check.verify_mode import STEPS, VerifyError, verify_mode
+from hyper_parallel.codegen.check.verify_worker import LR, brief_entry, seed_step
+from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.launch.forked_torchrun import torchrun_command
 from hyper_parallel.launch.ranks import (
     LaunchError,
@@ -40,9 +43,6 @@ from hyper_parallel.launch.ranks import (
     scratch_dir,
     wait_for_ranks,
 )
-from hyper_parallel.codegen.check.verify_mode import STEPS, VerifyError, verify_mode
-from hyper_parallel.codegen.check.verify_worker import LR, brief_entry, seed_step
-from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.protocols.axes import CP, TP
 
 LOSS_RTOL = 1e-5
@@ -399,7 +399,7 @@ def _first_divergence(spec, probe, run_job: dict, tmp: Path, mode: str, world: i
     except VerifyError as exc:
         return f"(diagnosis failed: {exc})"
     from hyper_parallel.config.layout import Layout
-    from hyper_parallel.distributed.mesh import build_offline_mesh
+    from hyper_parallel.planning.offline_mesh import build_offline_mesh
 
     mesh = build_offline_mesh(Layout.from_dict(job["layout"], where="verify job").dims)
     coords = [dict(zip(mesh.axis_names, mesh.coordinates(rank))) for rank in range(world)]

@@ -6,7 +6,7 @@ from typing import Any
 from hyper_parallel.codegen.emit.literal import comment_block, render_literal
 from hyper_parallel.distributed.plan_format import plan_from_json
 from hyper_parallel.protocols.sharding_json import entry_line
-from hyper_parallel.distributed.role_legend import legend_lines
+from hyper_parallel.planning.role_legend import legend_lines
 
 
 HYPER_PARALLELIZE_DEF = '''

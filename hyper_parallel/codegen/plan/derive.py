@@ -10,8 +10,8 @@ import itertools
 from typing import Any
 
 from hyper_parallel.codegen.spec.types import CodegenSpec
-from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS, layer_views
 from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.hf_config_keys import EXPERT_COUNT_KEYS, TOP_K_KEYS, layer_views
 
 
 class DeriveError(ValueError, HyperParallelError):
@@ -170,7 +170,7 @@ def plan_model(model, spec: CodegenSpec):
     """The planner's result for ``model`` (replacements already applied) under the
     recipe's layout and overrides, on the layout's offline mesh. The derive
     stage and the hf backend's run-time planning both call this."""
-    from hyper_parallel.distributed.planner import ShardingPlanner
+    from hyper_parallel.planning.planner import ShardingPlanner
 
     # The planner reads the HF config's base_model_tp_plan itself, as role hints, merges
     # the recipe's overrides (which may specify modules it cannot classify), then lints.
@@ -183,7 +183,7 @@ TRACE_TOKENS = 8
 
 
 def trace_dataflow(spec: CodegenSpec):
-    """The dataflow of the recipe's model (``distributed/dataflow.py``): one forward of a
+    """The dataflow of the recipe's model (``planning/dataflow.py``): one forward of a
     tiny random-weight copy on CPU: the verify probe's widths and depth (the shortest
     prefix of layers holding every layer kind, so every module pattern is traced; module
     names are the model's), replacements applied. Returns (Dataflow, "") or (None, why) when
@@ -194,7 +194,8 @@ def trace_dataflow(spec: CodegenSpec):
 
     from hyper_parallel.codegen.check.probe import faithful_probe_config, shrink_widths
     from hyper_parallel.runtime import hyper_apply_replacements
-    from hyper_parallel.distributed.dataflow import analyze, local_widths_dry_run
+    from hyper_parallel.planning.dataflow import analyze
+    from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
 
     p = spec.layout
     try:

@@ -66,15 +66,6 @@ def parameter_dtype(config: TrainerConfig) -> torch.dtype:
     return dtype
 
 
-def build_hf_config(config: TrainerConfig) -> Any:
-    """The model folder's HF config with ``model.config_overrides`` (the same function the
-    derive stage uses, remote code included) and the recipe's attention kernel; a model
-    build reads it once, in its ``Recipe`` (runtime/recipe.py)."""
-    from hyper_parallel.runtime.recipe import Recipe
-
-    return Recipe.load(config).hf_config
-
-
 def _is_remote(hf_config: Any) -> bool:
     """The model folder's own code (``auto_map``) built this config: its model needs it too."""
     return bool(getattr(hf_config, "auto_map", None))

@@ -113,7 +113,7 @@ def parallelize_custom_model(model: Decoder, mesh: Any, *, loss_parallel: bool, 
     computes the whole sequence."""
     from hyper_parallel.distributed.applier import apply_sharding_plan
     from hyper_parallel.distributed.mesh import MeshContext
-    from hyper_parallel.distributed.sequence_layout import ATTENTION_ROLE
+    from hyper_parallel.distributed.context_parallel import ATTENTION_ROLE
 
     device_mesh = mesh.device_mesh if isinstance(mesh, MeshContext) else mesh
     cp = _mesh_size(device_mesh, "cp")

@@ -27,7 +27,7 @@ from torch import nn
 from hyper_parallel.class_paths import class_paths
 from hyper_parallel.config.plan_override import IOPlacementSpec, NamedPlacementSpec, PlanOverride
 from hyper_parallel.distributed.name_match import in_precedence_order, names_matching
-from hyper_parallel.distributed.plan_lint import PlanError
+from hyper_parallel.planning.plan_lint import PlanError
 from hyper_parallel.protocols.placements import placement_from_spec
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 

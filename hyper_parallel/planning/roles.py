@@ -42,7 +42,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.distributed.model_parts import positional_names
-from hyper_parallel.distributed.plan_lint import PlanError
+from hyper_parallel.planning.plan_lint import PlanError
 from hyper_parallel.protocols.axes import TP
 from hyper_parallel.protocols.sharding import ShardingConfig
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from hyper_parallel.distributed.model_parts import positional_names
-from hyper_parallel.distributed.plan_lint import PlanError
+from hyper_parallel.planning.plan_lint import PlanError
 from hyper_parallel.protocols.axes import EP
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 

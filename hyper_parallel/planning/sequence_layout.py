@@ -67,18 +67,15 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hyper_parallel.distributed.context_parallel import ATTENTION_NAMES
-from hyper_parallel.distributed.dataflow import pattern
+from hyper_parallel.distributed.context_parallel import ATTENTION_NAMES, TOKEN_ATTENTION_ROLES
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
-from hyper_parallel.distributed.plan_lint import PlanError
-from hyper_parallel.distributed.roles import replicate
-from hyper_parallel.distributed.sequence_dry_run import is_attention, whole_over_cp
+from hyper_parallel.planning.plan_lint import PlanError
+from hyper_parallel.planning.roles import replicate
+from hyper_parallel.planning.sequence_dry_run import is_attention, whole_over_cp
+from hyper_parallel.planning.stand_ins import pattern
 from hyper_parallel.protocols.axes import CP, TP
 from hyper_parallel.protocols.sharding import IO_PLACEMENT_FIELDS, ShardingConfig
 
-# The roles of attention blocks that keep each cp rank's tokens, by algorithm.
-TOKEN_ATTENTION_ROLES = {"kv_gathered_attention": "allgather_kv", "ulysses_attention": "ulysses"}
-ATTENTION_ROLE = {algorithm: role for role, algorithm in TOKEN_ATTENTION_ROLES.items()}
 # Roles that split a projection's weight over tp (whole elsewhere): what runs on a piece of
 # the sequence says so in its IO placements.
 _TP_SPLIT_ROLES = frozenset({"colwise", "colwise_gathered", "rowwise", "rowwise_split_input"})

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import yaml
 
-from hyper_parallel.launch.ranks import RANK_PREFIX, exit_text, rank_exits, rank_stderr_lines
 from hyper_parallel.codegen.spec.types import STAGES
-from .tiny import REPO, family_dir, is_remote
-from hyper_parallel.trainer.reference import reference_training
+from hyper_parallel.launch.ranks import RANK_PREFIX, exit_text, rank_exits, rank_stderr_lines
+from hyper_parallel.testing.tiny_families import REPO, family_dir, is_remote
 from hyper_parallel.trainer.metrics import read_metrics
+from hyper_parallel.trainer.reference import reference_training
 
 # layout -> accelerator keys; ep is borrowed from dp*cp, so ep2 needs dp2.
 LAYOUTS = {

@@ -36,7 +36,7 @@ from hyper_parallel.distributed.context_parallel import (
     register_attention,
 )
 from hyper_parallel.distributed.model_parts import locate_input, positional_names
-from hyper_parallel.distributed.sequence_dry_run import perturbed, Unusable
+from hyper_parallel.planning.sequence_dry_run import perturbed, Unusable
 
 _RANKS = 2  # the ranks rehearsed, load-balanced: rank 0 holds the sequence's ends, rank 1 its middle
 _REHEARSAL_NAMES = {inner: f"hyper_cp_dry_run_{inner}" for inner in ATTENTION_NAMES}

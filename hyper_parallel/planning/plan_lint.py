@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from hyper_parallel.distributed.config_keys import EXPERT_COUNT_KEYS, expert_count, layer_views
+from hyper_parallel.hf_config_keys import EXPERT_COUNT_KEYS, expert_count, layer_views
 from hyper_parallel.distributed.local_views import (
     LocalViewError,
     block_sizes,
