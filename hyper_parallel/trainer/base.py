@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from hyper_parallel.config.launch import check_launch_world_size
 from hyper_parallel.config.schema import TOKENIZED_KINDS, TrainerConfig
-from hyper_parallel.distributed.grad_norm import clip_grads_to, global_grad_norm
+from hyper_parallel.distributed.grad_norm import clip_grads_to
 from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh
+from hyper_parallel.distributed.optimizer import build_adamw
 from hyper_parallel.distributed.pipeline import TiedEmbeddingGradients, tied_embeddings
 from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
@@ -25,6 +25,7 @@ from hyper_parallel.models.hf.compile import compiled_modules
 from hyper_parallel.models.hf.model_builder import recipe_model_dir, run_device
 from hyper_parallel.platform.device import REDUCE_DTYPE
 from hyper_parallel.platform.host_values import to_host_float
+from hyper_parallel.runtime.train_step import TrainStep
 from hyper_parallel.trainer.checkpoint import Checkpointer, CheckpointError, Resumed
 from hyper_parallel.trainer.corpus import (
     PackedCorpus,
@@ -83,6 +84,9 @@ class BaseTrainer:
             self.tied = TiedEmbeddingGradients(self.model, self.mesh_context.device_mesh,
                                                config.accelerator.layout.pipeline)
         self.optimizer = self._build_optimizer()
+        self.train_step = TrainStep(self.model, self.optimizer, mesh=self.mesh_context.device_mesh, dp=self.dims.dp,
+                                    pp=self.dims.pp, pipeline=self.pipeline, tied=self.tied, device=self.device.device,
+                                    context=lambda: compute_context(config, fsdp_casts=self.dims.dp > 1))
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, config.where)
 
     def _prepare_corpus(self) -> PackedCorpus | None:
@@ -168,11 +172,10 @@ class BaseTrainer:
                               device=self.device.device)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW (optimizer.name is checked at recipe load) over the master parameters."""
+        """AdamW (optimizer.name is checked at recipe load) over the master parameters, stepped
+        on their local shards (distributed/optimizer.py; verify steps the same one)."""
         opt = self.config.optimizer
-        params = list(self.model.parameters())
-        return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay,
-                                 foreach=None if _one_kind_of_tensor(params) else False)
+        return build_adamw(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay)
 
     def _dp_coordinates(self) -> tuple[int, int]:
         mesh = self.mesh_context.device_mesh
@@ -220,15 +223,12 @@ class BaseTrainer:
             seed_step(step, training.seed)
             batch = batch.to(self.device.device, non_blocking=True)
             parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, where))
-            total = self._forward_backward(parts)
-            counted = self.tied.counted() if self.tied is not None else self.model.parameters()
-            grad_norm = global_grad_norm(counted, pp=self.dims.pp, device=self.device.device)
+            total = self.train_step.forward_backward(parts)
+            grad_norm = self.train_step.grad_norm()
             if training.max_grad_norm is not None:
                 clip_grads_to(self.model.parameters(), grad_norm, training.max_grad_norm)
             lr = self._optimizer_step(step + 1)
-            if dp_size > 1:
-                dist.all_reduce(total, group=self.mesh_context.device_mesh.get_group("dp"))
-                total /= dp_size
+            total = self.train_step.mean_over_dp(total)
             seconds = time.perf_counter() - start
             record = StepRecord(step + 1, to_host_float(total), grad_norm, batch.numel() / seconds, seconds, lr)
             if due(record.step, self.config):
@@ -243,43 +243,11 @@ class BaseTrainer:
                 _LOG.info(line)
         return records
 
-    def _forward_backward(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Forward and backward of one step's micro-batches, gradients accumulated; the
-        step's mean loss on this rank (a plain tensor, detached)."""
-        if self.pipeline is not None:
-            return self._pipeline_forward_backward(torch.cat(parts))
-        total = None
-        for micro in parts:
-            with compute_context(self.config, fsdp_casts=self.dims.dp > 1):
-                loss = self.model(input_ids=micro, labels=micro).loss / len(parts)
-            loss.backward()
-            value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
-            total = value if total is None else total + value
-        return total
-
-    def _pipeline_forward_backward(self, rows: torch.Tensor) -> torch.Tensor:
-        """One step through the pipeline schedule (forward and backward of every micro-batch
-        of this dp rank's rows); the step's mean loss on every stage."""
-        total = self._through_pipeline(rows, self.pipeline.step, return_outputs=False)
-        if self.tied is not None:
-            self.tied.sum()
-        return total
-
-    def _through_pipeline(self, rows: torch.Tensor, run, **options) -> torch.Tensor:
-        """``run`` (the schedule's ``step`` or ``eval``) over ``rows`` in the recipe's
-        precision (distributed/pipeline.py's ``through_pipeline``): the step's mean loss on
-        every stage."""
-        from hyper_parallel.distributed.pipeline import through_pipeline
-
-        with compute_context(self.config, fsdp_casts=self.dims.dp > 1):
-            return through_pipeline(self.model, run, rows, self.mesh_context.device_mesh.get_group("pp"), **options)
-
     def _optimizer_step(self, update: int) -> float:
         """Update ``update`` (1-based) from the accumulated gradients, which it then clears,
         at training.lr_schedule's rate for it (trainer/schedule.py); the rate used."""
         lr = set_learning_rate(self.optimizer, self.config.optimizer.lr, update, self.config.training)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.train_step.update()
         return float(lr)
 
     def _eval_loss(self, batches: list[torch.Tensor], dp_rank: int, dp_size: int) -> float:
@@ -293,7 +261,7 @@ class BaseTrainer:
                 batch = batch.to(self.device.device, non_blocking=True)
                 rows = torch.cat(list(micro_batches(batch, dp_rank, dp_size, self.config.training.micro_batch_size,
                                                     "training.eval")))
-                total += self._through_pipeline(rows, self.pipeline.eval)
+                total += self.train_step.through_pipeline(rows, self.pipeline.eval)
             self.model.train()
             if dp_size > 1:
                 dist.all_reduce(total, group=group)
@@ -313,12 +281,3 @@ class BaseTrainer:
         return {"next_row": next_row, "rows": self.corpus.num_rows, "fingerprint": self.corpus.fingerprint,
                 "shuffle": self.config.dataset.shuffle}
 
-
-def _one_kind_of_tensor(params: list[torch.Tensor]) -> bool:
-    """Whether torch may pick its multi-tensor AdamW (``foreach=None``: one kernel per group
-    on accelerators, the per-parameter loop on the CPU as before): every parameter a plain
-    tensor, or every one a DTensor of one mesh. A foreach op over plain tensors and DTensors
-    together, or DTensors of several meshes (tp and the expert mesh), is refused by DTensor,
-    so such a model keeps the per-parameter loop."""
-    meshes = {param.device_mesh for param in params if isinstance(param, DTensor)}
-    return not meshes or (len(meshes) == 1 and all(isinstance(param, DTensor) for param in params))

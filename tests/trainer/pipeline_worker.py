@@ -75,7 +75,7 @@ def train(args) -> dict:
         batch = global_batch(step, training, config.dataset, vocab)
         seed_step(step, training.seed)
         parts = list(micro_batches(batch, dp_rank, dp_size, training.micro_batch_size, config.where))
-        loss = trainer._forward_backward(parts)  # this dp rank's mean, as the trainer has it
+        loss = trainer.train_step.forward_backward(parts)  # this dp rank's mean, as the trainer has it
         if dp_size > 1:
             dist.all_reduce(loss, group=trainer.mesh_context.device_mesh.get_group("dp"))
             loss /= dp_size

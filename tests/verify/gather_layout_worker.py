@@ -1,7 +1,7 @@
 """torchrun worker for test_gather_layout: a weight split over tp (plainly, or packed as
 [gate | up] blocks) and then fully_shard over dp, as the trainer and verify lay out a fused
 gate/up projection; each rank writes which whole-tensor rows it holds, as data (each row
-holds its own number) and as ``verify_worker.local_elements`` computes them."""
+holds its own number) and as ``gathered_grads.local_elements`` computes them."""
 
 import argparse
 import json
@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.codegen.check.verify_worker import local_elements
+from hyper_parallel.codegen.check.gathered_grads import local_elements
 from hyper_parallel.distributed.applier import local_piece
 
 ROWS = 16

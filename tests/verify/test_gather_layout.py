@@ -1,5 +1,5 @@
 """Verify rebuilds each whole gradient from the ranks' local pieces
-(``verify_worker.local_elements``). Under tp and FSDP2 over dp, a fused gate/up projection
+(``gathered_grads.local_elements``). Under tp and FSDP2 over dp, a fused gate/up projection
 (packed over tp, [gate | up] per rank) is held as FSDP2's plain split of the rank's
 packed piece, which DTensor's nested strided placements do not describe: read in mesh
 order, the rows were put back in the wrong places and verify refused a right plan

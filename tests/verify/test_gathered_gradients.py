@@ -1,4 +1,4 @@
-"""Verify compares each whole gradient on rank 0 alone (``verify_worker._gather``): every
+"""Verify compares each whole gradient on rank 0 alone (``gathered_grads._gather``): every
 rank's piece is gathered to it, so no other rank holds a whole-sized buffer (at 256 thread
 ranks those buffers were most of verify's memory). What it rebuilds must still be what
 the ranks hold: a replicated gradient whose copies disagree reports how far apart they
@@ -8,7 +8,7 @@ rank, and an element no rank holds makes every rank raise, not rank 0 alone."""
 import pytest
 import torch
 
-from hyper_parallel.codegen.check.verify_worker import _gather, _gather_pieces, _local_piece, _NotHeld
+from hyper_parallel.codegen.check.gathered_grads import _gather, _gather_pieces, _local_piece, _NotHeld
 from tests.threaded_world import run_ranks as _run_ranks
 
 WORLD = 4

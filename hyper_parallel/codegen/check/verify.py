@@ -31,7 +31,8 @@ from typing import Any
 
 from hyper_parallel.codegen.check.rank_preload import rank_preload
 from hyper_parallel.codegen.check.verify_mode import STEPS, VerifyError, verify_mode
-from hyper_parallel.codegen.check.verify_worker import LR, brief_entry, seed_step
+from hyper_parallel.codegen.check.verify_ranks import brief_entry
+from hyper_parallel.codegen.check.verify_worker import LR, seed_step
 from hyper_parallel.codegen.spec.types import CodegenSpec
 from hyper_parallel.launch.forked_torchrun import torchrun_command
 from hyper_parallel.launch.ranks import (
@@ -429,7 +430,7 @@ def _pipeline_views(ranks: list[dict], coords: list[dict]) -> list[tuple[str, li
 
 
 def _reference_outputs(spec: CodegenSpec, probe: Probe) -> dict[str, Any]:
-    from hyper_parallel.codegen.check.verify_worker import module_outputs
+    from hyper_parallel.codegen.check.module_outputs import module_outputs
 
     return module_outputs(reference_model(spec, probe), probe.tokens[:1])
 
