@@ -180,7 +180,7 @@ class TrainingConfig:
     seed: int = 0  # the model's initialization, the data's order and each step's random state
     log_every: int = 1  # rank 0 prints a progress line every this many steps (and the last)
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    compile: bool = False  # torch.compile each decoder layer (models/hf/compile.py), after the plan, before FSDP2
+    compile: bool = False  # torch.compile each decoder layer (runtime/compile.py), after the plan, before FSDP2
     max_grad_norm: float | None = None  # clip the global gradient norm to this; None: no clipping
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving and resuming (DCP)
     # A mapping (MixedPrecisionConfig), or the string "none".

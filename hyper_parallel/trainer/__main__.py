@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hyper_parallel.models.hf.model_builder import ModelBuildError, weights_to_load
     from hyper_parallel.platform.device import DeviceUnavailableError, resolve_run_device
+    from hyper_parallel.runtime.assembly import AssemblyError
     from hyper_parallel.trainer.base import BaseTrainer
     from hyper_parallel.trainer.checkpoint import CheckpointError, checkpoint_root
     from hyper_parallel.trainer.data import DataError, bytes_dataset_file
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     # Found alike by every rank from the recipe and its files (a bundle folder that cannot be
     # one, a model that cannot be built): one line, not a traceback per rank.
-    except (DataError, CheckpointError, RecipeError, ModelBuildError, DeviceUnavailableError) as exc:
+    except (DataError, CheckpointError, RecipeError, ModelBuildError, AssemblyError, DeviceUnavailableError) as exc:
         return _refuse(exc)
     dist.barrier()  # nobody leaves while a peer may still be receiving from it
     dist.destroy_process_group()

@@ -21,7 +21,7 @@ from hyper_parallel.distributed.optimizer import build_adamw
 from hyper_parallel.distributed.pipeline import TiedEmbeddingGradients, tied_embeddings
 from hyper_parallel.distributed.step_seed import seed_step
 from hyper_parallel.models.hf.auto_model import HyperAutoModel
-from hyper_parallel.models.hf.compile import compiled_modules
+from hyper_parallel.runtime.compile import compiled_modules
 from hyper_parallel.models.hf.model_builder import recipe_model_dir, run_device
 from hyper_parallel.platform.device import REDUCE_DTYPE
 from hyper_parallel.platform.host_values import to_host_float

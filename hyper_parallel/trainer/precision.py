@@ -1,7 +1,7 @@
 """Where mixed precision's compute cast happens in a training step.
 
 With dp > 1 FSDP2's ``MixedPrecisionPolicy`` casts the all-gathered parameters to the
-compute dtype (models/hf/auto_model.fsdp_mixed_precision). Every other layout (tp, cp,
+compute dtype (runtime/assembly.fsdp_mixed_precision). Every other layout (tp, cp,
 ep, one rank) keeps its float32 parameters and runs forward and backward under
 ``torch.autocast``: matmuls and attention in the compute dtype, reductions, norms and the
 loss in float32, gradients into the float32 parameters. Autocast rather than a bf16 copy

@@ -110,6 +110,7 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
     from hyper_parallel.distributed.optimizer import build_adamw
     from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import MeshContext, build_device_mesh, build_expert_mesh
+    from hyper_parallel.runtime.assembly import RuntimeOptions, apply_runtime
     from hyper_parallel.runtime.train_step import TrainStep
 
     rank = dist.get_rank()
@@ -130,13 +131,9 @@ def run_rank(job: dict[str, Any], running: list[str], finished: list[str]) -> No
         module.HYPER_PARALLEL_PLAN = probe_plan(module.HYPER_PARALLEL_PLAN, model)
         module.hyper_parallelize(model, context)
     track_running(model, module.HYPER_PARALLEL_PLAN["modules"], running, finished)
-    if dims.dp > 1:
-        from hyper_parallel.distributed.fsdp import fully_shard_over_dp
-
-        expert_mesh = context.expert_mesh
-        fully_shard_over_dp(model, mesh["dp"], expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None)
-        if job["mode"] == "threads":
-            _sum_then_divide(model)
+    apply_runtime(model, context, RuntimeOptions(where="verify"))  # FSDP2 over dp, as training applies it
+    if dims.dp > 1 and job["mode"] == "threads":
+        _sum_then_divide(model)
     pipeline = PipelineRun(job, model, layout, mesh) if job["pipeline"] else None
     dp_rank = mesh.get_local_rank("dp") if dims.dp > 1 else 0
     if job["diagnose"]:

@@ -23,23 +23,20 @@ import os
 import warnings
 from typing import Any
 
-import torch
 from torch import nn
 from torch._guards import active_fake_mode
 
-from hyper_parallel.config.precision import precision_policy
 from hyper_parallel.config.schema import TrainerConfig
 from hyper_parallel.distributed.mesh import MeshContext
 from hyper_parallel.distributed.plan_format import unapplied_axis_warnings
 from hyper_parallel.models.hf import model_builder as mb
-from hyper_parallel.models.hf.compile import compile_decoder_layers
-from hyper_parallel.platform.host_values import outside_fake_tensors
 from hyper_parallel.models.hf.backend import (
     BackendError,
     ModelingBackend,
     custom_model_module,
     resolve_modeling_backend,
 )
+from hyper_parallel.runtime.assembly import RuntimeOptions, apply_runtime
 from hyper_parallel.runtime.bundle import prepare_bundle
 from hyper_parallel.runtime.integrity import check_plan_covers
 from hyper_parallel.runtime.recipe import Recipe
@@ -166,39 +163,9 @@ def _build_generated(recipe: Recipe, *, mesh_context: MeshContext | None, with_w
     return apply_model_infrastructure(model, config, mesh_context)
 
 
-def fsdp_mixed_precision(config: TrainerConfig) -> Any:
-    """FSDP2's ``MixedPrecisionPolicy`` for the recipe's precision (config/precision.py):
-    all-gathered parameters cast to the compute dtype, gradients reduced in the reduce
-    dtype into the float32 shards; None when nothing differs from the parameters' dtype
-    (the plain float32 path stays bit for bit what it was)."""
-    policy = precision_policy(config)
-    if not policy.mixed:
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, policy.compute), reduce_dtype=getattr(torch, policy.reduce))
-
-
 def apply_model_infrastructure(model: nn.Module, config: TrainerConfig,
                                mesh_context: MeshContext | None) -> nn.Module:
-    """The runtime's part after the plan: activation checkpointing, ``torch.compile`` of
-    the decoder layers, FSDP2 ``fully_shard`` over dp — each only when the recipe asks."""
-    training = config.training
-    if training.activation_checkpointing:
-        if not hasattr(model, "gradient_checkpointing_enable"):
-            raise mb.ModelBuildError(f"{config.where}: training.activation_checkpointing: "
-                                     f"{type(model).__name__} does not support gradient checkpointing")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if training.compile:  # before FSDP2 wraps the layers (torchtitan's order)
-        compile_decoder_layers(model)
-    if mesh_context is not None and config.accelerator.dp_size > 1:
-        from hyper_parallel.distributed.fsdp import fully_shard_over_dp
-
-        expert_mesh = mesh_context.expert_mesh
-        # FSDP2 builds sub-meshes from rank tables, host data that a fake dry run keeps real;
-        # fake parameters (dry-run --fake-tensors) still shard under their own mode.
-        with outside_fake_tensors():
-            fully_shard_over_dp(model, mesh_context.device_mesh["dp"],
-                                expert_dp_mesh=expert_mesh["edp"] if expert_mesh is not None else None,
-                                mp_policy=fsdp_mixed_precision(config))
-    return model
+    """The runtime's part after the plan, with the recipe's options (runtime/assembly.py,
+    which verify applies too): activation checkpointing, ``torch.compile`` of the decoder
+    layers, FSDP2 ``fully_shard`` over dp — each only when the recipe asks."""
+    return apply_runtime(model, mesh_context, RuntimeOptions.of(config))
