@@ -22,14 +22,12 @@ import copy
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import PlanOverride
-from hyper_parallel.distributed.context_parallel import ATTENTION_ROLE
 from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.model_parts import decoder_layers
 from hyper_parallel.planning.dataflow import Dataflow, roles_for
@@ -96,50 +94,39 @@ def _ulysses_heads(config, dims: ParallelDims) -> None:
 
 
 class ShardingPlanner:
-    def __init__(self, model: nn.Module, *, dims: ParallelDims, mesh: OfflineMesh,
-                 sequence_parallel: bool = False, loss_parallel: bool = False, hints: dict | None = None,
-                 overrides: Iterable[PlanOverride] | None = None, dataflow: Dataflow | None = None,
-                 dataflow_error: str = "", context_parallel: ContextParallel | None = None):
+    """Plans ``model`` for one ``Layout``, kept whole: its sizes, sequence and loss parallel
+    and the effective context-parallel setting are read from it where they are needed."""
+
+    def __init__(self, model: nn.Module, layout: Layout, *, mesh: OfflineMesh | None = None,
+                 hints: dict | None = None, overrides: Iterable[PlanOverride] | None = None,
+                 dataflow: Dataflow | None = None, dataflow_error: str = ""):
         self.model = model
-        # The one Layout of what was asked: it makes the context-parallel setting effective.
-        self.layout = Layout(dims=dims, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                             context_parallel=context_parallel or ContextParallel())
-        self.context_parallel = self.layout.context_parallel
+        self.layout = layout
+        self.mesh = mesh if mesh is not None else build_offline_mesh(layout.dims)  # the layout's, unless given
         self.dataflow, self.dataflow_error = dataflow, dataflow_error
         self.traced = TracedNames(model, dataflow)  # what the trace saw, in this model's names
         self.overrides = list(overrides or ())
-        self.dims = dims
-        self.mesh = mesh
-        self.sequence_parallel = sequence_parallel
-        self.loss_parallel = loss_parallel
-        self.rules = ModuleRoles(model, tp=dims.tp, hints={**model_tp_hints(model), **(hints or {})},
+        self.rules = ModuleRoles(model, tp=layout.tp, hints={**model_tp_hints(model), **(hints or {})},
                                  traced=self.traced)
 
-    @classmethod
-    def for_layout(cls, model: nn.Module, layout: Layout, **kwargs: Any) -> "ShardingPlanner":
-        """The planner of ``layout`` on its offline mesh (``kwargs``: overrides, dataflow...)."""
-        return cls(model, dims=layout.dims, mesh=build_offline_mesh(layout.dims),
-                   sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
-                   context_parallel=layout.context_parallel, **kwargs)
-
     def plan(self) -> PlanResult:
-        self.dims.validate()
-        if "tp" not in self.mesh.axis_names or self.mesh.size("tp") != self.dims.tp:
+        self.layout.dims.validate()
+        if "tp" not in self.mesh.axis_names or self.mesh.size("tp") != self.layout.tp:
             raise PlanError(f"offline mesh {dict(zip(self.mesh.axis_names, self.mesh.sizes))} does not match "
-                            f"tp_size={self.dims.tp}")
+                            f"tp_size={self.layout.tp}")
         config = getattr(self.model, "config", None)
         # Multi-query attention's one kv head, which no tp > 1 splits: attention is left whole
         # where the dataflow shows which modules it is, and the rest of the layer split. (Other
         # head counts tp does not divide are refused: a tp that divides them exists.)
-        uneven_heads = heads_not_dividing(config, self.dims.tp) if config is not None and self.dims.tp > 1 else []
+        uneven_heads = heads_not_dividing(config, self.layout.tp) if config is not None and self.layout.tp > 1 else []
         if uneven_heads != ["num_key_value_heads=1"]:
             uneven_heads = []
         self._prepare_flow()
         whole_attention = bool(uneven_heads) and bool(self._attention_parts())
-        if config is not None and self.dims.cp > 1 and self.context_parallel.algorithm == "ulysses":
-            _ulysses_heads(config, self.dims)
-        lint_config_divisibility(config, self.dims, whole_attention=whole_attention)
-        active_axes = self.dims.active_axes(sequence_parallel=self.sequence_parallel)
+        if config is not None and self.layout.cp > 1 and self.layout.context_parallel.algorithm == "ulysses":
+            _ulysses_heads(config, self.layout.dims)
+        lint_config_divisibility(config, self.layout.dims, whole_attention=whole_attention)
+        active_axes = self.layout.dims.active_axes(sequence_parallel=self.layout.sequence_parallel)
         overridden = overridden_modules(self.overrides, self.model, active_axes=active_axes)
         modules: dict[str, ShardingConfig] = {}
         roles: dict[str, str] = {}
@@ -154,7 +141,7 @@ class ShardingPlanner:
             planned_with.update({id(p): fqn for p in module.parameters(recurse=False)})
             try:
                 if not has_own_params(module) and self.rules.flow_roles.get(fqn) == HEAD_SPLIT_ROLE:
-                    roles[fqn], modules[fqn] = HEAD_SPLIT_ROLE, self.traced.head_split_entry(fqn, dp=self.dims.dp)
+                    roles[fqn], modules[fqn] = HEAD_SPLIT_ROLE, self.traced.head_split_entry(fqn, dp=self.layout.dp)
                     continue
                 if not has_own_params(module):
                     role = self.rules.container_role(fqn, module, roles)
@@ -164,7 +151,7 @@ class ShardingPlanner:
                 role = self.rules.role(fqn, module)
                 if role == PLACED_BY_PARENT_ROLE:
                     continue  # its parameters are placed by its parent's head_split entry
-                config = (self.traced.head_split_entry(fqn, dp=self.dims.dp) if role == HEAD_SPLIT_ROLE
+                config = (self.traced.head_split_entry(fqn, dp=self.layout.dp) if role == HEAD_SPLIT_ROLE
                           else ROLE_BUILDERS[role](module, self.rules.param_hints(fqn, module)))
             except PlanError as err:
                 if fqn in overridden:
@@ -173,7 +160,7 @@ class ShardingPlanner:
                     role = self.rules.flow_fallback[fqn]
                     roles[fqn], modules[fqn] = role, ROLE_BUILDERS[role](module, {})
                     continue
-                if self._splits_no_module() or isinstance(err, StyleRefusal) and self.dims.tp == 1:
+                if self._splits_no_module() or isinstance(err, StyleRefusal) and self.layout.tp == 1:
                     # nothing is split per module (or nothing over tp, which the refused style is
                     # about): whole weights are exact, the module needs no tensor-parallel role
                     roles[fqn], modules[fqn] = "replicate", ROLE_BUILDERS["replicate"](module, {})
@@ -203,18 +190,14 @@ class ShardingPlanner:
         whole_parts = {part: f"{what} has no tensor-parallel role from its type, its name or the model's TP plan"
                        for part, what in whole_parts.items()}
         if whole_attention:
-            whole_parts.update({part: f"tp_size={self.dims.tp} does not divide {', '.join(uneven_heads)}, so its "
+            whole_parts.update({part: f"tp_size={self.layout.tp} does not divide {', '.join(uneven_heads)}, so its "
                                       "heads cannot be split" for part in self._attention_parts()})
         notes = self._replicate_layer_parts(whole_parts, modules, roles, overridden)
         traced = self.traced.facts()
-        gathered = apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
-                                         loss_parallel=self.loss_parallel, traced=traced,
-                                         split_attention=ATTENTION_ROLE.get(self.context_parallel.algorithm, ""),
-                                         split_by_default=self.context_parallel.by_default,
-                                         hand_state_on=not self.context_parallel.load_balance)
+        gathered = apply_sequence_layout(self.model, modules, roles, self.layout, traced)
         notes += self._gathered_attention_notes(gathered)
         notes += self._cp_recurrent_notes(roles, traced.handoff_refusals)
-        apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
+        apply_expert_layout(self.model, modules, roles, ep=self.layout.ep)
         if refusals:
             raise PlanError(refusals_message(refusals, modules))
         if self.overrides:
@@ -225,13 +208,13 @@ class ShardingPlanner:
         return PlanResult(modules=modules, applied_axes=applied,
                           recorded_axes=self._recorded_axes(applied), roles=roles, dataflow_error=self.dataflow_error,
                           notes=tuple(notes),
-                          context_parallel=self.context_parallel if self.dims.cp > 1 else None)
+                          context_parallel=self.layout.context_parallel if self.layout.cp > 1 else None)
 
     def _gathered_attention_notes(self, gathered: dict[str, str]) -> list[str]:
         """The attention blocks the default algorithm could not split, one note per layer
         pattern with the first block's reason: the plan's reader sees where cp does not
         split the attention work, and why."""
-        algorithm = self.context_parallel.algorithm
+        algorithm = self.layout.context_parallel.algorithm
         first: dict[str, str] = {}
         for fqn in sorted(gathered):
             first.setdefault(layer_glob(fqn), gathered[fqn])
@@ -249,7 +232,7 @@ class ShardingPlanner:
                  "after another: exact, activations split by cp, the recurrence's work not" for block in handed]
         for block in sorted({layer_glob(fqn) for fqn, role in roles.items() if role == "gathered_block"}):
             why = next((refusals[fqn] for fqn in sorted(refusals) if layer_glob(fqn) == block), "")
-            if self.context_parallel.load_balance:
+            if self.layout.context_parallel.load_balance:
                 why = ("; context_parallel.load_balance gives each rank two pieces from both ends, so no state is "
                        "handed from rank to rank (load_balance: false hands it on where the layer allows)")
             elif why:
@@ -301,20 +284,20 @@ class ShardingPlanner:
     def _splits_no_module(self) -> bool:
         """tp 1 and cp 1 (dp, or ep with nothing tensor-parallel): every module keeps its
         whole weights and whole sequence, so no module needs a role to be planned."""
-        return self.dims.tp == 1 and self.dims.cp == 1 and not self.sequence_parallel
+        return self.layout.tp == 1 and self.layout.cp == 1 and not self.layout.sequence_parallel
 
     def _requested_axes(self) -> set[str]:
-        requested = {name for name in SIZE_AXES if name != TP and getattr(self.dims, name) > 1}
-        if self.sequence_parallel:
+        requested = {name for name in SIZE_AXES if name != TP and getattr(self.layout.dims, name) > 1}
+        if self.layout.sequence_parallel:
             requested.add("sp")
-        if self.loss_parallel:
+        if self.layout.loss_parallel:
             requested.add("loss_parallel")
         return requested
 
     def _applied_axes(self, modules: dict[str, ShardingConfig]) -> list[str]:
         """An axis counts as applied only if it has more than one rank and some plan entry
         places something on it (sp and loss parallel ride on tp)."""
-        placed = {axis for axis in _axes_placed(modules) if getattr(self.dims, axis, 1) > 1}
+        placed = {axis for axis in _axes_placed(modules) if getattr(self.layout.dims, axis, 1) > 1}
         applied = ["tp"] if "tp" in placed else []
         for name in sorted(self._requested_axes() & _APPLIED):
             if name in (SP, "loss_parallel") and TP in placed or name in placed:
@@ -375,7 +358,7 @@ class ShardingPlanner:
             # through the stream, as attention's o_proj can, keeps its block's plan.)
             decided = decided or bool(routers(name)) and not in_blocks(name)
             (self.rules.flow_roles if decided else self.rules.flow_fallback)[name] = role
-        if self.dims.tp > 1 and split_inside:
+        if self.layout.tp > 1 and split_inside:
             split = StandIns(split_inside)
             self.rules.flow_roles.update({name: "head_norm" for name in modules if split(name)})
 

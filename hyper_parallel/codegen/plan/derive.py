@@ -175,8 +175,8 @@ def plan_model(model, spec: CodegenSpec):
     # The planner reads the HF config's base_model_tp_plan itself, as role hints, merges
     # the recipe's overrides (which may specify modules it cannot classify), then lints.
     flow, flow_error = trace_dataflow(spec)
-    return ShardingPlanner.for_layout(model, spec.layout, overrides=spec.plan_overrides, dataflow=flow,
-                                      dataflow_error=flow_error).plan()
+    return ShardingPlanner(model, spec.layout, overrides=spec.plan_overrides, dataflow=flow,
+                           dataflow_error=flow_error).plan()
 
 
 TRACE_TOKENS = 8
