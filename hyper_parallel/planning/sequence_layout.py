@@ -213,18 +213,22 @@ class _SequenceSplit:
 
     @property
     def cp(self) -> bool:
+        """Context parallel splits the sequence."""
         return self.layout.cp > 1
 
     @property
     def sp(self) -> bool:
+        """Sequence parallel splits the sequence over tp."""
         return self.layout.sequence_parallel
 
     @property
     def residual(self) -> dict:
+        """The residual stream's placement: split on the sequence over the split axes."""
         return residual_placement(cp=self.cp, sp=self.sp)
 
     @property
     def full(self) -> dict:
+        """The whole sequence on every rank of the split axes."""
         return {**({CP: Replicate()} if self.cp else {}), TP: Replicate()}
 
     @property
@@ -288,28 +292,32 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
 
 
 def _split_sequence(model, modules, roles, split: _SequenceSplit, *, logits_split_over_cp: bool) -> None:
+    """The sequence split through the decoder layers: the first layer's entry splits the
+    stream, every layer's children are placed on the piece, then what follows the layers."""
     found = decoder_layers(model)
     if found is None:
         raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
                         "but the model has no nn.ModuleList of layers")
     layers_fqn, layers = found
     traced, residual, full = split.traced, split.residual, split.full
-    first = f"{layers_fqn}.0"
+    # each layer by its own name (a view of some layers holds them under their own indices)
+    named = [(f"{layers_fqn}.{index}", layer) for index, layer in layers.named_children()]
+    first = named[0][0]
     # A decoder layer's own parameters (Doge's residual scales) act on its sequence piece:
     # the first layer's entry splits the sequence and keeps them, the others' read the piece.
     modules[first] = ShardingConfig(**_own_layout(modules, first), in_src=(full,), in_dst=(residual,),
                                     local_map=True)
     roles[first] = "sequence_split"
-    for index in range(1, len(layers)):
-        if f"{layers_fqn}.{index}" in modules:
-            _residual_module(modules[f"{layers_fqn}.{index}"], residual)
-    for index in range(len(layers)) if traced.split_layer_inputs else ():
-        _split_layer_inputs(modules, roles, f"{layers_fqn}.{index}", traced.split_layer_inputs, residual, full)
+    for fqn, _ in named[1:]:
+        if fqn in modules:
+            _residual_module(modules[fqn], residual)
+    for fqn, _ in named if traced.split_layer_inputs else ():
+        _split_layer_inputs(modules, roles, fqn, traced.split_layer_inputs, residual, full)
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    for index, layer in enumerate(layers):
+    for layer_fqn, layer in named:
         for name, child in layer.named_children():
             if _has_params(child):
-                _place_layer_child(f"{layers_fqn}.{index}.{name}", child, modules, roles, split, implementation)
+                _place_layer_child(f"{layer_fqn}.{name}", child, modules, roles, split, implementation)
     _refuse_unsplittable(model, layers_fqn, split)
     _place_after_layers(model, modules, roles, layers_fqn, split, logits_split_over_cp=logits_split_over_cp)
 
