@@ -1,7 +1,10 @@
 """Planning one decoder layer per kind (``planning/layer_kinds.py``) plans exactly as
 planning every layer, and plans no more layers than there are kinds, however deep the
 model: dense and MoE layers mixed (Qwen3-MoE's ``mlp_only_layers`` and
-``decoder_sparse_step``), and a hybrid of Mamba and attention layers (Jamba)."""
+``decoder_sparse_step``), and a hybrid of Mamba and attention layers (Jamba).
+The weight map derived on one layer per kind is the one derived on every layer."""
+
+import json
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ from hyper_parallel.codegen.check.probe import faithful_probe_config
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.model_parts import decoder_layers
+from hyper_parallel.distributed.weight_map import weight_map_text
+from hyper_parallel.planning import weight_map_by_kind
 from hyper_parallel.planning.dataflow import analyze
 from hyper_parallel.planning.layer_kinds import planning_kinds
 from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
@@ -93,3 +98,19 @@ def test_the_layers_planned_in_full_are_one_per_kind_at_any_depth(monkeypatch):
         ShardingPlanner(model, LAYOUTS["tp2_sp_lp"], dataflow=flow).plan()
         assert planning_kinds(model, traced=flow.classes).representatives == (0, 1, 2, 3)
         assert classified == {0, 1, 2, 3}, layers
+
+
+def test_the_weight_map_of_one_layer_per_kind_is_every_layers(monkeypatch):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_dense_and_moe(12))
+    derived_on: list[int] = []
+    derive = weight_map_by_kind.derive_weight_map
+
+    def recording(view, *args, **kwargs):
+        derived_on.append(len(decoder_layers(view)[1]))
+        return derive(view, *args, **kwargs)
+
+    monkeypatch.setattr(weight_map_by_kind, "derive_weight_map", recording)
+    by_kind = weight_map_by_kind.weight_map_by_kind(model)
+    assert json.dumps(by_kind) == json.dumps(weight_map_text(model))
+    assert derived_on == [3]  # the first layer, then one dense and one MoE layer

@@ -140,14 +140,14 @@ def build_meta_model(spec: CodegenSpec, model_class: type | None = None, *, repl
 def recorded_weight_map(spec: CodegenSpec, model) -> dict[str, Any]:
     """The weight map codegen records (``distributed/weight_map.py``): from the tensors
     ``save_pretrained`` writes for the HF model, through transformers' conversion, then
-    through the replacements' declared renames to ``model``'s (replaced) names."""
-    from hyper_parallel.distributed.checkpoint_names import model_tensor_names
-    from hyper_parallel.distributed.weight_map import weight_map_text
+    through the replacements' declared renames to ``model``'s (replaced) names; derived on
+    one layer of each kind (``planning/weight_map_by_kind.py``)."""
+    from hyper_parallel.planning.weight_map_by_kind import weight_map_by_kind
 
     if not spec.replacements:
-        return weight_map_text(model)
+        return weight_map_by_kind(model)
     hf_model, _ = build_meta_model(spec, replace=False)
-    return weight_map_text(model, hf_model=hf_model, names_before_replacement=model_tensor_names(hf_model))
+    return weight_map_by_kind(model, hf_model)
 
 
 def _config_build_error(spec: CodegenSpec, config, exc: Exception) -> Exception:
