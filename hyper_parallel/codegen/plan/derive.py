@@ -186,9 +186,10 @@ def trace_dataflow(spec: CodegenSpec):
     """The dataflow of the recipe's model (``planning/dataflow.py``): one forward of a
     tiny random-weight copy on CPU: the verify probe's widths and depth (the shortest
     prefix of layers holding every layer kind, so every module pattern is traced; module
-    names are the model's), replacements applied. Returns (Dataflow, "") or (None, why) when
-    the copy cannot be built or run; the planner then goes by names and hints alone and
-    says so where that is not enough."""
+    names are the model's), replacements applied, on one thread (the copy's tensors are too
+    small to share out; on a busy machine a second thread's hand-offs made the trace up to ten
+    times slower). Returns (Dataflow, "") or (None, why) when the copy cannot be built or
+    run; the planner then goes by names and hints alone and says so where that is not enough."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -206,9 +207,10 @@ def trace_dataflow(spec: CodegenSpec):
         split = "cp" if p.cp > 1 else "sp" if p.sequence_parallel else None
         tiny, _, _ = faithful_probe_config(wide, remote=trusts_remote_code(spec), where=where,
                                            min_depth=2 if split else 1)
-        state = torch.random.get_rng_state()
+        state, threads = torch.random.get_rng_state(), torch.get_num_threads()
         try:
             torch.manual_seed(0)
+            torch.set_num_threads(1)  # tiny tensors: other threads add hand-offs, which a busy machine makes slow
             model = AutoModelForCausalLM.from_config(tiny, attn_implementation=spec.attn_implementation,
                                                      trust_remote_code=trusts_remote_code(spec), dtype=torch.float32)
             hyper_apply_replacements(model, spec.replacements)
@@ -217,6 +219,7 @@ def trace_dataflow(spec: CodegenSpec):
                            sequence_split=split), ""
         finally:
             torch.random.set_rng_state(state)
+            torch.set_num_threads(threads)
     except Exception as exc:  # any failure of the model's own code: plan by names and hints instead
         return None, f"the dataflow trace of a tiny copy failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
