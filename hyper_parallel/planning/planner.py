@@ -180,7 +180,7 @@ class ShardingPlanner:
                                       "heads cannot be split" for part in self._attention_parts()})
         placed.whole_notes = self._replicate_layer_parts(whole_parts, placed, overridden)
         traced = self.traced.facts()
-        with placed.placing_pass(layers_first=True):  # the first layer's, then its blocks', then after them
+        with placed.placing_pass(layers_first=True):  # the layers' own entries, their blocks', what follows
             placed.gathered = apply_sequence_layout(self.model, placed.modules, placed.roles, self.layout, traced)
         placed.handoff_refusals = traced.handoff_refusals
         with placed.placing_pass():
