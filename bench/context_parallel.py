@@ -79,7 +79,7 @@ def _parallel(model, config, algorithm: str, balance: bool, mesh_context, dims):
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
     layout = Layout(dims, context_parallel=ContextParallel(algorithm, balance))
-    result = ShardingPlanner.for_layout(meta, layout).plan()
+    result = ShardingPlanner(meta, layout).plan()
     document = plan_to_json(layout=layout, applied_axes=result.applied_axes, recorded_axes=result.recorded_axes,
                             modules=result.modules, roles=result.roles)
     return hyper_parallelize(model, MeshContext(mesh_context.device_mesh, layout), json.loads(json.dumps(document)))

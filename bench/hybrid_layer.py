@@ -72,7 +72,7 @@ def parallel_hybrid(model, config, mesh_context, dims, *, traced: bool = True):
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config)
     layout = Layout(dims)
-    result = ShardingPlanner.for_layout(meta, layout, dataflow=flow).plan()
+    result = ShardingPlanner(meta, layout, dataflow=flow).plan()
     role = result.roles.get("model.layers.0.linear_attn")
     document = plan_to_json(layout=layout, applied_axes=result.applied_axes, recorded_axes=result.recorded_axes,
                             modules=result.modules, roles=result.roles)

@@ -34,7 +34,6 @@ def worker(model_dir: str, out: str) -> None:
     from hyper_parallel.distributed.applier import apply_sharding_plan
     from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
-    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.planning.planner import ShardingPlanner
     from hyper_parallel.distributed.sharded_load import materialize_and_load
 
@@ -43,7 +42,7 @@ def worker(model_dir: str, out: str) -> None:
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with accelerate.init_empty_weights(include_buffers=False):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    apply_sharding_plan(model, ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan().modules,
+    apply_sharding_plan(model, ShardingPlanner(model, Layout(dims)).plan().modules,
                         MeshContext(mesh, Layout(dims)))
     report = materialize_and_load(model, model_dir)
     local = full = sharded_local = sharded_full = 0

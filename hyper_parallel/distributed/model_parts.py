@@ -35,12 +35,31 @@ def output_embeddings(model: nn.Module) -> nn.Module | None:
     return _part(model, "get_output_embeddings")
 
 
+class LayerSubset(nn.ModuleList):
+    """Some of a model's decoder layers, each under its own index (``layers.0``,
+    ``layers.7``): a view of the model in which the planner sees one layer of each kind
+    (``planning/layer_kinds.py``) by the names the whole model gives it. Indexed by those
+    indices; iterated in their order."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__()
+        for index, layer in layers.items():
+            self.add_module(str(index), layer)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self._modules[str(index)]
+
+
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """(name, list) of the decoder layers: among the ``nn.ModuleList``s not nested in
-    another list (an MoE's experts and a layer's own lists of norms are), the shallowest
-    with ``num_hidden_layers`` entries, else the longest; None without a list. The probe
-    and the sequence layout both use this one rule."""
+    """(name, list) of the decoder layers: a ``LayerSubset`` where the model is a view of
+    some of its layers; else among the ``nn.ModuleList``s not nested in another list (an
+    MoE's experts and a layer's own lists of norms are), the shallowest with
+    ``num_hidden_layers`` entries, else the longest; None without a list. The probe and
+    the sequence layout both use this one rule."""
     lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    subset = [item for item in lists if isinstance(item[1], LayerSubset)]
+    if subset:
+        return subset[0]
     outer = [item for item in lists if not any(item[0].startswith(other + ".") for other, _ in lists)]
     if not outer:
         return None

@@ -34,6 +34,7 @@ import logging
 import re
 from copy import deepcopy
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -362,10 +363,24 @@ def saved_layout(model: torch.nn.Module) -> dict[str, torch.Size]:
 # --- the recorded text: one line per name pattern ----------------------------------------------------
 
 
-def to_text(rules: dict[str, list[Rule]]) -> dict[str, str | list[str]]:
+class KeyCopies(Protocol):
+    """The keys of every layer one key stands for, where the rules were derived on one
+    layer of each kind (``planning/weight_map_by_kind.py``)."""
+
+    def count(self, key: str) -> int: ...
+
+    def names(self, key: str) -> list[str]: ...
+
+
+def to_text(rules: dict[str, list[Rule]], *, stands_for: KeyCopies | None = None) -> dict[str, str | list[str]]:
     """The map as recorded: keys whose rules differ only in their layer / expert indices
     share one line under a ``*`` pattern; a pattern is only used when it matches exactly
-    its members among the map's keys."""
+    its members among the map's keys.
+
+    ``stands_for``: where ``rules`` were derived on one layer of each kind, the keys of
+    every layer a key stands for (``planning/weight_map_by_kind.py``; each of its rules a
+    template of its indices): a pattern counts them all, and one left exact lists them,
+    rules filled in with their indices, in transformers' key order."""
     concrete = {key: [r.text() for r in rs] for key, rs in rules.items()}
     out: dict[str, list[str]] = {}
     groups: dict[str, list[str]] = {}
@@ -376,19 +391,37 @@ def to_text(rules: dict[str, list[Rule]]) -> dict[str, str | list[str]]:
     # unless a key holds a '*' of its own, which only a scan of every key can rule out.
     scan = any("*" in key for key in concrete)
     for pattern, members in groups.items():
-        templated = {tuple(_template(key, text) or "" for text in concrete[key]) for key in members}
-        if (len(members) > 1 and len(templated) == 1 and "" not in next(iter(templated))
+        templated = {tuple(rule_template(key, text) or "" for text in concrete[key]) for key in members}
+        count = sum(stands_for.count(key) for key in members) if stands_for is not None else len(members)
+        if (count > 1 and len(templated) == 1 and "" not in next(iter(templated))
                 and (not scan or sum(1 for key in concrete if compile_pattern(pattern).match(key)) == len(members))):
             out[pattern] = list(next(iter(templated)))
-        else:
+        elif stands_for is None:
             out.update((key, concrete[key]) for key in members)
+        else:
+            out.update(_every_layers_keys(members, concrete, stands_for))
     return {key: texts[0] if len(texts) == 1 else texts for key, texts in out.items()}
+
+
+def _every_layers_keys(members: list[str], concrete: dict[str, list[str]],
+                       stands_for: KeyCopies) -> list[tuple[str, list[str]]]:
+    """A pattern's keys written exactly, each member as every key it stands for, its rules
+    filled in with that key's indices, in transformers' key order."""
+    from transformers.core_model_loading import dot_natural_key
+
+    found = []
+    for key in members:
+        for name in stands_for.names(key):
+            texts = concrete[key] if name == key else [
+                _fill(name, rule_template(key, text), tuple(_INDEX.findall(name))) for text in concrete[key]]
+            found.append((name, texts))
+    return sorted(found, key=lambda item: dot_natural_key(item[0]))
 
 
 _TEMPLATABLE = re.compile(r"(?<=\.)\d+(?=\.|\[|$| )|(?<=[\[ ])\d+(?=[,\]])")
 
 
-def _template(key: str, text: str) -> str | None:
+def rule_template(key: str, text: str) -> str | None:
     """``text`` with the key's indices written ``*``, when its name indices then stacking
     positions are exactly the key's indices in order; else None (recorded exactly)."""
     target, sep, rest = text.partition(" = ")

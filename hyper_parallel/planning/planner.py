@@ -22,18 +22,18 @@ import copy
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
 from hyper_parallel.config.context_parallel import ContextParallel
 from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import PlanOverride
-from hyper_parallel.distributed.context_parallel import ATTENTION_ROLE
 from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.model_parts import decoder_layers
 from hyper_parallel.planning.dataflow import Dataflow, roles_for
 from hyper_parallel.planning.expert_layout import apply_expert_layout
+from hyper_parallel.planning.kind_expansion import PlacedModules, expanded
+from hyper_parallel.planning.layer_kinds import LayerKinds, planning_kinds
 from hyper_parallel.planning.linear_blocks import HEAD_SPLIT_ROLE, PLACED_BY_PARENT_ROLE, SPLIT_MODE
 from hyper_parallel.planning.module_roles import (
     PRODUCER_LAYOUTS,
@@ -96,142 +96,204 @@ def _ulysses_heads(config, dims: ParallelDims) -> None:
 
 
 class ShardingPlanner:
-    def __init__(self, model: nn.Module, *, dims: ParallelDims, mesh: OfflineMesh,
-                 sequence_parallel: bool = False, loss_parallel: bool = False, hints: dict | None = None,
-                 overrides: Iterable[PlanOverride] | None = None, dataflow: Dataflow | None = None,
-                 dataflow_error: str = "", context_parallel: ContextParallel | None = None):
+    """Plans ``model`` for one ``Layout``, kept whole: its sizes, sequence and loss parallel
+    and the effective context-parallel setting are read from it where they are needed."""
+
+    def __init__(self, model: nn.Module, layout: Layout, *, mesh: OfflineMesh | None = None,
+                 hints: dict | None = None, overrides: Iterable[PlanOverride] | None = None,
+                 dataflow: Dataflow | None = None, dataflow_error: str = ""):
         self.model = model
-        # The one Layout of what was asked: it makes the context-parallel setting effective.
-        self.layout = Layout(dims=dims, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                             context_parallel=context_parallel or ContextParallel())
-        self.context_parallel = self.layout.context_parallel
+        self.layout = layout
+        self.hints = hints
+        self.mesh = mesh if mesh is not None else build_offline_mesh(layout.dims)  # the layout's, unless given
         self.dataflow, self.dataflow_error = dataflow, dataflow_error
         self.traced = TracedNames(model, dataflow)  # what the trace saw, in this model's names
         self.overrides = list(overrides or ())
-        self.dims = dims
-        self.mesh = mesh
-        self.sequence_parallel = sequence_parallel
-        self.loss_parallel = loss_parallel
-        self.rules = ModuleRoles(model, tp=dims.tp, hints={**model_tp_hints(model), **(hints or {})},
+        self.rules = ModuleRoles(model, tp=layout.tp, hints={**model_tp_hints(model), **(hints or {})},
                                  traced=self.traced)
 
-    @classmethod
-    def for_layout(cls, model: nn.Module, layout: Layout, **kwargs: Any) -> "ShardingPlanner":
-        """The planner of ``layout`` on its offline mesh (``kwargs``: overrides, dataflow...)."""
-        return cls(model, dims=layout.dims, mesh=build_offline_mesh(layout.dims),
-                   sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
-                   context_parallel=layout.context_parallel, **kwargs)
-
     def plan(self) -> PlanResult:
-        self.dims.validate()
-        if "tp" not in self.mesh.axis_names or self.mesh.size("tp") != self.dims.tp:
+        """The plan: one layer of each kind planned (``layer_kinds.py``) and its entries
+        standing for the others; every layer planned where that saves nothing, where the
+        recipe's overrides place modules, or where planning fails (to name the failure as
+        the per-layer planning does)."""
+        self._check_mesh()
+        kinds = self._layer_kinds()
+        placed = self._placed_by_kind(kinds) if kinds is not None else None
+        if placed is not None:
+            return self._result(placed, linted=True)
+        return self._result(self._placed(), linted=False)
+
+    def plan_every_layer(self) -> PlanResult:
+        """The plan with each decoder layer planned on its own: what ``plan`` must equal."""
+        self._check_mesh()
+        return self._result(self._placed(), linted=False)
+
+    def _check_mesh(self) -> None:
+        """The layout's sizes are valid and the offline mesh is the layout's (its tp)."""
+        self.layout.dims.validate()
+        if "tp" not in self.mesh.axis_names or self.mesh.size("tp") != self.layout.tp:
             raise PlanError(f"offline mesh {dict(zip(self.mesh.axis_names, self.mesh.sizes))} does not match "
-                            f"tp_size={self.dims.tp}")
+                            f"tp_size={self.layout.tp}")
+
+    def _layer_kinds(self) -> LayerKinds | None:
+        """The model's layer kinds where planning one of each saves work and means the
+        same: not where a recipe override places modules (it may name one layer)."""
+        if any(entry.places for entry in self.overrides):
+            return None
+        kinds = planning_kinds(self.model, traced=self.dataflow.classes if self.dataflow is not None else ())
+        return kinds if kinds is not None and kinds.reduces else None
+
+    def _placed_by_kind(self, kinds: LayerKinds) -> PlacedModules | None:
+        """The placed modules of the view holding one layer of each kind, linted and standing
+        for every layer; None where planning the view fails (the caller plans every layer)."""
+        view = kinds.view(self.model)
+        planner = ShardingPlanner(view, self.layout, mesh=self.mesh, hints=self.hints, overrides=self.overrides,
+                                  dataflow=self.dataflow, dataflow_error=self.dataflow_error)
+        try:
+            placed = planner._placed()
+            lint_plan(view, placed.modules, self.mesh)
+        except PlanError:
+            return None
+        return expanded(placed, kinds)
+
+    def _placed(self) -> PlacedModules:
+        """Every module's entry and role before the recipe's overrides: the roles, the parts
+        left whole, the sequence and expert layouts; refused styles raise here."""
         config = getattr(self.model, "config", None)
         # Multi-query attention's one kv head, which no tp > 1 splits: attention is left whole
         # where the dataflow shows which modules it is, and the rest of the layer split. (Other
         # head counts tp does not divide are refused: a tp that divides them exists.)
-        uneven_heads = heads_not_dividing(config, self.dims.tp) if config is not None and self.dims.tp > 1 else []
+        uneven_heads = heads_not_dividing(config, self.layout.tp) if config is not None and self.layout.tp > 1 else []
         if uneven_heads != ["num_key_value_heads=1"]:
             uneven_heads = []
         self._prepare_flow()
         whole_attention = bool(uneven_heads) and bool(self._attention_parts())
-        if config is not None and self.dims.cp > 1 and self.context_parallel.algorithm == "ulysses":
-            _ulysses_heads(config, self.dims)
-        lint_config_divisibility(config, self.dims, whole_attention=whole_attention)
-        active_axes = self.dims.active_axes(sequence_parallel=self.sequence_parallel)
-        overridden = overridden_modules(self.overrides, self.model, active_axes=active_axes)
-        modules: dict[str, ShardingConfig] = {}
-        roles: dict[str, str] = {}
+        if config is not None and self.layout.cp > 1 and self.layout.context_parallel.algorithm == "ulysses":
+            _ulysses_heads(config, self.layout.dims)
+        lint_config_divisibility(config, self.layout.dims, whole_attention=whole_attention)
+        overridden = overridden_modules(self.overrides, self.model, active_axes=self._active_axes())
+        placed, refusals, unclassified = self._place_each_module(overridden)
+        whole_parts = self._whole_parts(unclassified)
+        if whole_attention:
+            whole_parts.update({part: f"tp_size={self.layout.tp} does not divide {', '.join(uneven_heads)}, so its "
+                                      "heads cannot be split" for part in self._attention_parts()})
+        placed.whole_notes = self._replicate_layer_parts(whole_parts, placed, overridden)
+        traced = self.traced.facts()
+        with placed.placing_pass(layers_first=True):  # the layers' own entries, their blocks', what follows
+            placed.gathered = apply_sequence_layout(self.model, placed.modules, placed.roles, self.layout, traced)
+        placed.handoff_refusals = traced.handoff_refusals
+        with placed.placing_pass():
+            apply_expert_layout(self.model, placed.modules, placed.roles, ep=self.layout.ep)
+        if refusals:
+            raise PlanError(refusals_message(refusals, placed.modules))
+        return placed
+
+    def _result(self, placed: PlacedModules, *, linted: bool) -> PlanResult:
+        """The plan of ``placed`` with the recipe's overrides merged, linted (unless
+        ``linted`` already), and the notes and axes read from it."""
+        modules, roles = placed.modules, placed.roles
+        notes = [*placed.whole_notes, *self._gathered_attention_notes(placed.gathered),
+                 *self._cp_recurrent_notes(roles, placed.handoff_refusals)]
+        if any(entry.places for entry in self.overrides):
+            modules = merge_plan_overrides(modules, self.overrides, self.model, active_axes=self._active_axes())
+            roles.update({fqn: "override" for fqn in modules if fqn not in roles})
+        if not linted:
+            lint_plan(self.model, modules, self.mesh)
+        applied = self._applied_axes(modules)
+        return PlanResult(modules=modules, applied_axes=applied,
+                          recorded_axes=self._recorded_axes(applied), roles=roles, dataflow_error=self.dataflow_error,
+                          notes=tuple(notes),
+                          context_parallel=self.layout.context_parallel if self.layout.cp > 1 else None)
+
+    def _active_axes(self) -> set[str]:
+        """The parallel forms a plan_overrides entry's ``when`` may name, active in this layout."""
+        return self.layout.dims.active_axes(sequence_parallel=self.layout.sequence_parallel)
+
+    def _place_each_module(self, overridden: frozenset[str]):
+        """The roles pass: each module's role and entry in model order (one placing pass);
+        returns the placed modules, the refused styles, and the modules no rule classifies
+        inside a layer part (left whole by ``_replicate_layer_parts``)."""
+        placed = PlacedModules()
         refusals: list[StyleRefusal] = []
         unclassified: dict[str, nn.Module] = {}
         planned_with: dict[int, str] = {}  # id(a parameter) -> the module first planned holding it
-        for fqn, module in self.model.named_modules():
-            twin = _tied_twin(self.model, module, planned_with, modules)
-            if twin is not None:  # the same parameters as a module planned before (Zamba's shared block)
-                roles[fqn], modules[fqn] = roles[twin], copy.deepcopy(modules[twin])
-                continue
-            planned_with.update({id(p): fqn for p in module.parameters(recurse=False)})
-            try:
-                if not has_own_params(module) and self.rules.flow_roles.get(fqn) == HEAD_SPLIT_ROLE:
-                    roles[fqn], modules[fqn] = HEAD_SPLIT_ROLE, self.traced.head_split_entry(fqn, dp=self.dims.dp)
+        with placed.placing_pass():
+            for fqn, module in self.model.named_modules():
+                twin = _tied_twin(self.model, module, planned_with, placed.modules)
+                if twin is not None:  # the same parameters as a module planned before (Zamba's shared block)
+                    placed.place(fqn, placed.roles[twin], copy.deepcopy(placed.modules[twin]))
                     continue
-                if not has_own_params(module):
-                    role = self.rules.container_role(fqn, module, roles)
-                    if role is not None:
-                        roles[fqn], modules[fqn] = role, ROLE_BUILDERS[role](module, {})
-                    continue
-                role = self.rules.role(fqn, module)
-                if role == PLACED_BY_PARENT_ROLE:
-                    continue  # its parameters are placed by its parent's head_split entry
-                config = (self.traced.head_split_entry(fqn, dp=self.dims.dp) if role == HEAD_SPLIT_ROLE
-                          else ROLE_BUILDERS[role](module, self.rules.param_hints(fqn, module)))
-            except PlanError as err:
-                if fqn in overridden:
-                    continue  # the recipe places it; merge_plan_overrides checks the entry is complete
-                if not isinstance(err, StyleRefusal) and fqn in self.rules.flow_fallback:
-                    role = self.rules.flow_fallback[fqn]
-                    roles[fqn], modules[fqn] = role, ROLE_BUILDERS[role](module, {})
-                    continue
-                if self._splits_no_module() or isinstance(err, StyleRefusal) and self.dims.tp == 1:
-                    # nothing is split per module (or nothing over tp, which the refused style is
-                    # about): whole weights are exact, the module needs no tensor-parallel role
-                    roles[fqn], modules[fqn] = "replicate", ROLE_BUILDERS["replicate"](module, {})
-                    continue
-                if isinstance(err, UnclassifiedModule) and (self._layer_part(fqn, strictly_inside=True) or (
-                        self._layer_part(fqn) is not None and _holds_projections(module))):
-                    # its part of the layer is left whole below (a layer part of its own with
-                    # parameters besides its projections, RWKV's time-mix vectors: whole with them)
-                    unclassified[fqn] = module
-                    continue
-                if not isinstance(err, StyleRefusal):
-                    if self.dataflow_error:
-                        raise PlanError(f"{err} (the planner went by names and hints only: {self.dataflow_error})")
-                    raise
-                refusals.append(err)
-                err.fallback_role = self.rules.fallback_role(fqn, module)
-                if err.fallback_role is None:
-                    continue
-                role, config = err.fallback_role, ROLE_BUILDERS[err.fallback_role](module, {})
-            roles[fqn], modules[fqn] = role, config
+                planned_with.update({id(p): fqn for p in module.parameters(recurse=False)})
+                try:
+                    found = self._role_and_entry(fqn, module, placed.roles)
+                except PlanError as err:
+                    found = self._after_refusal(fqn, module, err, overridden, refusals, unclassified)
+                if found is not None:
+                    placed.place(fqn, *found)
+        return placed, refusals, unclassified
+
+    def _role_and_entry(self, fqn: str, module: nn.Module, roles: dict[str, str]) -> tuple[str, ShardingConfig] | None:
+        """The module's role and entry by the rules; None for a module that takes none (a
+        container without a role, a module placed by its parent's head_split entry)."""
+        if not has_own_params(module) and self.rules.flow_roles.get(fqn) == HEAD_SPLIT_ROLE:
+            return HEAD_SPLIT_ROLE, self.traced.head_split_entry(fqn, dp=self.layout.dp)
+        if not has_own_params(module):
+            role = self.rules.container_role(fqn, module, roles)
+            return None if role is None else (role, ROLE_BUILDERS[role](module, {}))
+        role = self.rules.role(fqn, module)
+        if role == PLACED_BY_PARENT_ROLE:
+            return None  # its parameters are placed by its parent's head_split entry
+        if role == HEAD_SPLIT_ROLE:
+            return role, self.traced.head_split_entry(fqn, dp=self.layout.dp)
+        return role, ROLE_BUILDERS[role](module, self.rules.param_hints(fqn, module))
+
+    def _after_refusal(self, fqn: str, module: nn.Module, err: PlanError, overridden: frozenset[str],
+                       refusals: list[StyleRefusal], unclassified: dict[str, nn.Module]):
+        """What a module the rules could not place gets: nothing where the recipe places it,
+        the dataflow's fallback, replicate where nothing is split, a whole layer part, or the
+        refused style's fallback (the refusal kept to raise); any other error raises."""
+        if fqn in overridden:
+            return None  # the recipe places it; merge_plan_overrides checks the entry is complete
+        if not isinstance(err, StyleRefusal) and fqn in self.rules.flow_fallback:
+            role = self.rules.flow_fallback[fqn]
+            return role, ROLE_BUILDERS[role](module, {})
+        if self._splits_no_module() or isinstance(err, StyleRefusal) and self.layout.tp == 1:
+            # nothing is split per module (or nothing over tp, which the refused style is
+            # about): whole weights are exact, the module needs no tensor-parallel role
+            return "replicate", ROLE_BUILDERS["replicate"](module, {})
+        if isinstance(err, UnclassifiedModule) and (self._layer_part(fqn, strictly_inside=True) or (
+                self._layer_part(fqn) is not None and _holds_projections(module))):
+            # its part of the layer is left whole below (a layer part of its own with
+            # parameters besides its projections, RWKV's time-mix vectors: whole with them)
+            unclassified[fqn] = module
+            return None
+        if not isinstance(err, StyleRefusal):
+            if self.dataflow_error:
+                raise PlanError(f"{err} (the planner went by names and hints only: {self.dataflow_error})")
+            raise err
+        refusals.append(err)
+        err.fallback_role = self.rules.fallback_role(fqn, module)
+        if err.fallback_role is None:
+            return None
+        return err.fallback_role, ROLE_BUILDERS[err.fallback_role](module, {})
+
+    def _whole_parts(self, unclassified: dict[str, nn.Module]) -> dict[str, str]:
+        """Layer part -> why it is left whole: the modules no rule classifies in it."""
         whole_parts: dict[str, str] = {}
         for fqn, module in unclassified.items():
             what = f"{layer_glob(fqn)} ({type(module).__name__}; parameters {params_text(module)})"
             part = self._layer_part(fqn)
             if what not in whole_parts.get(part, ""):
                 whole_parts[part] = f"{whole_parts[part]}, {what}" if part in whole_parts else what
-        whole_parts = {part: f"{what} has no tensor-parallel role from its type, its name or the model's TP plan"
-                       for part, what in whole_parts.items()}
-        if whole_attention:
-            whole_parts.update({part: f"tp_size={self.dims.tp} does not divide {', '.join(uneven_heads)}, so its "
-                                      "heads cannot be split" for part in self._attention_parts()})
-        notes = self._replicate_layer_parts(whole_parts, modules, roles, overridden)
-        traced = self.traced.facts()
-        gathered = apply_sequence_layout(self.model, modules, roles, cp=self.dims.cp > 1, sp=self.sequence_parallel,
-                                         loss_parallel=self.loss_parallel, traced=traced,
-                                         split_attention=ATTENTION_ROLE.get(self.context_parallel.algorithm, ""),
-                                         split_by_default=self.context_parallel.by_default,
-                                         hand_state_on=not self.context_parallel.load_balance)
-        notes += self._gathered_attention_notes(gathered)
-        notes += self._cp_recurrent_notes(roles, traced.handoff_refusals)
-        apply_expert_layout(self.model, modules, roles, ep=self.dims.ep)
-        if refusals:
-            raise PlanError(refusals_message(refusals, modules))
-        if self.overrides:
-            modules = merge_plan_overrides(modules, self.overrides, self.model, active_axes=active_axes)
-            roles.update({fqn: "override" for fqn in modules if fqn not in roles})
-        lint_plan(self.model, modules, self.mesh)
-        applied = self._applied_axes(modules)
-        return PlanResult(modules=modules, applied_axes=applied,
-                          recorded_axes=self._recorded_axes(applied), roles=roles, dataflow_error=self.dataflow_error,
-                          notes=tuple(notes),
-                          context_parallel=self.context_parallel if self.dims.cp > 1 else None)
+        return {part: f"{what} has no tensor-parallel role from its type, its name or the model's TP plan"
+                for part, what in whole_parts.items()}
 
     def _gathered_attention_notes(self, gathered: dict[str, str]) -> list[str]:
         """The attention blocks the default algorithm could not split, one note per layer
         pattern with the first block's reason: the plan's reader sees where cp does not
         split the attention work, and why."""
-        algorithm = self.context_parallel.algorithm
+        algorithm = self.layout.context_parallel.algorithm
         first: dict[str, str] = {}
         for fqn in sorted(gathered):
             first.setdefault(layer_glob(fqn), gathered[fqn])
@@ -249,7 +311,7 @@ class ShardingPlanner:
                  "after another: exact, activations split by cp, the recurrence's work not" for block in handed]
         for block in sorted({layer_glob(fqn) for fqn, role in roles.items() if role == "gathered_block"}):
             why = next((refusals[fqn] for fqn in sorted(refusals) if layer_glob(fqn) == block), "")
-            if self.context_parallel.load_balance:
+            if self.layout.context_parallel.load_balance:
                 why = ("; context_parallel.load_balance gives each rank two pieces from both ends, so no state is "
                        "handed from rank to rank (load_balance: false hands it on where the layer allows)")
             elif why:
@@ -278,22 +340,23 @@ class ShardingPlanner:
         an attention's q, k or v; empty without a dataflow."""
         return sorted({part for name in self.traced.attention_inputs() if (part := self._layer_part(name)) is not None})
 
-    def _replicate_layer_parts(self, whole_parts: dict[str, str], modules: dict[str, ShardingConfig],
-                               roles: dict[str, str], overridden: set[str]) -> list[str]:
+    def _replicate_layer_parts(self, whole_parts: dict[str, str], placed: PlacedModules,
+                               overridden: frozenset[str]) -> list[str]:
         """Leave these parts of every decoder layer whole: every module with parameters in
         them replicated, as transformers' own tensor parallel leaves what its plan does not
         name. A module no rule classifies (DeepSeek-V4's indexer: a matrix of its own, no
         Linear) or heads tp cannot split (one kv head) put them here. Whole weights on whole
         inputs are exact at any tp; replicating one module alone would not be, where the
-        modules around it split what it reads. Returns one note per part (part -> why) for
-        the derive log."""
+        modules around it split what it reads. One placing pass per part; returns one note
+        per part (part -> why) for the derive log."""
         found = decoder_layers(self.model)
         notes = []
         for part, why in sorted(whole_parts.items()):
             inside = re.compile(rf"{re.escape(found[0])}\.\d+\.{re.escape(part)}(\..+)?")
-            for name, module in self.model.named_modules():
-                if inside.fullmatch(name) and has_own_params(module) and name not in overridden:
-                    roles[name], modules[name] = "replicate", ROLE_BUILDERS["replicate"](module, {})
+            with placed.placing_pass():
+                for name, module in self.model.named_modules():
+                    if inside.fullmatch(name) and has_own_params(module) and name not in overridden:
+                        placed.place(name, "replicate", ROLE_BUILDERS["replicate"](module, {}))
             notes.append(f"{found[0]}.*.{part} replicated whole over tp: {why}; a plan_overrides entry can place "
                          "it instead")
         return notes
@@ -301,20 +364,20 @@ class ShardingPlanner:
     def _splits_no_module(self) -> bool:
         """tp 1 and cp 1 (dp, or ep with nothing tensor-parallel): every module keeps its
         whole weights and whole sequence, so no module needs a role to be planned."""
-        return self.dims.tp == 1 and self.dims.cp == 1 and not self.sequence_parallel
+        return self.layout.tp == 1 and self.layout.cp == 1 and not self.layout.sequence_parallel
 
     def _requested_axes(self) -> set[str]:
-        requested = {name for name in SIZE_AXES if name != TP and getattr(self.dims, name) > 1}
-        if self.sequence_parallel:
+        requested = {name for name in SIZE_AXES if name != TP and getattr(self.layout.dims, name) > 1}
+        if self.layout.sequence_parallel:
             requested.add("sp")
-        if self.loss_parallel:
+        if self.layout.loss_parallel:
             requested.add("loss_parallel")
         return requested
 
     def _applied_axes(self, modules: dict[str, ShardingConfig]) -> list[str]:
         """An axis counts as applied only if it has more than one rank and some plan entry
         places something on it (sp and loss parallel ride on tp)."""
-        placed = {axis for axis in _axes_placed(modules) if getattr(self.dims, axis, 1) > 1}
+        placed = {axis for axis in _axes_placed(modules) if getattr(self.layout.dims, axis, 1) > 1}
         applied = ["tp"] if "tp" in placed else []
         for name in sorted(self._requested_axes() & _APPLIED):
             if name in (SP, "loss_parallel") and TP in placed or name in placed:
@@ -375,7 +438,7 @@ class ShardingPlanner:
             # through the stream, as attention's o_proj can, keeps its block's plan.)
             decided = decided or bool(routers(name)) and not in_blocks(name)
             (self.rules.flow_roles if decided else self.rules.flow_fallback)[name] = role
-        if self.dims.tp > 1 and split_inside:
+        if self.layout.tp > 1 and split_inside:
             split = StandIns(split_inside)
             self.rules.flow_roles.update({name: "head_norm" for name in modules if split(name)})
 

@@ -67,7 +67,8 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hyper_parallel.distributed.context_parallel import ATTENTION_NAMES, TOKEN_ATTENTION_ROLES
+from hyper_parallel.config.layout import Layout
+from hyper_parallel.distributed.context_parallel import ATTENTION_NAMES, ATTENTION_ROLE, TOKEN_ATTENTION_ROLES
 from hyper_parallel.distributed.model_parts import decoder_layers, input_embeddings, output_embeddings
 from hyper_parallel.planning.plan_lint import PlanError
 from hyper_parallel.planning.roles import replicate
@@ -151,31 +152,96 @@ class TracedFacts:
     traced: bool = False  # the facts come from a trace (else every set is empty for want of one)
 
 
-def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str], *,
-                          cp: bool, sp: bool, loss_parallel: bool, traced: TracedFacts = TracedFacts(),
-                          split_attention: str = "", split_by_default: bool = False,
-                          hand_state_on: bool = True) -> dict[str, str]:
-    """Rewrite ``modules``/``roles`` in place for the requested sequence layout, with what
-    the dataflow trace saw (``traced``); ``split_attention``: the role of attention blocks
-    keeping each cp rank's tokens (allgather_kv, ulysses), '' to gather the block's input;
-    ``split_by_default``: the recipe left the algorithm to its default, so an attention
-    block that cannot keep its tokens gathers them instead of being refused. Returns those
-    blocks, each with why."""
+@dataclass(frozen=True)
+class BlockStreams:
+    """Where a layer's block takes and hands on the residual stream, as the trace saw it:
+    ``inputs`` / ``outputs`` (positions; the first by default) and whether it adds the
+    stream itself (Bloom's blocks add the residual; DBRX's hands on two streams)."""
+
+    inputs: tuple[int, ...] = (0,)
+    outputs: tuple[int, ...] = (0,)
+    adds_stream: bool = False
+
+    @classmethod
+    def of(cls, fqn: str, traced: TracedFacts) -> "BlockStreams":
+        """The block ``fqn``'s streams in ``traced``."""
+        outputs = traced.value_outputs.get(fqn) or (0,)
+        return cls(traced.value_inputs.get(fqn) or (0,), outputs, fqn in traced.outside_sums or len(outputs) > 1)
+
+    @property
+    def single(self) -> bool:
+        """One stream in, one out, not added by the block itself."""
+        return self.inputs == (0,) and self.outputs == (0,) and not self.adds_stream
+
+
+ONE_STREAM = BlockStreams()
+
+
+def apply_sequence_layout(model: nn.Module, modules: dict[str, ShardingConfig], roles: dict[str, str],
+                          layout: Layout, traced: TracedFacts = TracedFacts()) -> dict[str, str]:
+    """Rewrite ``modules``/``roles`` in place for ``layout``'s sequence layout (sp, cp and
+    its attention algorithm, loss parallel), with what the dataflow trace saw (``traced``).
+    Where the recipe left the cp algorithm to its default, an attention block that cannot
+    keep its tokens gathers them instead of being refused. Returns those blocks, each with
+    why."""
     gathered: dict[str, str] = {}
+    cp = layout.cp > 1
     sharded_loss = loss_goes_through_loss_function(model)
-    if loss_parallel and not sharded_loss:
+    if layout.loss_parallel and not sharded_loss:
         raise PlanError(f"accelerator.loss_parallel: {type(model).__name__}.forward computes its loss itself, not "
                         f"through self.loss_function, so the logits cannot reach it sharded over the vocabulary; "
                         f"set loss_parallel: false")
-    if cp or sp:
-        _split_sequence(model, modules, roles, cp=cp, sp=sp, logits_split_over_cp=sharded_loss, traced=traced,
-                        split_attention=split_attention if cp else "", split_by_default=split_by_default,
-                        hand_state_on=hand_state_on, gathered=gathered)
+    if cp or layout.sequence_parallel:
+        _split_sequence(model, modules, roles, _SequenceSplit(layout, traced, gathered),
+                        logits_split_over_cp=sharded_loss)
     if cp and _ties_embeddings(model):
         _embedding_on_cp(model, modules)
-    if loss_parallel:
+    if layout.loss_parallel:
         _keep_logits_vocab_sharded(modules, roles)
     return gathered
+
+
+@dataclass
+class _SequenceSplit:
+    """One sequence split as the layer pass reads it: the layout, the trace's facts, the
+    residual stream's placement and the whole one, and the attention blocks that gather
+    their tokens (``gathered``, filled as the pass goes)."""
+
+    layout: Layout
+    traced: TracedFacts
+    gathered: dict[str, str]
+
+    @property
+    def cp(self) -> bool:
+        """Context parallel splits the sequence."""
+        return self.layout.cp > 1
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallel splits the sequence over tp."""
+        return self.layout.sequence_parallel
+
+    @property
+    def residual(self) -> dict:
+        """The residual stream's placement: split on the sequence over the split axes."""
+        return residual_placement(cp=self.cp, sp=self.sp)
+
+    @property
+    def full(self) -> dict:
+        """The whole sequence on every rank of the split axes."""
+        return {**({CP: Replicate()} if self.cp else {}), TP: Replicate()}
+
+    @property
+    def split_attention(self) -> str:
+        """The role of attention blocks keeping each cp rank's tokens (allgather_kv,
+        ulysses); '' where they gather their input (gather_sequence, or no cp)."""
+        return ATTENTION_ROLE.get(self.layout.context_parallel.algorithm, "") if self.cp else ""
+
+    @property
+    def hand_state_on(self) -> bool:
+        """Recurrent blocks may hand their state from rank to rank: the cp pieces are
+        contiguous (no load balancing)."""
+        return not self.layout.context_parallel.load_balance
 
 
 def _embedding_on_cp(model: nn.Module, modules: dict[str, ShardingConfig]) -> None:
@@ -225,73 +291,77 @@ def residual_placement(*, cp: bool, sp: bool) -> dict:
     return placement
 
 
-def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_over_cp: bool,
-                    traced: TracedFacts, split_attention: str = "", split_by_default: bool = False,
-                    hand_state_on: bool = True, gathered: dict[str, str] | None = None) -> None:
+def _split_sequence(model, modules, roles, split: _SequenceSplit, *, logits_split_over_cp: bool) -> None:
+    """The sequence split through the decoder layers: the first layer's entry splits the
+    stream, every layer's children are placed on the piece, then what follows the layers."""
     found = decoder_layers(model)
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    gathered = {} if gathered is None else gathered
     if found is None:
         raise PlanError(f"{type(model).__name__}: sequence/context parallel needs the decoder layers, "
                         "but the model has no nn.ModuleList of layers")
     layers_fqn, layers = found
-    residual = residual_placement(cp=cp, sp=sp)
-    full = {**({CP: Replicate()} if cp else {}), TP: Replicate()}
-    first = f"{layers_fqn}.0"
+    traced, residual, full = split.traced, split.residual, split.full
+    # each layer by its own name (a view of some layers holds them under their own indices)
+    named = [(f"{layers_fqn}.{index}", layer) for index, layer in layers.named_children()]
+    first = named[0][0]
     # A decoder layer's own parameters (Doge's residual scales) act on its sequence piece:
     # the first layer's entry splits the sequence and keeps them, the others' read the piece.
     modules[first] = ShardingConfig(**_own_layout(modules, first), in_src=(full,), in_dst=(residual,),
                                     local_map=True)
     roles[first] = "sequence_split"
-    for index in range(1, len(layers)):
-        if f"{layers_fqn}.{index}" in modules:
-            _residual_module(modules[f"{layers_fqn}.{index}"], residual)
-    for index in range(len(layers)) if traced.split_layer_inputs else ():
-        _split_layer_inputs(modules, roles, f"{layers_fqn}.{index}", traced.split_layer_inputs, residual, full)
-    attention_inputs = traced.attention_inputs
-    for index, layer in enumerate(layers):
+    for fqn, _ in named[1:]:
+        if fqn in modules:
+            _residual_module(modules[fqn], residual)
+    for fqn, _ in named if traced.split_layer_inputs else ():
+        _split_layer_inputs(modules, roles, fqn, traced.split_layer_inputs, residual, full)
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    for layer_fqn, layer in named:
         for name, child in layer.named_children():
-            fqn = f"{layers_fqn}.{index}.{name}"
-            if not _has_params(child):
-                continue
-            if sp and fqn in traced.flat_outputs:
-                # sequence parallel hands each block's output on split along the sequence dim,
-                # which a [tokens, hidden] output does not have (its dim 1 is the hidden one)
-                raise PlanError(
-                    f"accelerator.sequence_parallel: {fqn} ({type(child).__name__}) returns its tokens "
-                    "flattened ([tokens, hidden], no sequence dim), and sequence parallel splits each block's "
-                    "output along the sequence dim; it cannot do such a block yet: set sequence_parallel: false")
-            streams = traced.value_inputs.get(fqn) or (0,)
-            outputs = traced.value_outputs.get(fqn) or (0,)
-            # Bloom's blocks add the residual themselves; DBRX's hands on two streams
-            adds_stream = fqn in traced.outside_sums or len(outputs) > 1
-            if _is_flat_member(fqn, child, roles):
-                _flat_member(fqn, modules, roles, residual, cp=cp, sp=sp, attention=fqn in attention_inputs,
-                             flat=fqn in traced.flat_inputs)
-            elif cp and hand_state_on and fqn in traced.state_handoff:
-                # measured on the trace, before the names: a linear attention's q/k/v
-                # projections or a head-split layer's per-head norm read as attention's
-                _handoff_block(fqn, child, modules, roles, residual, traced=traced, streams=streams,
-                               adds_stream=adds_stream, outputs=outputs)
-            elif is_attention(fqn, child, roles, attention_inputs) and split_attention and _keeps_tokens(
-                    fqn, child, split_attention=split_attention, by_default=split_by_default,
-                    implementation=implementation, gathered=gathered, streams=streams, adds_stream=adds_stream,
-                    outputs=outputs, dry_run=traced.token_attention_refusals.get(fqn, ""),
-                    read_outside=traced.read_outside):
-                _attention_block(fqn, child, modules, roles, residual, cp=cp, reads=traced.reads,
-                                 role=split_attention)
-            elif is_attention(fqn, child, roles, attention_inputs):
-                _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads,
-                                 adds_stream=adds_stream, outputs=outputs)
-            elif cp and whole_over_cp(fqn, child, traced.read_outside):
-                _attention_block(fqn, child, modules, roles, residual, cp=cp, streams=streams, reads=traced.reads,
-                                 adds_stream=adds_stream, outputs=outputs, role="gathered_block")
-            elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
-                _residual_module(modules[fqn], residual)  # a norm of the layer; not a block with own vectors
-            else:
-                _mlp_block(fqn, child, modules, roles, residual, cp=cp, routers=traced.routers, streams=streams,
-                           reads=traced.reads, adds_stream=adds_stream, outputs=outputs)
-    key, fix = ("cp_size", "cp_size: 1") if cp else ("sequence_parallel", "sequence_parallel: false")
+            if _has_params(child):
+                _place_layer_child(f"{layer_fqn}.{name}", child, modules, roles, split, implementation)
+    _refuse_unsplittable(model, layers_fqn, split)
+    _place_after_layers(model, modules, roles, layers_fqn, split, logits_split_over_cp=logits_split_over_cp)
+
+
+def _place_layer_child(fqn: str, child: nn.Module, modules, roles, split: _SequenceSplit,
+                       implementation: str | None) -> None:
+    """One child of a decoder layer on the split sequence, by what it is: a flat member, a
+    recurrent block handing its state on, an attention block (keeping its tokens or
+    gathering them), a block gathered for its parameters read outside it, a norm, or an
+    MLP/MoE block."""
+    traced = split.traced
+    if split.sp and fqn in traced.flat_outputs:
+        # sequence parallel hands each block's output on split along the sequence dim,
+        # which a [tokens, hidden] output does not have (its dim 1 is the hidden one)
+        raise PlanError(
+            f"accelerator.sequence_parallel: {fqn} ({type(child).__name__}) returns its tokens "
+            "flattened ([tokens, hidden], no sequence dim), and sequence parallel splits each block's "
+            "output along the sequence dim; it cannot do such a block yet: set sequence_parallel: false")
+    streams = BlockStreams.of(fqn, traced)
+    attention = is_attention(fqn, child, roles, traced.attention_inputs)
+    if _is_flat_member(fqn, child, roles):
+        _flat_member(fqn, modules, roles, split)
+    elif split.cp and split.hand_state_on and fqn in traced.state_handoff:
+        # measured on the trace, before the names: a linear attention's q/k/v
+        # projections or a head-split layer's per-head norm read as attention's
+        _handoff_block(fqn, child, modules, roles, split, streams)
+    elif attention and split.split_attention and _keeps_tokens(fqn, child, split, implementation, streams):
+        _attention_block(fqn, child, modules, roles, split, ONE_STREAM, role=split.split_attention)
+    elif attention:
+        _attention_block(fqn, child, modules, roles, split, streams)
+    elif split.cp and whole_over_cp(fqn, child, traced.read_outside):
+        _attention_block(fqn, child, modules, roles, split, streams, role="gathered_block")
+    elif roles.get(fqn) == "replicate" and not any(_has_params(c) for c in child.children()):
+        _residual_module(modules[fqn], split.residual)  # a norm of the layer; not a block with own vectors
+    else:
+        _mlp_block(fqn, child, modules, roles, split, streams)
+
+
+def _refuse_unsplittable(model: nn.Module, layers_fqn: str, split: _SequenceSplit) -> None:
+    """What the trace found no placement for on a split sequence: a layer's parameter
+    handed out other than as it is, a module after the layers called again on the whole
+    sequence, or a model whose code failed the split dry run."""
+    traced = split.traced
+    key, fix = ("cp_size", "cp_size: 1") if split.cp else ("sequence_parallel", "sequence_parallel: false")
     for fqn, how in sorted(traced.misplaced_hand_outs.items()):
         if fqn.startswith(layers_fqn + "."):
             raise PlanError(f"accelerator.{key}: {fqn} ({type(model.get_submodule(fqn)).__name__}) {how}; split along "
@@ -304,6 +374,14 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
     if traced.split_error:
         raise PlanError(f"accelerator.{key}: a dry run of the split on a tiny copy of {type(model).__name__} failed: "
                         f"{traced.split_error}; sequence and context parallel cannot do such a model yet: set {fix}")
+
+
+def _place_after_layers(model: nn.Module, modules, roles, layers_fqn: str, split: _SequenceSplit, *,
+                        logits_split_over_cp: bool) -> None:
+    """The modules after the layers on the split stream (the final norm, OPT's project_out,
+    the lm_head): on the rank's piece, or gathering it where the code after the layers
+    needs the whole sequence (``whole_after_layers``)."""
+    cp, traced, residual = split.cp, split.traced, split.residual
     whole = traced.whole_after_layers
     for fqn in sorted(traced.after_layers):  # outside the layers on the split stream, but unplanned
         if fqn not in modules and not fqn.startswith(layers_fqn + "."):
@@ -319,15 +397,15 @@ def _split_sequence(model, modules, roles, *, cp: bool, sp: bool, logits_split_o
             if not whole:
                 _residual_module(modules[fqn], residual)
             elif fqn in traced.layer_readers:  # gathers the stream: what follows sees it whole
-                _whole_reader(modules[fqn], residual, full)
-        elif cp and not sp and not whole and not inside_layers and on_split_stream and role in _TP_SPLIT_ROLES:
+                _whole_reader(modules[fqn], residual, split.full)
+        elif cp and not split.sp and not whole and not inside_layers and on_split_stream and role in _TP_SPLIT_ROLES:
             # a tp-split projection after the layers (Qwen4-Exp's hyper-connection mixer) runs
             # on this rank's piece of the sequence too: said so, its weight grads are partial
             # sums over cp, which the applier reduces
             _add_token_split(modules[fqn], Shard(1))
         elif role == "lm_head":
             reads_split = not whole or fqn in traced.layer_readers
-            _gathered_lm_head(modules[fqn], residual if reads_split else full, cp=cp,
+            _gathered_lm_head(modules[fqn], residual if reads_split else split.full, cp=cp,
                               keep_cp_split=logits_split_over_cp)
 
 
@@ -380,17 +458,18 @@ def _is_flat_member(fqn: str, child: nn.Module, roles: dict[str, str]) -> bool:
     return roles.get(fqn) not in (None, "replicate") and not any(_has_params(c) for c in child.children())
 
 
-def _flat_member(fqn: str, modules, roles, residual: dict, *, cp: bool, sp: bool, attention: bool,
-                 flat: bool) -> None:
+def _flat_member(fqn: str, modules, roles, split: _SequenceSplit) -> None:
     """A flat member is its block's boundary itself: one reading the stream gathers it
     over tp (sequence parallel), one handing on a partial sum reduce-scatters it into the
     stream; under cp its tokens stay split (per-token work, weight gradients summed over cp).
     ``flat``: it reads [tokens, hidden] (OPT flattens the stream around its MLP)."""
+    cp, residual = split.cp, split.residual
+    attention, flat = fqn in split.traced.attention_inputs, fqn in split.traced.flat_inputs
     if attention and cp:
         raise PlanError(f"accelerator.cp_size: {fqn} feeds attention and is a child of the decoder layer "
                         "itself, not of an attention module; context parallel cannot place such a layer yet: "
                         "set cp_size: 1")
-    if flat and sp:
+    if flat and split.sp:
         raise PlanError(f"accelerator.sequence_parallel: {fqn} reads the layer's tokens flattened ([tokens, "
                         "hidden], no sequence dim) and is a child of the decoder layer itself, so it is where "
                         "sequence parallel would gather and split the sequence; it cannot do that on flattened "
@@ -414,24 +493,24 @@ def _per_input(streams: tuple[int, ...], placement: dict) -> tuple:
     return tuple(dict(placement) if index in streams else None for index in range(max(streams) + 1))
 
 
-def _attention_block(fqn, block, modules, roles, residual, *, cp: bool, streams: tuple[int, ...] = (0,),
-                     reads: frozenset[tuple[str, str]] = frozenset(), adds_stream: bool = False,
-                     outputs: tuple[int, ...] = (0,), role: str = "attention_block") -> None:
-    """``adds_stream``: the block adds the stream (an input of its own, gathered like the
-    others) to its output itself, so its partial sums are reduced before that (else the
-    stream would be counted once per tp rank) and it hands on a slice of the whole;
-    ``outputs``: the positions of its outputs carrying the stream."""
+def _attention_block(fqn, block, modules, roles, split: _SequenceSplit, streams: BlockStreams, *,
+                     role: str = "attention_block") -> None:
+    """``streams.adds_stream``: the block adds the stream (an input of its own, gathered
+    like the others) to its output itself, so its partial sums are reduced before that
+    (else the stream would be counted once per tp rank) and it hands on a slice of the
+    whole; ``streams.outputs``: the positions of its outputs carrying the stream."""
+    cp, residual = split.cp, split.residual
     inner_entries = _inner_entries(fqn, block, modules)
-    hand_on_partial = _has_partial_sums(inner_entries, roles) and not adds_stream and not _reads_partial_sums(
-        fqn, block, inner_entries, roles, reads)
+    hand_on_partial = _has_partial_sums(inner_entries, roles) and not streams.adds_stream and not _reads_partial_sums(
+        fqn, block, inner_entries, roles, split.traced.reads)
     keep_tokens = role in TOKEN_ATTENTION_ROLES  # allgather_kv, ulysses: the rank's tokens stay split over cp
     seq = {CP: Shard(1) if keep_tokens else Replicate()} if cp else {}
     full = {**seq, TP: Replicate()}
     block_out = {**seq, TP: Partial() if hand_on_partial else Replicate()}
-    modules[fqn] = ShardingConfig(**_own_layout(modules, fqn), in_src=_per_input(streams, residual),
-                                  in_dst=_per_input(streams, full),
-                                  out_src=_attention_outputs(outputs, block_out),
-                                  out_dst=_attention_outputs(outputs, residual), local_map=True)
+    modules[fqn] = ShardingConfig(**_own_layout(modules, fqn), in_src=_per_input(streams.inputs, residual),
+                                  in_dst=_per_input(streams.inputs, full),
+                                  out_src=_attention_outputs(streams.outputs, block_out),
+                                  out_dst=_attention_outputs(streams.outputs, residual), local_map=True)
     roles[fqn] = role
     for inner in inner_entries:
         if roles[inner] in _PARTIAL_OUTPUT_ROLES and hand_on_partial:
@@ -451,21 +530,20 @@ KV_GATHER_MARK = "hyper_gathers_kv_over_cp"
 _SPLITTABLE_IMPLEMENTATIONS = (*ATTENTION_NAMES, *ATTENTION_NAMES.values())
 
 
-def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], adds_stream: bool,
-                       outputs: tuple[int, ...], algorithm: str, implementation: str | None,
-                       dry_run: str = "", read_outside: frozenset[str] = frozenset()) -> str:
+def _kv_gather_refusal(fqn: str, block: nn.Module, streams: BlockStreams, traced: TracedFacts, *, algorithm: str,
+                       implementation: str | None) -> str:
     """Why ``block`` cannot keep each cp rank's tokens through its attention ('' when it
     can). allgather_kv and ulysses need the block's attention to go through the attention
     interface (or the project's own gathering attention) with an eager or sdpa
     implementation (``implementation``: the model config's; None for a model of the
     project's own), and a block with one stream in and out: the applier wraps the attention
     function and slices the rotary embeddings the block is handed; anything else would see
-    only the rank's keys. ``dry_run``: why the block failed its dry run on one rank's
-    tokens (``token_attention_dry_run``), '' when it passed or did not run;
-    ``read_outside``: modules whose parameters the model's code uses outside their forward
-    (JetMoE's attention experts): kept tokens make them DTensors there among plain tensors."""
+    only the rank's keys. From ``traced``: why the block failed its dry run on one rank's
+    tokens (``token_attention_refusals``), and the modules whose parameters the model's
+    code uses outside their forward (``read_outside``; JetMoE's attention experts): kept
+    tokens make them DTensors there among plain tensors."""
     what = f"{fqn} ({type(block).__name__})"
-    if streams != (0,) or adds_stream or outputs != (0,):
+    if not streams.single:
         return (f"{what} takes or hands on more than one stream (it adds the residual itself, or returns several), "
                 f"which {algorithm} cannot place yet")
     if any(getattr(type(module), KV_GATHER_MARK, False) for module in block.modules()):
@@ -477,7 +555,7 @@ def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], 
         return (f"{what} computes attention in its own code, not through transformers' attention interface "
                 f"({_ATTENTION_INTERFACE}), so its keys and values cannot be exchanged over cp")
     outside = sorted(f"{fqn}.{name}" if name else fqn for name, _ in block.named_modules()
-                     if (f"{fqn}.{name}" if name else fqn) in read_outside)
+                     if (f"{fqn}.{name}" if name else fqn) in traced.read_outside)
     if outside:
         return (f"{what}: the model's code uses the parameters of {outside[0]} outside its forward, where they stay "
                 f"plain tensors beside the cp-split ones")
@@ -486,26 +564,28 @@ def _kv_gather_refusal(fqn: str, block: nn.Module, *, streams: tuple[int, ...], 
     if implementation is not None and implementation not in _SPLITTABLE_IMPLEMENTATIONS:
         return (f"{what} runs the attention implementation {implementation!r}, and {algorithm} wraps eager or sdpa "
                 f"(model.attn_implementation)")
+    dry_run = traced.token_attention_refusals.get(fqn, "")
     if dry_run:
         return f"{what}: a dry run of the block on each cp rank's tokens, on a tiny copy: {dry_run}"
     return ""
 
 
-def _keeps_tokens(fqn: str, block: nn.Module, *, split_attention: str, by_default: bool,
-                  implementation: str | None, gathered: dict[str, str], **shape) -> bool:
+def _keeps_tokens(fqn: str, block: nn.Module, split: _SequenceSplit, implementation: str | None,
+                  streams: BlockStreams) -> bool:
     """Whether the attention block ``fqn`` keeps each cp rank's tokens (role
-    ``split_attention``). One that cannot is refused where the recipe named the algorithm;
-    where it is the default it gathers the sequence instead, and ``gathered`` records why."""
-    algorithm = TOKEN_ATTENTION_ROLES[split_attention]
-    why = _kv_gather_refusal(fqn, block, algorithm=algorithm, implementation=implementation, **shape)
+    ``split.split_attention``). One that cannot is refused where the recipe named the
+    algorithm; where it is the default it gathers the sequence instead, and
+    ``split.gathered`` records why."""
+    algorithm = TOKEN_ATTENTION_ROLES[split.split_attention]
+    why = _kv_gather_refusal(fqn, block, streams, split.traced, algorithm=algorithm, implementation=implementation)
     if not why:
         return True
     key = "accelerator.context_parallel.algorithm"
-    if not by_default:
+    if not split.layout.context_parallel.by_default:
         fix = ("allgather_kv" if "fused attention" in why else
                "gather_sequence (every cp rank computes the whole sequence's attention)")
         raise PlanError(f"{key}: {algorithm}: {why}; set {key}: {fix}")
-    gathered[fqn] = why
+    split.gathered[fqn] = why
     return False
 
 
@@ -540,24 +620,27 @@ def _reads_partial_sums(fqn: str, block: nn.Module, inner_entries: list[str], ro
     return any(reader in inside and source in partial for reader, source in reads)
 
 
-def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: frozenset[str] = frozenset(),
-               streams: tuple[int, ...] = (0,), reads: frozenset[tuple[str, str]] = frozenset(),
-               adds_stream: bool = False, outputs: tuple[int, ...] = (0,)) -> None:
+def _mlp_block(fqn, block, modules, roles, split: _SequenceSplit, streams: BlockStreams) -> None:
+    """An MLP or MoE block on the rank's tokens: its input gathered over tp (sp), its
+    output's partial sums handed on where nothing in the block reads them (``traced``: the
+    routers and which modules read which)."""
+    cp, traced, residual = split.cp, split.traced, split.residual
+    routers = traced.routers
     inner_entries = _inner_entries(fqn, block, modules)
     moe = any(roles.get(inner) == "packed_experts" or inner in routers for inner in inner_entries)
     token_dim = 0 if moe else 1  # MoE blocks flatten [batch, seq, hidden] to [tokens, hidden]
     tokens = {CP: Shard(1)} if cp else {}
     # Partial sums may cross the block's plain code only if that code is linear in them,
     # and no module of the block may read them.
-    hand_on_partial = _has_partial_sums(inner_entries, roles) and not adds_stream and not (
+    hand_on_partial = _has_partial_sums(inner_entries, roles) and not streams.adds_stream and not (
         moe and _plain_code_gates(fqn, block, roles)) and not _reads_partial_sums(fqn, block, inner_entries, roles,
-                                                                                  reads) \
+                                                                                  traced.reads) \
         and not _replicated_weights(fqn, block, roles, routers)
     block_out = Partial() if hand_on_partial else Replicate()
-    modules[fqn] = ShardingConfig(**_own_layout(modules, fqn), in_src=_per_input(streams, residual),
-                                  in_dst=_per_input(streams, {**tokens, TP: Replicate()}),
-                                  out_src=_per_input(outputs, {**tokens, TP: block_out}),
-                                  out_dst=_per_input(outputs, residual),
+    modules[fqn] = ShardingConfig(**_own_layout(modules, fqn), in_src=_per_input(streams.inputs, residual),
+                                  in_dst=_per_input(streams.inputs, {**tokens, TP: Replicate()}),
+                                  out_src=_per_input(streams.outputs, {**tokens, TP: block_out}),
+                                  out_dst=_per_input(streams.outputs, residual),
                                   local_map=True)
     roles[fqn] = "moe_block" if moe else "mlp_block"
     for inner in inner_entries:
@@ -568,14 +651,13 @@ def _mlp_block(fqn, block, modules, roles, residual, *, cp: bool, routers: froze
             _add_token_split(config, Shard(token_dim))
 
 
-def _handoff_block(fqn, block, modules, roles, residual, *, traced: TracedFacts, streams: tuple[int, ...],
-                   adds_stream: bool, outputs: tuple[int, ...]) -> None:
+def _handoff_block(fqn, block, modules, roles, split: _SequenceSplit, streams: BlockStreams) -> None:
     """A recurrent block run on the rank's tokens, its state handed on over cp
     (``state_handoff.py``): laid out like an MLP block, and the parameters of its members
     that its own code reads outside their forward (a convolution weight handed to a
     kernel) placed by the block's entry (dotted), so they are local tensors there."""
-    _mlp_block(fqn, block, modules, roles, residual, cp=True, routers=traced.routers, streams=streams,
-               reads=traced.reads, adds_stream=adds_stream, outputs=outputs)
+    _mlp_block(fqn, block, modules, roles, split, streams)  # cp splits the sequence: the state is handed on
+    traced = split.traced
     config = modules[fqn]
     config.state_handoff, roles[fqn] = CP, "state_handoff"
     for inner in _inner_entries(fqn, block, modules):

@@ -13,10 +13,10 @@ from hyper_parallel.codegen.check.probe import (
     layer_kinds,
     shrink_widths,
 )
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.model_parts import decoder_layers
 from hyper_parallel.planning.dataflow import analyze
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.plan_lint import PlanError, lint_config_divisibility
 from hyper_parallel.planning.planner import ShardingPlanner
 from hyper_parallel.planning.stand_ins import pattern
@@ -90,7 +90,7 @@ def test_a_module_after_the_layers_on_the_split_stream_sums_its_gradient_over_cp
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     dims = ParallelDims(cp=2)
-    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow).plan()
+    result = ShardingPlanner(model, Layout(dims), dataflow=flow).plan()
     entry = result.modules["model.decoder.project_out"]
     assert type(entry.in_src[0]["cp"]).__name__ == "Shard"
     before = result.modules.get("model.decoder.project_in")  # full sequence: nothing split over cp

@@ -47,16 +47,14 @@ def tiny_config():
 def frozen_tp2_plan() -> dict:
     from hyper_parallel.codegen.plan.freeze import freeze_plan
     from hyper_parallel.distributed.mesh import ParallelDims
-    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.distributed.plan_format import plan_modules_to_json
     from hyper_parallel.planning.planner import ShardingPlanner
 
     dims = ParallelDims(tp=2)
-    mesh = build_offline_mesh(dims)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(tiny_config())
     hyper_apply_replacements(model, REPLACEMENTS)
-    result = ShardingPlanner(model, dims=dims, mesh=mesh).plan()
+    result = ShardingPlanner(model, Layout(dims)).plan()
     return freeze_plan({"format": 2, "layout": Layout(dims).as_dict(),
                         "applied_axes": list(result.applied_axes), "recorded_axes": dict(result.recorded_axes),
                         "modules": plan_modules_to_json(result.modules, result.roles)},

@@ -120,7 +120,7 @@ def run_layout(args) -> dict:
                                                              dtype=torch.float32)
     if args.fused:
         fused(meta)
-    result = ShardingPlanner.for_layout(meta, layout).plan()
+    result = ShardingPlanner(meta, layout).plan()
     document = json.loads(json.dumps(plan_to_json(
         layout=layout, applied_axes=result.applied_axes, recorded_axes=result.recorded_axes,
         modules=result.modules, roles=result.roles)))

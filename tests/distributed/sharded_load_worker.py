@@ -28,7 +28,6 @@ from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.sharded_load import materialize_and_load
 from hyper_parallel.distributed.weight_map import weight_map_text
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import ShardingPlanner
 from tests.batch_worker import run_cases
 from tests.distributed.tp_equivalence_worker import one_step_against_reference
@@ -60,7 +59,7 @@ def load_and_compare(model_dir: str, mesh_context) -> dict:
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with accelerate.init_empty_weights(include_buffers=False):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    plan = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan()
+    plan = ShardingPlanner(model, Layout(dims)).plan()
     apply_sharding_plan(model, plan.modules, mesh_context)
     # the map codegen records (per-expert layout, from a meta model); a fused checkpoint
     # holds the model's own names, which load as they are

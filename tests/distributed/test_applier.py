@@ -10,7 +10,6 @@ from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import PlanApplyError, apply_sharding_plan
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_to_json
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import ShardingPlanner
 from tests.distributed.conftest import build_meta_model
 
@@ -22,7 +21,7 @@ def mesh(world_one_group):
 
 def _plan(model):
     dims = ParallelDims()
-    return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan().modules
+    return ShardingPlanner(model, Layout(dims)).plan().modules
 
 
 def test_meta_model_gets_dtensor_parameters_on_the_tp_submesh(meta_model, mesh):

@@ -208,14 +208,12 @@ def _emit_generated(out: Path, layout: str, dims) -> Path:
     """The modeling file codegen emits for the tiny Mixtral at ``dims`` (plan, freeze, emit)."""
     from hyper_parallel.codegen.emit.modeling import emit_modeling_source
     from hyper_parallel.codegen.plan.freeze import freeze_plan
-    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.distributed.plan_format import plan_modules_to_json
     from hyper_parallel.planning.planner import ShardingPlanner
 
-    mesh = build_offline_mesh(dims)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(mixtral_config())
-    result = ShardingPlanner(model, dims=dims, mesh=mesh).plan()
+    result = ShardingPlanner(model, Layout(dims)).plan()
     frozen = freeze_plan({"format": 2, "layout": Layout(dims).as_dict(),
                           "applied_axes": list(result.applied_axes), "recorded_axes": dict(result.recorded_axes),
                           "modules": plan_modules_to_json(result.modules, result.roles)},

@@ -159,8 +159,8 @@ def test_the_default_algorithm_gathers_attention_of_an_implementation_it_does_no
     from transformers import AutoModelForCausalLM, MistralConfig
 
     from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import ParallelDims
-    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.planning.plan_lint import PlanError
     from hyper_parallel.planning.planner import ShardingPlanner
     from tests.distributed.test_dataflow import _flow, _tiny
@@ -174,8 +174,7 @@ def test_the_default_algorithm_gathers_attention_of_an_implementation_it_does_no
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(tiny.config)
         model.config._attn_implementation = implementation
-        return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow,
-                               context_parallel=context_parallel).plan()
+        return ShardingPlanner(model, Layout(dims, context_parallel=context_parallel), dataflow=flow).plan()
 
     result = planned("flex_attention", ContextParallel("allgather_kv", True, by_default=True))
     assert {result.roles[f"model.layers.{i}.self_attn"] for i in range(2)} == {"attention_block"}
@@ -193,8 +192,8 @@ def test_allgather_kv_plan_keeps_tokens_split_through_attention():
     from transformers import MistralConfig
 
     from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import ParallelDims
-    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.planning.planner import ShardingPlanner
     from hyper_parallel.protocols.placements import placement_to_text
 
@@ -205,8 +204,7 @@ def test_allgather_kv_plan_keeps_tokens_split_through_attention():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     dims = ParallelDims(cp=2, tp=2)
-    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims),
-                             context_parallel=ContextParallel("allgather_kv", True)).plan()
+    result = ShardingPlanner(model, Layout(dims, context_parallel=ContextParallel("allgather_kv", True))).plan()
     assert result.context_parallel == ContextParallel("allgather_kv", True)
     block = result.modules["model.layers.1.self_attn"]
     assert result.roles["model.layers.1.self_attn"] == "kv_gathered_attention"
@@ -217,8 +215,8 @@ def test_allgather_kv_plan_keeps_tokens_split_through_attention():
         entry = result.modules[f"model.layers.1.self_attn.{member}"]
         assert text(entry.in_src[0])["cp"] == "shard(1)", member  # weight gradients summed over cp
     # without cp nothing is recorded
-    plain = ShardingPlanner(model, dims=ParallelDims(tp=2), mesh=build_offline_mesh(ParallelDims(tp=2)),
-                            context_parallel=ContextParallel("allgather_kv", True)).plan()
+    tp_only = Layout(ParallelDims(tp=2), context_parallel=ContextParallel("allgather_kv", True))
+    plain = ShardingPlanner(model, tp_only).plan()
     assert plain.context_parallel is None
 
 
@@ -270,8 +268,8 @@ def test_ulysses_refuses_heads_tp_times_cp_does_not_divide():
     from transformers import AutoModelForCausalLM, MistralConfig
 
     from hyper_parallel.config.context_parallel import ContextParallel
+    from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import ParallelDims
-    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.planning.plan_lint import PlanError
     from hyper_parallel.planning.planner import ShardingPlanner
 
@@ -283,8 +281,7 @@ def test_ulysses_refuses_heads_tp_times_cp_does_not_divide():
     with pytest.raises(PlanError, match=r"accelerator\.context_parallel\.algorithm: ulysses splits the heads over "
                                         r"tp\*cp = 2\*2 = 4, which does not divide num_key_value_heads=2; use "
                                         r"algorithm: allgather_kv"):
-        ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims),
-                        context_parallel=ContextParallel("ulysses", False)).plan()
+        ShardingPlanner(model, Layout(dims, context_parallel=ContextParallel("ulysses", False))).plan()
 
 
 def test_the_dry_run_on_one_rank_s_tokens_finds_attention_code_using_the_whole_sequence():
@@ -331,8 +328,8 @@ def test_the_default_algorithm_gathers_attention_reading_beyond_its_tokens(famil
     from hyper_parallel.testing.tiny_families import tiny_config
     from hyper_parallel.config.context_parallel import ContextParallel
     from hyper_parallel.planning.stand_ins import pattern
+    from hyper_parallel.config.layout import Layout
     from hyper_parallel.distributed.mesh import ParallelDims
-    from hyper_parallel.planning.offline_mesh import build_offline_mesh
     from hyper_parallel.planning.plan_lint import PlanError
     from hyper_parallel.planning.planner import ShardingPlanner
     from tests.distributed.test_dataflow import _flow, _tiny
@@ -343,8 +340,7 @@ def test_the_default_algorithm_gathers_attention_reading_beyond_its_tokens(famil
     def planned(context_parallel: ContextParallel):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(tiny.config)
-        return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow,
-                               context_parallel=context_parallel).plan()
+        return ShardingPlanner(model, Layout(dims, context_parallel=context_parallel), dataflow=flow).plan()
 
     result = planned(ContextParallel("allgather_kv", True, by_default=True))
     attention = [name for name in result.roles if pattern(name) == block]

@@ -20,11 +20,11 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from hyper_parallel.config.context_parallel import ContextParallel
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.planning.dataflow import analyze
 from hyper_parallel.planning.linear_blocks import GATHERED_MODE, SPLIT_MODE
 from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.plan_lint import PlanError
 from hyper_parallel.planning.planner import ShardingPlanner
 from hyper_parallel.planning.stand_ins import pattern
@@ -130,12 +130,12 @@ def test_planner_uses_dataflow_for_modules_names_do_not_classify(fixture):
     # the layers (list_moe's pos_embed) is refused; the dataflow splits them.
     if fixture == "list_moe":
         with pytest.raises(Exception, match="cannot classify module backbone.pos_embed"):
-            ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan()
+            ShardingPlanner(model, Layout(dims)).plan()
     else:
-        without = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims)).plan()
+        without = ShardingPlanner(model, Layout(dims)).plan()
         assert [note.split(" replicated")[0] for note in without.notes] == ["layers.*.attention"], without.notes
         assert all(role == "replicate" for name, role in without.roles.items() if ".attention." in name)
-    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow).plan()
+    result = ShardingPlanner(model, Layout(dims), dataflow=flow).plan()
     split = {name for name, role in result.roles.items() if role == "colwise"}
     assert split and "tp" in result.applied_axes
 
@@ -147,7 +147,7 @@ def _planned(config, dims: ParallelDims, **options):
     flow = _flow(tiny, tp=dims.tp, sequence_split=split)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny.config)
-    return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow, **options).plan()
+    return ShardingPlanner(model, Layout(dims, **options), dataflow=flow).plan()
 
 
 def test_learned_activation_between_split_projections_sums_its_gradient_over_tp():
@@ -216,7 +216,7 @@ def test_list_moe_with_more_experts_than_layers_under_cp():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny.config, trust_remote_code=True)
     dims = ParallelDims(cp=2)
-    result = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=_flow(tiny, tp=1)).plan()
+    result = ShardingPlanner(model, Layout(dims), dataflow=_flow(tiny, tp=1)).plan()
     layers = [name for name, role in result.roles.items() if role == "sequence_split"]
     assert layers == ["body.layers.0"], layers  # the decoder layers, not moe.experts (the longest list)
     assert result.roles["body.layers.0.moe"] == "moe_block"
@@ -344,7 +344,7 @@ def test_a_token_shift_outside_the_blocks_is_refused_with_its_place(dims, option
            "is not per-token" in flow.sequence_split_error, flow.sequence_split_error
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny.config)
-    planner = ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow, **options)
+    planner = ShardingPlanner(model, Layout(dims, **options), dataflow=flow)
     with pytest.raises(Exception, match=rf"accelerator.{key}: a dry run of the split on a tiny copy of "
                                         r"LlamaForCausalLM failed: on piece 2 of 2"):
         planner.plan()
@@ -548,7 +548,7 @@ def test_heads_tp_cannot_split_leave_attention_whole_and_split_the_rest():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(PlanError, match="tp_size=2 does not divide config num_key_value_heads=1"):
-        ShardingPlanner(model, dims=ParallelDims(tp=TP), mesh=build_offline_mesh(ParallelDims(tp=TP))).plan()
+        ShardingPlanner(model, Layout(ParallelDims(tp=TP))).plan()
 
 
 def test_a_projection_the_trace_saw_pick_experts_is_replicated_whatever_its_name():
@@ -657,7 +657,7 @@ def test_a_head_split_whose_sizes_tp_does_not_divide_is_refused_naming_them():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(PlanError, match=r"num_k_heads = 2 does not divide into 4 equal shares"):
-        ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow).plan()
+        ShardingPlanner(model, Layout(dims), dataflow=flow).plan()
 
 
 def test_parameter_layouts_from_what_each_rank_needs():

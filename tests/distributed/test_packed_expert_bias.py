@@ -14,8 +14,8 @@ import torch
 import transformers
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import ParallelDims
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import ShardingPlanner
 from tests.launch import assert_ran, torchrun
 from tests.project_fixtures import REPO
@@ -50,8 +50,7 @@ def _gpt_oss_plan(**dims):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     sequence_parallel = dims.pop("sp", False)
     parallel = ParallelDims(**dims)
-    return ShardingPlanner(model, dims=parallel, mesh=build_offline_mesh(parallel),
-                           sequence_parallel=sequence_parallel).plan()
+    return ShardingPlanner(model, Layout(parallel, sequence_parallel=sequence_parallel)).plan()
 
 
 def test_gpt_oss_tp2_plan():

@@ -6,6 +6,7 @@ import transformers
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import ParallelDims, expert_mesh_layout, mesh_layout
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
 from hyper_parallel.planning.offline_mesh import build_offline_mesh
@@ -18,8 +19,7 @@ LAYER = "model.layers.1"
 
 def plan_for(model, *, sp=False, loss_parallel=False, **sizes):
     dims = ParallelDims(**sizes)
-    return ShardingPlanner(model, dims=dims, mesh=build_offline_mesh(dims), sequence_parallel=sp,
-                           loss_parallel=loss_parallel).plan()
+    return ShardingPlanner(model, Layout(dims, sequence_parallel=sp, loss_parallel=loss_parallel)).plan()
 
 
 def test_sequence_parallel_shards_the_residual_stream_and_gathers_around_blocks(meta_model):
@@ -120,4 +120,4 @@ def test_sequence_layout_needs_decoder_layers():
     from hyper_parallel.planning.sequence_layout import apply_sequence_layout
 
     with pytest.raises(PlanError, match="Linear: sequence/context parallel needs the decoder layers"):
-        apply_sequence_layout(nn.Linear(4, 4), {}, {}, cp=True, sp=False, loss_parallel=False)
+        apply_sequence_layout(nn.Linear(4, 4), {}, {}, Layout(ParallelDims(cp=2)))

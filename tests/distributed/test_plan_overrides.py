@@ -4,9 +4,9 @@ is left to check needs the model (hits, types, parameter names)."""
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import PlanOverrideError, parse_plan_overrides
 from hyper_parallel.distributed.mesh import ParallelDims
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import PlanError, ShardingPlanner, merge_plan_overrides
 
 TP = "tp"
@@ -21,13 +21,13 @@ def merge(derived, entries, model, **kwargs):
 @pytest.fixture
 def derived(meta_model):
     dims = ParallelDims(tp=2)
-    return ShardingPlanner(meta_model, dims=dims, mesh=build_offline_mesh(dims)).plan().modules
+    return ShardingPlanner(meta_model, Layout(dims)).plan().modules
 
 
 def test_the_planner_merges_the_typed_entries_it_is_given(meta_model):
     dims = ParallelDims(tp=2, cp=2)
     overrides = parse_plan_overrides([{"match": "lm_head", "when": "cp", "out_dst": {"tp": "shard(-1)"}}])
-    planner = ShardingPlanner(meta_model, dims=dims, mesh=build_offline_mesh(dims), overrides=overrides)
+    planner = ShardingPlanner(meta_model, Layout(dims), overrides=overrides)
     assert planner.plan().modules["lm_head"].out_dst == ({TP: Shard(-1)},)
 
 

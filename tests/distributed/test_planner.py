@@ -2,6 +2,7 @@ import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.planning.offline_mesh import OfflineMesh, build_offline_mesh
 from hyper_parallel.planning.plan_lint import lint_plan
@@ -14,7 +15,7 @@ TP = "tp"
 
 def plan_for(model, **dims):
     parallel = ParallelDims(**dims)
-    return ShardingPlanner(model, dims=parallel, mesh=build_offline_mesh(parallel)).plan()
+    return ShardingPlanner(model, Layout(parallel)).plan()
 
 
 def test_roles_and_placements_of_tiny_qwen3_moe(meta_model):
@@ -53,14 +54,13 @@ def test_user_hints_win_over_the_model_plan(meta_model):
     # it agrees with the structure: tests/distributed/test_planner_styles.py).
     dims = ParallelDims(tp=2)
     gathered = {f"model.layers.*.self_attn.{name}": "colwise_gather_output" for name in ("q_proj", "k_proj", "v_proj")}
-    result = ShardingPlanner(meta_model, dims=dims, mesh=build_offline_mesh(dims), hints=gathered).plan()
+    result = ShardingPlanner(meta_model, Layout(dims), hints=gathered).plan()
     assert result.roles["model.layers.1.self_attn.q_proj"] == "colwise_gathered"
 
 
 def test_applied_and_recorded_axes(meta_model):
     dims = ParallelDims(tp=2, cp=2, ep=2, dp=2, pp=2)
-    result = ShardingPlanner(meta_model, dims=dims, mesh=build_offline_mesh(dims),
-                             sequence_parallel=True, loss_parallel=True).plan()
+    result = ShardingPlanner(meta_model, Layout(dims, sequence_parallel=True, loss_parallel=True)).plan()
     assert dims.world_size == 16
     assert result.applied_axes == ["tp", "cp", "ep", "loss_parallel", "sp"]
     assert set(result.recorded_axes) == {"dp", "pp"}
@@ -85,7 +85,7 @@ def test_config_divisibility_lints(tiny_config, overrides, dims, message):
 
 def test_mesh_must_match_dims(meta_model):
     with pytest.raises(PlanError, match="does not match tp_size=2"):
-        ShardingPlanner(meta_model, dims=ParallelDims(tp=2), mesh=build_offline_mesh(ParallelDims())).plan()
+        ShardingPlanner(meta_model, Layout(ParallelDims(tp=2)), mesh=build_offline_mesh(ParallelDims())).plan()
 
 
 def _tp3_mesh():

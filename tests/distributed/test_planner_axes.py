@@ -11,8 +11,8 @@ import torch
 import transformers
 from torch.distributed.tensor import Replicate, Shard
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import ParallelDims
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import PlanError, ShardingPlanner
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "remote_code"
@@ -28,8 +28,7 @@ def _plan(model, **dims):
     sp = dims.pop("sp", False)
     lp = dims.pop("loss_parallel", False)
     parallel = ParallelDims(**dims)
-    return ShardingPlanner(model, dims=parallel, mesh=build_offline_mesh(parallel), sequence_parallel=sp,
-                           loss_parallel=lp).plan()
+    return ShardingPlanner(model, Layout(parallel, sequence_parallel=sp, loss_parallel=lp)).plan()
 
 
 UNCLASSIFIED = {"meta_reference": "layers.0.attention.wq", "fused_gqa": "decoder.blocks.0.attention.query_key_value",

@@ -23,9 +23,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import parse_plan_overrides
 from hyper_parallel.distributed.mesh import ParallelDims
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import PlanError, ShardingPlanner
 from hyper_parallel.planning.roles import (
     EXPERT_DIM,
@@ -54,8 +54,8 @@ def _meta_model(family: str) -> nn.Module:
 
 def _plan(model: nn.Module, *, hints=None, overrides=None, sequence_parallel=False, **dims):
     parallel = ParallelDims(**({"tp": 2} | dims))
-    return ShardingPlanner(model, dims=parallel, mesh=build_offline_mesh(parallel), hints=hints,
-                           overrides=overrides, sequence_parallel=sequence_parallel).plan()
+    return ShardingPlanner(model, Layout(parallel, sequence_parallel=sequence_parallel), hints=hints,
+                           overrides=overrides).plan()
 
 
 # --- the table against transformers itself -------------------------------------------------

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hyper_parallel.codegen.check.probe import faithful_probe_config
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.planning.dataflow import analyze
 from hyper_parallel.planning.local_widths_dry_run import local_widths_dry_run
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import ShardingPlanner
 
 VARIANTS = Path(__file__).resolve().parents[1] / "data" / "sequence_split_variants"
@@ -60,7 +60,7 @@ def test_the_split_is_planned_or_refused_by_name(variant, layout, tmp_path):
     flow = analyze(tiny, ids, tp=dims.tp, dry_run=local_widths_dry_run(tiny, ids, dims.tp), sequence_split=layout)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(tiny.config, trust_remote_code=True)
-    planner = ShardingPlanner(meta, dims=dims, mesh=build_offline_mesh(dims), dataflow=flow, **options)
+    planner = ShardingPlanner(meta, Layout(dims, **options), dataflow=flow)
     expected = EXPECTED[variant]
     if expected in ("planned", "whole"):
         assert planner.plan().roles, variant

@@ -35,7 +35,6 @@ from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.fsdp import fully_shard_over_dp
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import ShardingPlanner
 from hyper_parallel.protocols.placement_text import local_shard_shape
 from hyper_parallel.protocols.placements import placement_to_text
@@ -210,8 +209,8 @@ def run_form(args) -> dict:
     config = transformers.AutoConfig.from_pretrained(args.config_dir)
     weights = load_file(args.weights)
 
-    plan = ShardingPlanner(build_model(config, device="meta"), dims=dims, mesh=build_offline_mesh(dims),
-                           sequence_parallel=args.sp, loss_parallel=args.loss_parallel).plan()
+    layout = Layout(dims, sequence_parallel=args.sp, loss_parallel=args.loss_parallel)
+    plan = ShardingPlanner(build_model(config, device="meta"), layout).plan()
     plan_json = compress_to_globs(plan_modules_to_json(plan.modules, plan.roles))
     frozen = plan_modules_from_json(json.loads(json.dumps(plan_json)))
 

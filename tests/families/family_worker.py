@@ -25,7 +25,6 @@ from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.applier import apply_sharding_plan
 from hyper_parallel.distributed.mesh import MeshContext, ParallelDims, build_device_mesh
 from hyper_parallel.distributed.plan_format import plan_modules_from_json, plan_modules_to_json
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import ShardingPlanner
 from tests.distributed.tp_equivalence_worker import compare_grads, compress_to_globs
 from tests.rank_exit import leave_after_barrier
@@ -70,8 +69,7 @@ def train_losses(model, batch) -> list[float]:
 def run_case(case: dict, device_mesh, dims: ParallelDims) -> dict:
     weights = load_file(case["weights"])
     sequence_parallel = bool(case.get("sequence_parallel"))
-    planned = ShardingPlanner(build(case, "meta"), dims=dims, mesh=build_offline_mesh(dims),
-                              sequence_parallel=sequence_parallel).plan()
+    planned = ShardingPlanner(build(case, "meta"), Layout(dims, sequence_parallel=sequence_parallel)).plan()
     plan_json = compress_to_globs(plan_modules_to_json(planned.modules, planned.roles))
     frozen = plan_modules_from_json(json.loads(json.dumps(plan_json)))  # exactly what a bundle holds
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.config.plan_override import parse_plan_overrides
 from hyper_parallel.distributed.mesh import ParallelDims
 from hyper_parallel.distributed.plan_format import plan_modules_to_json
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import PlanError, ShardingPlanner
 from tests.families.custom_decoder import build_fused_decoder, build_with_unclassifiable
 from tests.families.family_cases import FAMILY_CONFIGS, FORMS, UNSEEN_FAMILY, assert_equivalent
@@ -21,8 +21,7 @@ DIMS = ParallelDims(tp=2)
 
 def _plan(model, overrides=()):
     """Plan ``model``; ``overrides`` are recipe entries, checked as the loader checks them."""
-    return ShardingPlanner(model, dims=DIMS, mesh=build_offline_mesh(DIMS),
-                           overrides=parse_plan_overrides(list(overrides))).plan()
+    return ShardingPlanner(model, Layout(DIMS), overrides=parse_plan_overrides(list(overrides))).plan()
 
 
 def _meta(builder, config_dir=CONFIG_DIR):

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import transformers
 
 from hyper_parallel.distributed.applier import apply_sharding_plan
+from hyper_parallel.config.layout import Layout
 from hyper_parallel.distributed.mesh import MeshContext
-from hyper_parallel.planning.offline_mesh import build_offline_mesh
 from hyper_parallel.planning.planner import ShardingPlanner
 from tests.distributed.tp_equivalence_worker import loss_of, start_tp2_worker
 from tests.rank_exit import leave_after_barrier
@@ -30,7 +30,7 @@ def ours(model_dir: str, mesh_context: MeshContext):
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     dims = mesh_context.dims
-    plan = ShardingPlanner(meta, dims=dims, mesh=build_offline_mesh(dims)).plan()
+    plan = ShardingPlanner(meta, Layout(dims)).plan()
     return apply_sharding_plan(load(model_dir), plan.modules, mesh_context)
 
 

@@ -140,14 +140,14 @@ def build_meta_model(spec: CodegenSpec, model_class: type | None = None, *, repl
 def recorded_weight_map(spec: CodegenSpec, model) -> dict[str, Any]:
     """The weight map codegen records (``distributed/weight_map.py``): from the tensors
     ``save_pretrained`` writes for the HF model, through transformers' conversion, then
-    through the replacements' declared renames to ``model``'s (replaced) names."""
-    from hyper_parallel.distributed.checkpoint_names import model_tensor_names
-    from hyper_parallel.distributed.weight_map import weight_map_text
+    through the replacements' declared renames to ``model``'s (replaced) names; derived on
+    one layer of each kind (``planning/weight_map_by_kind.py``)."""
+    from hyper_parallel.planning.weight_map_by_kind import weight_map_by_kind
 
     if not spec.replacements:
-        return weight_map_text(model)
+        return weight_map_by_kind(model)
     hf_model, _ = build_meta_model(spec, replace=False)
-    return weight_map_text(model, hf_model=hf_model, names_before_replacement=model_tensor_names(hf_model))
+    return weight_map_by_kind(model, hf_model)
 
 
 def _config_build_error(spec: CodegenSpec, config, exc: Exception) -> Exception:
@@ -175,8 +175,8 @@ def plan_model(model, spec: CodegenSpec):
     # The planner reads the HF config's base_model_tp_plan itself, as role hints, merges
     # the recipe's overrides (which may specify modules it cannot classify), then lints.
     flow, flow_error = trace_dataflow(spec)
-    return ShardingPlanner.for_layout(model, spec.layout, overrides=spec.plan_overrides, dataflow=flow,
-                                      dataflow_error=flow_error).plan()
+    return ShardingPlanner(model, spec.layout, overrides=spec.plan_overrides, dataflow=flow,
+                           dataflow_error=flow_error).plan()
 
 
 TRACE_TOKENS = 8
@@ -186,9 +186,10 @@ def trace_dataflow(spec: CodegenSpec):
     """The dataflow of the recipe's model (``planning/dataflow.py``): one forward of a
     tiny random-weight copy on CPU: the verify probe's widths and depth (the shortest
     prefix of layers holding every layer kind, so every module pattern is traced; module
-    names are the model's), replacements applied. Returns (Dataflow, "") or (None, why) when
-    the copy cannot be built or run; the planner then goes by names and hints alone and
-    says so where that is not enough."""
+    names are the model's), replacements applied, on one thread (the copy's tensors are too
+    small to share out; on a busy machine a second thread's hand-offs made the trace up to ten
+    times slower). Returns (Dataflow, "") or (None, why) when the copy cannot be built or
+    run; the planner then goes by names and hints alone and says so where that is not enough."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -206,9 +207,10 @@ def trace_dataflow(spec: CodegenSpec):
         split = "cp" if p.cp > 1 else "sp" if p.sequence_parallel else None
         tiny, _, _ = faithful_probe_config(wide, remote=trusts_remote_code(spec), where=where,
                                            min_depth=2 if split else 1)
-        state = torch.random.get_rng_state()
+        state, threads = torch.random.get_rng_state(), torch.get_num_threads()
         try:
             torch.manual_seed(0)
+            torch.set_num_threads(1)  # tiny tensors: other threads add hand-offs, which a busy machine makes slow
             model = AutoModelForCausalLM.from_config(tiny, attn_implementation=spec.attn_implementation,
                                                      trust_remote_code=trusts_remote_code(spec), dtype=torch.float32)
             hyper_apply_replacements(model, spec.replacements)
@@ -217,6 +219,7 @@ def trace_dataflow(spec: CodegenSpec):
                            sequence_split=split), ""
         finally:
             torch.random.set_rng_state(state)
+            torch.set_num_threads(threads)
     except Exception as exc:  # any failure of the model's own code: plan by names and hints instead
         return None, f"the dataflow trace of a tiny copy failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 

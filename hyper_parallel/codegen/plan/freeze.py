@@ -29,7 +29,8 @@ class FreezeError(ValueError, HyperParallelError):
 
 def freeze_plan(plan: dict[str, Any], module_names: list[str]) -> dict[str, Any]:
     """``module_names``: every module FQN of the planned model (what a pattern could hit)."""
-    modules = {fqn: _normalize_entry(fqn, entry) for fqn, entry in plan["modules"].items()}
+    normalized: dict[str, dict[str, Any]] = {}  # an entry's JSON -> the entry normalized (layers repeat entries)
+    modules = {fqn: _normalized_once(fqn, entry, normalized) for fqn, entry in plan["modules"].items()}
     if not modules:
         raise FreezeError("the derived plan has no module entries; nothing would be parallelized")
     return {
@@ -60,15 +61,19 @@ def merge_by_character(modules: dict[str, dict[str, Any]], module_names: list[st
     ``v_proj``) as one key with a class (``[qkv]_proj``), where that class selects exactly
     the modules the keys selected; the merged key takes the first member's place."""
     merged: dict[str, str] = {}  # member key -> the key that replaces it
+    canonical = {key: _canonical(entry) for key, entry in modules.items()}
+    hits = {key: names_matching(key, module_names) for key in modules}
     for index in range(max(map(len, modules), default=0)):
         buckets: dict[tuple, list[str]] = {}
         for key in modules:
             if key not in merged and _plain_char(key, index):
-                buckets.setdefault((key[:index], key[index + 1:], _canonical(modules[key])), []).append(key)
+                buckets.setdefault((key[:index], key[index + 1:], canonical[key]), []).append(key)
         for (head, tail, _), members in buckets.items():
+            if len(members) < 2:
+                continue
             pattern = f"{head}[{''.join(key[index] for key in members)}]{tail}"
-            hit = {name for key in members for name in names_matching(key, module_names)}
-            if len(members) > 1 and set(names_matching(pattern, module_names)) == hit:
+            hit = {name for key in members for name in hits[key]}
+            if set(names_matching(pattern, module_names)) == hit:
                 merged.update((key, pattern) for key in members)
     out: dict[str, dict[str, Any]] = {}
     for key, entry in modules.items():
@@ -110,6 +115,14 @@ def _compress_group(modules, members: list[str], pattern: str, module_names: lis
 
 def _selects_exactly(pattern: str, members: list[str], module_names: list[str]) -> bool:
     return set(names_matching(pattern, module_names)) == set(members)
+
+
+def _normalized_once(fqn: str, entry: dict[str, Any], normalized: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``_normalize_entry``, once for each distinct entry (every layer repeats its kind's)."""
+    key = json.dumps(entry, sort_keys=True)
+    if key not in normalized:
+        normalized[key] = _normalize_entry(fqn, entry)
+    return normalized[key]
 
 
 def _normalize_entry(fqn: str, entry: dict[str, Any]) -> dict[str, Any]:
