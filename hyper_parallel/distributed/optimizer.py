@@ -20,11 +20,14 @@ from torch.distributed.tensor import DTensor
 class LocalShardAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose step runs on local shards (module docstring)."""
 
-    def _init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps):
+    def _init_group(self, group, *arguments):
         """torch's gathering of the group's tensors (which creates the state on first use, as
         DTensors like their parameters), then each one's local shard in its place: the
-        step that follows runs torch's update on those."""
-        has_complex = super()._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+        step that follows runs torch's update on those. The lists come in torch's order
+        (parameters, gradients, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps); an older
+        torch whose AdamW was not Adam's subclass passed its ``amsgrad`` flag among them."""
+        has_complex = super()._init_group(group, *arguments)
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, _steps = [a for a in arguments if isinstance(a, list)]
         grads[:] = [_local_gradient(grad, param) for grad, param in zip(grads, params, strict=True)]
         for tensors in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
             tensors[:] = [_local(tensor) for tensor in tensors]
